@@ -111,8 +111,11 @@ class MemoryDriver(abc.ABC):
 
     # -- physical memory ------------------------------------------------------
     @abc.abstractmethod
-    def create(self, size: int, handle_type: HandleType) -> Any:
-        """Allocate ``size`` bytes of physical memory exportable as ``handle_type``."""
+    def create(self, size: int, handle_type: HandleType, tag: str = "") -> Any:
+        """Allocate ``size`` bytes of physical memory exportable as ``handle_type``.
+
+        ``tag`` names the allocation where the platform can show it (host memfd
+        names appear in /proc, which the leak checks read); CUDA ignores it."""
 
     @abc.abstractmethod
     def release(self, handle: Any) -> None:
@@ -123,8 +126,10 @@ class MemoryDriver(abc.ABC):
         """Shareable form of ``handle``. A returned fd is new and owned by the caller."""
 
     @abc.abstractmethod
-    def import_handle(self, shareable: Shareable, handle_type: HandleType) -> Any:
-        """Handle to a peer's memory. The caller still owns (and closes) a passed fd."""
+    def import_handle(self, shareable: Shareable, handle_type: HandleType,
+                      size: int | None = None) -> Any:
+        """Handle to a peer's memory of ``size`` bytes (as the owner announced it).
+        The caller still owns (and closes) a passed fd."""
 
     @abc.abstractmethod
     def handle_size(self, handle: Any) -> int:

@@ -1,0 +1,1 @@
+"""Sharded expert-weight views over symmetric memory."""

@@ -1,0 +1,72 @@
+"""What the operating system says this process holds: memfds, mappings, bytes.
+
+Leak checks and footprint figures read these, not the allocator's own
+bookkeeping, so a bug in the bookkeeping cannot hide a leak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .host import MEMFD_PREFIX
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessMemory:
+    """One snapshot of this process's moonep_ep host memory, as the kernel reports it."""
+
+    open_memfds: int          # fds in /proc/self/fd pointing at our memfds
+    memfd_mappings: int       # lines of /proc/self/maps backed by our memfds
+    own_bytes: int            # st_size of memfds this rank created (physical allocation)
+    own_resident_bytes: int   # st_blocks of those memfds (pages actually backed)
+    rss_bytes: int            # VmRSS
+
+
+def _is_ours(target: str) -> bool:
+    return target.startswith(f"/memfd:{MEMFD_PREFIX}")
+
+
+def snapshot(rank: int | None = None) -> ProcessMemory:
+    """Scan ``/proc/self``; ``own_*`` count memfds named for ``rank``."""
+    open_memfds = own = resident = 0
+    own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}." if rank is not None else None
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the fd of the listdir itself, closed meanwhile
+        if not _is_ours(target):
+            continue
+        open_memfds += 1
+        if own_prefix and target.startswith(own_prefix):
+            try:
+                st = os.fstat(int(name))
+            except OSError:
+                continue
+            own += st.st_size
+            resident += st.st_blocks * 512
+    mappings = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and _is_ours(parts[5].strip()):
+                mappings += 1
+    return ProcessMemory(open_memfds, mappings, own, resident, rss_bytes())
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def system_shmem_bytes() -> int:
+    """``Shmem`` of /proc/meminfo: every memfd page on the machine, counted once."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0

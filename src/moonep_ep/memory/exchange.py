@@ -1,0 +1,258 @@
+"""Shareable-handle exchange and the capability vote.
+
+* POSIX fds travel with ``SCM_RIGHTS`` over Unix stream sockets in one private
+  directory (``mkdtemp``: mode 0700, a fresh random name per exchange, so a
+  socket left by a crashed run is never reused). Each rank listens on its own
+  socket; every peer connects and sends all of its fds in one round (batched
+  under the kernel's 253-fds-per-message limit). The receiver checks the
+  sender's ``SO_PEERCRED`` (uid and pid must belong to the group) before taking
+  any fd, and receives with ``MSG_CMSG_CLOEXEC``. The caller owns every
+  returned fd and closes it after import.
+* FABRIC handles (64 bytes each) ride the process group's ``all_gather_object``.
+* ``vote`` decides the handle type and whether to use multicast once, from
+  every rank's capabilities, so all ranks take the same path (a split decision
+  would deadlock the collective). ``MOONEP_EP_HANDLE_TYPE=auto|fd|fabric`` and
+  ``MOONEP_EP_MULTICAST=auto|on|off`` force a choice.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from typing import Sequence
+
+from ..errors import ConfigError
+from .driver import Capabilities, HandleType, Shareable
+from .group import GroupComm
+
+_SCM_MAX_FD = 253
+_HEADER = struct.Struct("<iii")  # sender rank, fds in this batch, fds in total
+_ACK = b"\x01"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeDecision:
+    """The group-wide choice every rank follows."""
+
+    handle_type: HandleType
+    multicast: bool
+    reason: str
+
+
+def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) -> ExchangeDecision:
+    """Collective: choose the handle type and multicast use from all ranks' capabilities.
+
+    ``auto`` handle type: POSIX fds when every rank is on one host (no IMEX
+    domain needed, works on every single-node NVSwitch box); FABRIC when ranks
+    span hosts and all support it. ``auto`` multicast: on iff every rank
+    supports it. A forced choice that some rank cannot honour raises the same
+    error on every rank, naming the ranks and the fix.
+    """
+    handle_pref = os.environ.get("MOONEP_EP_HANDLE_TYPE", "auto").strip().lower()
+    mc_pref = os.environ.get("MOONEP_EP_MULTICAST", "auto").strip().lower()
+    local = {"host": comm.hostname, "fd": caps.posix_fd, "fabric": caps.fabric,
+             "multicast": caps.multicast, "prefs": (handle_pref, mc_pref)}
+    peers = comm.all_gather_object(local)
+    rank = comm.rank
+
+    prefs = {p["prefs"] for p in peers}
+    if len(prefs) != 1:
+        raise ConfigError(f"[rank {rank}] ranks disagree on MOONEP_EP_HANDLE_TYPE/MOONEP_EP_MULTICAST: "
+                          f"{[p['prefs'] for p in peers]}. Fix: set the same values on every rank")
+    if handle_pref not in ("auto", "fd", "fabric"):
+        raise ConfigError(f"[rank {rank}] MOONEP_EP_HANDLE_TYPE={handle_pref!r}. Fix: use auto, fd or fabric")
+    if mc_pref not in ("auto", "on", "off"):
+        raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST={mc_pref!r}. Fix: use auto, on or off")
+
+    one_host = len({p["host"] for p in peers}) == 1
+    no_fd = [r for r, p in enumerate(peers) if not p["fd"]]
+    no_fabric = [r for r, p in enumerate(peers) if not p["fabric"]]
+    if handle_pref == "fabric" or (handle_pref == "auto" and not one_host):
+        if no_fabric:
+            why = "forced by MOONEP_EP_HANDLE_TYPE=fabric" if handle_pref == "fabric" else "ranks span several hosts"
+            raise ConfigError(f"[rank {rank}] FABRIC handles needed ({why}) but rank(s) {no_fabric} lack "
+                              "fabric support. Fix: run all ranks on one host with MOONEP_EP_HANDLE_TYPE=fd, "
+                              "or enable IMEX channels on every node")
+        handle_type, reason = HandleType.FABRIC, ("forced" if handle_pref == "fabric" else "ranks span hosts")
+    else:
+        if not one_host:
+            raise ConfigError(f"[rank {rank}] POSIX fds cannot cross hosts "
+                              f"({sorted({p['host'] for p in peers})}). Fix: MOONEP_EP_HANDLE_TYPE=fabric "
+                              "on an NVLink/IMEX domain, or keep the EP group on one host")
+        if no_fd:
+            raise ConfigError(f"[rank {rank}] rank(s) {no_fd} cannot export POSIX fds. "
+                              "Fix: MOONEP_EP_HANDLE_TYPE=fabric on hardware that supports it")
+        handle_type, reason = HandleType.POSIX_FD, ("forced" if handle_pref == "fd" else "all ranks on one host")
+
+    no_mc = [r for r, p in enumerate(peers) if not p["multicast"]]
+    if mc_pref == "on" and no_mc:
+        raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST=on but rank(s) {no_mc} lack multicast. "
+                          "Fix: MOONEP_EP_MULTICAST=auto or off, or run on NVSwitch GPUs with Fabric Manager")
+    multicast = want_multicast and mc_pref != "off" and not no_mc
+    if not multicast:
+        reason += "; multicast off" + (f" (rank(s) {no_mc} lack it)" if no_mc else "")
+    return ExchangeDecision(handle_type, multicast, reason)
+
+
+class HandleExchanger:
+    """Moves shareable handles between the ranks of a group, in one round.
+
+    ``exchange(local, handle_type)`` takes this rank's list of shareables (fds
+    or 64-byte fabric handles) and returns ``result[r]`` = rank ``r``'s list.
+    For POSIX fds, ``result[self]`` holds *duplicates* of the local fds, so the
+    caller can close every returned fd uniformly after import.
+    """
+
+    def __init__(self, comm: GroupComm):
+        self.comm = comm
+
+    def exchange(self, local: Sequence[Shareable], handle_type: HandleType) -> list[list[Shareable]]:
+        if handle_type == HandleType.FABRIC:
+            payload = [bytes(h) for h in local]
+            if any(len(h) != 64 for h in payload):
+                raise ConfigError(f"[rank {self.comm.rank}] fabric handles must be 64 bytes each")
+            return [list(p) for p in self.comm.all_gather_object(payload)]
+        return self.exchange_fds([int(fd) for fd in local])
+
+    # -- POSIX fds ---------------------------------------------------------------
+    def exchange_fds(self, local_fds: Sequence[int]) -> list[list[int]]:
+        comm = self.comm
+        rank, world = comm.rank, comm.world_size
+        sock_dir = tempfile.mkdtemp(prefix="moonep-ep-fds-") if rank == 0 else None
+        directory = comm.all_gather_object(sock_dir)[0]
+        received: dict[int, list[int]] = {}
+        listener = None
+        error: BaseException | None = None
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(os.path.join(directory, f"rank{rank}.sock"))
+            listener.listen(world)
+            listener.settimeout(comm.timeout_s)
+        except OSError as exc:
+            error = exc
+        # Everyone listens (and reports pid/uid) before anyone connects.
+        members = comm.all_gather_object((comm.pid, os.getuid(), None if error is None else str(error)))
+        try:
+            bad = {r: m[2] for r, m in enumerate(members) if m[2] is not None}
+            if bad:
+                comm.agree("fd exchange: listen", bad.get(rank))
+            pid_to_rank = {m[0]: r for r, m in enumerate(members)}
+            uid = os.getuid()
+
+            recv_error: list[BaseException] = []
+
+            def receive_all() -> None:
+                try:
+                    deadline = time.monotonic() + comm.timeout_s
+                    for _ in range(world - 1):
+                        listener.settimeout(max(0.01, deadline - time.monotonic()))
+                        conn, _ = listener.accept()
+                        with conn:
+                            conn.settimeout(max(0.01, deadline - time.monotonic()))
+                            sender = _check_peer(conn, pid_to_rank, uid, rank)
+                            received[sender] = _recv_fds(conn, sender, rank)
+                except BaseException as exc:  # reported to the main thread
+                    recv_error.append(exc)
+
+            thread = threading.Thread(target=receive_all, name=f"moonep-ep-fdrecv-{rank}", daemon=True)
+            thread.start()
+            send_error: BaseException | None = None
+            try:
+                for step in range(1, world):
+                    peer = (rank + step) % world
+                    _send_fds(os.path.join(directory, f"rank{peer}.sock"), rank, list(local_fds),
+                              comm.timeout_s)
+            except BaseException as exc:
+                send_error = exc
+            thread.join(comm.timeout_s + 1.0)
+            if thread.is_alive():
+                recv_error.append(TimeoutError(f"no fds from rank(s) "
+                                               f"{sorted(set(range(world)) - set(received) - {rank})} "
+                                               f"within {comm.timeout_s:.0f}s"))
+            local_error = send_error or (recv_error[0] if recv_error else None)
+            if local_error is not None:
+                error = RuntimeError(f"[rank {rank}] fd exchange failed: "
+                                     f"{type(local_error).__name__}: {local_error}")
+            comm.agree("fd exchange", error)
+            received[rank] = [os.dup(fd) for fd in local_fds]
+            return [received[r] for r in range(world)]
+        except BaseException:
+            for fds in received.values():
+                for fd in fds:
+                    os.close(fd)
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+            # Everyone is past its socket use once agree() returned (or raised).
+            if rank == 0 and directory:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+def _check_peer(conn: socket.socket, pid_to_rank: dict[int, int], uid: int, rank: int) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, peer_uid, _gid = struct.unpack("3i", creds)
+    if peer_uid != uid or pid not in pid_to_rank:
+        raise PermissionError(f"[rank {rank}] rejected a connection from pid {pid} uid {peer_uid}: "
+                              "not a member of this process group")
+    return pid_to_rank[pid]
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed the connection mid-message")
+        data += chunk
+    return data
+
+
+def _recv_fds(conn: socket.socket, sender: int, rank: int) -> list[int]:
+    fds: list[int] = []
+    try:
+        while True:
+            msg, ancdata, _flags, _ = conn.recvmsg(_HEADER.size, socket.CMSG_SPACE(_SCM_MAX_FD * 4),
+                                                   socket.MSG_CMSG_CLOEXEC)
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(data[: len(data) - len(data) % got.itemsize])
+                    fds.extend(got)
+            if not msg:
+                raise ConnectionError(f"rank {sender} closed the connection before sending its fds")
+            if len(msg) < _HEADER.size:
+                msg += _recv_exact(conn, _HEADER.size - len(msg))
+            claimed, _batch, total = _HEADER.unpack(msg)
+            if claimed != sender:
+                raise PermissionError(f"[rank {rank}] peer with rank {sender}'s credentials claimed rank {claimed}")
+            conn.sendall(_ACK)
+            if len(fds) >= total:
+                if len(fds) != total:
+                    raise ConnectionError(f"rank {sender} sent {len(fds)} fds, announced {total}")
+                return fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _send_fds(path: str, rank: int, fds: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        batches = [fds[i:i + _SCM_MAX_FD] for i in range(0, len(fds), _SCM_MAX_FD)] or [[]]
+        for batch in batches:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch))] if batch else []
+            sock.sendmsg([_HEADER.pack(rank, len(batch), len(fds))], anc)
+            if _recv_exact(sock, 1) != _ACK:
+                raise ConnectionError("bad acknowledgement")

@@ -1,0 +1,77 @@
+"""Lockstep helpers over a ``torch.distributed`` process group.
+
+Symmetric memory is collective: if one rank fails a step while the others go
+on to the next collective, the others hang. Every collective step here ends
+with ``agree``: each rank contributes ``None`` or its error message, and if any
+rank failed, *every* rank raises the same ``CollectiveError`` listing all
+failures. Metadata rides ``all_gather_object`` (gloo or NCCL); bulk data never
+goes through the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from ..errors import CollectiveError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_EP_TIMEOUT_S", "60"))
+
+
+class GroupComm:
+    """Rank, size and lockstep collectives of one process group.
+
+    ``group`` is a ``torch.distributed`` ProcessGroup (``None`` = the default
+    group). ``timeout_s`` bounds every wait on a peer outside the process
+    group (socket exchanges); the group's own timeout is set at init.
+    """
+
+    def __init__(self, group: Any = None, timeout_s: float | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("moonep_ep needs an initialized torch.distributed process group "
+                               "(call torch.distributed.init_process_group first)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.pid = os.getpid()
+        self.hostname = socket.gethostname()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        self.all_gather_object(None)
+
+    def agree(self, step: str, error: BaseException | str | None) -> None:
+        """Collective: raise on every rank if ``error`` is set on any rank."""
+        message = None if error is None else (error if isinstance(error, str) else
+                                              f"{type(error).__name__}: {error}")
+        gathered = self.all_gather_object(message)
+        failures = {r: m for r, m in enumerate(gathered) if m is not None}
+        if failures:
+            exc = CollectiveError(step, failures, rank=self.rank)
+            if isinstance(error, BaseException):
+                raise exc from error
+            raise exc
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Run a local step, then ``agree`` on its outcome (errors raised everywhere)."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+            self.agree(name, exc)
+            raise  # unreachable: agree raises when an error is given
+        self.agree(name, None)
+
+
+def timeout_delta(timeout_s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_s)

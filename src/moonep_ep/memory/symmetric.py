@@ -1,0 +1,498 @@
+"""Symmetric allocations: each rank's physical chunks, mapped on every rank.
+
+Objects and ownership (one object releases exactly what it acquired)::
+
+    SymmetricMemory (group rendezvous, collective create/close)
+      ├─ own chunks        driver handles from create(); released at close()
+      ├─ peer imports      driver handles from import_handle(); released by
+      │                    release_imports() or close() (mappings keep memory alive)
+      ├─ multicast         _Multicast: mc handle + own bind (+ mc VA on CUDA)
+      └─ VirtualRange ...  one reservation + its mappings, built from Segments
+           └─ _RangeMapping  unmaps and frees the reservation when the last
+                             tensor over the range dies (weakref finalizer)
+
+A ``Segment(owner, chunk, offset, nbytes)`` names bytes of one rank's chunk;
+a virtual range is a list of segments laid back to back, so several ranges can
+map the same physical bytes (views), e.g. every layer's ``[E+B]`` view maps the
+same slot pool. Memory layout of ``map_chunks(order="rank")`` with chunk
+sizes ``c0 .. c3`` (each a granularity multiple)::
+
+    rank r's address space (same picture on every rank, different base):
+    base ─┬────────────┬────────────┬────────────┬────────────┐
+          │ rank 0 c0  │ rank 1 c1  │ rank 2 c2  │ rank 3 c3  │
+          └────────────┴────────────┴────────────┴────────────┘
+            ▲ physical memory of rank 0 (memfd / cuMemCreate), shared
+
+Teardown order (``close``): synchronize → barrier (no rank still reads a
+peer) → multicast: unmap MC range, unbind own memory, barrier, release the MC
+handle → drop ranges (each unmaps, then frees its reservation, as soon as no
+tensor uses it) → release imported handles → release own handles. Received
+fds are closed right after import. Every step of ``create`` registers its undo
+before the next step runs, so a failure anywhere leaves nothing behind, and
+the failure is raised on every rank (``GroupComm.agree``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CollectiveError, ConfigError, DriverError
+from .driver import HandleType, MemoryDriver, round_up
+from .exchange import ExchangeDecision, HandleExchanger, vote
+from .group import GroupComm
+
+MULTICAST_BIND_RETRIES = int(os.environ.get("MOONEP_EP_MC_BIND_RETRIES", "3"))
+_RETRYABLE = ("SYSTEM_NOT_READY",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``nbytes`` bytes at ``offset`` of chunk ``chunk`` of rank ``owner``."""
+
+    owner: int
+    chunk: int
+    offset: int
+    nbytes: int
+
+
+class _RangeMapping:
+    """Owns one reservation and the mappings inside it.
+
+    Tensors over the range keep this object alive (driver.as_tensor); its
+    finalizer runs when the last one dies, or at ``VirtualRange.close`` when
+    none is alive, and unmaps before freeing the reservation.
+    """
+
+    def __init__(self, driver: MemoryDriver, base: int, size: int):
+        self.driver, self.base, self.size = driver, base, size
+        self.mapped: list[tuple[int, int]] = []
+        self._finalizer = weakref.finalize(self, _RangeMapping._teardown, driver, base, size, self.mapped)
+
+    @staticmethod
+    def _teardown(driver: MemoryDriver, base: int, size: int, mapped: list[tuple[int, int]]) -> None:
+        driver.synchronize()
+        while mapped:
+            addr, length = mapped.pop()
+            driver.unmap(addr, length)
+        driver.free_reservation(base, size)
+
+    def release_now(self) -> None:
+        self._finalizer()
+
+
+class VirtualRange:
+    """One contiguous virtual range over segments of (possibly several) ranks' chunks.
+
+    ``size`` bytes starting at ``base`` (an address in this process: a CPU
+    address for the host driver, a device address for CUDA).
+    """
+
+    def __init__(self, mapping: _RangeMapping, segments: tuple[Segment, ...], name: str):
+        self._mapping: _RangeMapping | None = mapping
+        self.base, self.size = mapping.base, mapping.size
+        self.segments = segments
+        self.name = name
+        self.device_type = mapping.driver.device_type
+
+    @property
+    def closed(self) -> bool:
+        return self._mapping is None
+
+    def bytes(self) -> torch.Tensor:
+        """Zero-copy ``uint8[size]`` tensor over the whole range."""
+        if self._mapping is None:
+            raise RuntimeError(f"virtual range {self.name!r} is closed")
+        return self._mapping.driver.as_tensor(self.base, self.size, self._mapping)
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int], byte_offset: int = 0) -> torch.Tensor:
+        """Zero-copy tensor of ``dtype``/``shape`` at ``byte_offset`` into the range.
+
+        The tensor keeps the mapping alive: the range is unmapped only after
+        ``close()`` *and* the death of every tensor made here.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * itemsize
+        if byte_offset < 0 or byte_offset + nbytes > self.size or byte_offset % itemsize:
+            raise ConfigError(f"tensor [{byte_offset}, +{nbytes}) of {dtype} does not fit the "
+                              f"{self.size}-byte range {self.name!r} (or is misaligned). Fix: check the "
+                              "shape and offset against the layout")
+        raw = self.bytes()[byte_offset:byte_offset + nbytes]
+        return raw.view(dtype).view(*shape)
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping (tensors may still hold it)."""
+        mapping, self._mapping = self._mapping, None
+        del mapping  # the finalizer runs now if no tensor holds the mapping
+
+
+class _Multicast:
+    def __init__(self, handle: Any, size: int):
+        self.handle = handle
+        self.size = size
+        self.bound = False
+        self.va: tuple[int, int] | None = None     # CUDA: reserved MC range (base, size)
+        self.mapped = False
+        self.view: torch.Tensor | None = None
+
+
+class SymmetricMemory:
+    """Collective allocation: every rank's chunks, importable and mappable on every rank.
+
+    Create with :meth:`allocate`. ``chunk_sizes[r][i]`` is the (granularity-
+    rounded) size of chunk ``i`` of rank ``r``; ranks may have different sizes
+    and different numbers of chunks. All handles are exchanged in one round.
+    """
+
+    def __init__(self) -> None:  # use allocate()
+        self.comm: GroupComm
+        self.driver: MemoryDriver
+        self.decision: ExchangeDecision
+        self.granularity = 0
+        self.chunk_sizes: list[list[int]] = []
+        self.tags: list[str] = []
+        self._own: list[Any] = []
+        self._imports: dict[tuple[int, int], Any] = {}
+        self._multicast: _Multicast | None = None
+        self._ranges: weakref.WeakSet[VirtualRange] = weakref.WeakSet()
+        self._strong_ranges: list[VirtualRange] = []
+        self._closed = False
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def allocate(cls, chunk_bytes: Sequence[int], *, driver: MemoryDriver, group: Any = None,
+                 tags: Sequence[str] | None = None, multicast: bool = False,
+                 multicast_bytes: int | None = None, timeout_s: float | None = None,
+                 comm: GroupComm | None = None) -> "SymmetricMemory":
+        """Collective over ``group``: allocate this rank's chunks and import every peer's.
+
+        ``chunk_bytes`` lists this rank's chunk sizes in bytes (rounded up to
+        the driver granularity). ``multicast=True`` also builds a multicast
+        object over the first ``multicast_bytes`` (default: the smallest chunk
+        0 of any rank) of every rank's chunk 0, when every rank supports it.
+        Raises the same ``CollectiveError`` on every rank if any rank fails.
+        """
+        self = cls()
+        self.comm = comm or GroupComm(group, timeout_s)
+        self.driver = driver
+        rank = self.comm.rank
+        undo = contextlib.ExitStack()
+        with undo:
+            with self.comm.step("validate and vote"):
+                self.decision = vote(self.comm, driver.capabilities(), want_multicast=multicast)
+                self.granularity = driver.granularity(self.decision.handle_type)
+                sizes = [int(n) for n in chunk_bytes]
+                bad = [n for n in sizes if n <= 0]
+                if bad:
+                    raise ConfigError(f"[rank {rank}] chunk sizes must be positive, got {sizes}. "
+                                      "Fix: drop empty chunks or pass their real sizes")
+                sizes = [round_up(n, self.granularity) for n in sizes]
+                self.tags = list(tags) if tags else [f"chunk{i}" for i in range(len(sizes))]
+                if len(self.tags) != len(sizes):
+                    raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(sizes)} chunks")
+            # Ranks must agree on granularity and handle type before sizes mean anything.
+            meta = self.comm.all_gather_object((sizes, self.granularity, self.decision.handle_type.value))
+            with self.comm.step("compare granularity"):
+                grans = {m[1] for m in meta}
+                if len(grans) != 1:
+                    raise ConfigError(f"[rank {rank}] ranks report different granularities "
+                                      f"{[m[1] for m in meta]}. Fix: use the same GPU model / "
+                                      "MOONEP_EP_HOST_GRANULARITY on every rank")
+            self.chunk_sizes = [list(m[0]) for m in meta]
+
+            exported: list[Any] = []
+            with self.comm.step("create and export"):
+                for size, tag in zip(sizes, self.tags):
+                    handle = driver.create(size, self.decision.handle_type, tag=tag)
+                    undo.callback(driver.release, handle)
+                    self._own.append(handle)
+                for handle in self._own:
+                    shareable = driver.export(handle, self.decision.handle_type)
+                    if isinstance(shareable, int):
+                        undo.callback(_close_quietly, shareable)
+                    exported.append(shareable)
+
+            received = HandleExchanger(self.comm).exchange(exported, self.decision.handle_type)
+            # Received fds are ours: close them right after import, on every path.
+            for peer_list in received:
+                for item in peer_list:
+                    if isinstance(item, int):
+                        undo.callback(_close_quietly, item)
+
+            with self.comm.step("import peer handles"):
+                for owner, peer_list in enumerate(received):
+                    if len(peer_list) != len(self.chunk_sizes[owner]):
+                        raise DriverError(f"[rank {rank}] rank {owner} sent {len(peer_list)} handles "
+                                          f"for {len(self.chunk_sizes[owner])} chunks")
+                    if owner == rank:
+                        continue
+                    for i, shareable in enumerate(peer_list):
+                        handle = driver.import_handle(shareable, self.decision.handle_type,
+                                                      size=self.chunk_sizes[owner][i])
+                        undo.callback(driver.release, handle)
+                        self._imports[(owner, i)] = handle
+
+            if self.decision.multicast:
+                self._setup_multicast(undo, multicast_bytes)
+
+            # Success: keep handles, but close every fd (exported and received) now.
+            undo.pop_all()
+            for shareable in exported:
+                if isinstance(shareable, int):
+                    _close_quietly(shareable)
+            for peer_list in received:
+                for item in peer_list:
+                    if isinstance(item, int):
+                        _close_quietly(item)
+        return self
+
+    def _setup_multicast(self, undo: contextlib.ExitStack, multicast_bytes: int | None) -> None:
+        comm, driver, ht = self.comm, self.driver, self.decision.handle_type
+        rank, world = comm.rank, comm.world_size
+        with comm.step("multicast size"):
+            mc_gran = driver.multicast_granularity(world, ht)
+            smallest = min(sizes[0] for sizes in self.chunk_sizes if sizes) if all(self.chunk_sizes) else 0
+            size = multicast_bytes if multicast_bytes is not None else smallest // mc_gran * mc_gran
+            if size <= 0 or size % mc_gran or size > smallest:
+                raise ConfigError(f"[rank {rank}] multicast size {size} must be a positive multiple of "
+                                  f"{mc_gran} and at most every rank's chunk 0 ({smallest}). Fix: enlarge "
+                                  "chunk 0 or pass multicast_bytes")
+        created: list[Any] = []          # rank 0's creation reference, until all imported
+        undo.callback(lambda: [driver.multicast_release(h) for h in created])
+        exported: list[Any] = []
+        received: list[Any] = []
+        try:
+            with comm.step("multicast create"):
+                if rank == 0:
+                    created.append(driver.multicast_create(size, world, ht))
+                    exported.append(driver.multicast_export(created[0], ht))
+            received = HandleExchanger(comm).exchange(exported, ht)[0]
+            with comm.step("multicast import"):
+                # Every rank imports, rank 0 included, so all members share one provenance.
+                mc = _Multicast(driver.multicast_import(received[0], ht), size)
+                self._multicast = mc
+                undo.callback(self._teardown_multicast_quietly)
+        finally:
+            for item in exported + received:
+                if isinstance(item, int):
+                    _close_quietly(item)
+        # The creator's reference goes only after everyone imported (else a late
+        # importer gets a fresh, empty object and bind hangs).
+        while created:
+            driver.multicast_release(created.pop())
+        with comm.step("multicast add device"):
+            driver.multicast_add_device(mc.handle)
+        self._bind_multicast_in_lockstep(mc)
+        with comm.step("multicast map"):
+            if driver.hardware_multicast:
+                base = driver.reserve(size, size if size & (size - 1) == 0 else self.granularity)
+                mc.va = (base, size)
+                driver.multicast_map(base, size, mc.handle)
+                mc.mapped = True
+                mc.view = driver.as_tensor(base, size, mc)
+
+    def _bind_multicast_in_lockstep(self, mc: _Multicast) -> None:
+        """Bind own chunk 0; transient failures are retried by all ranks together."""
+        comm, driver = self.comm, self.driver
+        for attempt in range(MULTICAST_BIND_RETRIES + 1):
+            status = None
+            if not mc.bound:
+                try:
+                    driver.multicast_bind(mc.handle, 0, self._own[0], 0, mc.size)
+                    mc.bound = True
+                except DriverError as exc:
+                    status = (exc.code, str(exc))
+            statuses = comm.all_gather_object(status)
+            failed = {r: s for r, s in enumerate(statuses) if s is not None}
+            if not failed:
+                return
+            retryable = all(any(code in s[0] for code in _RETRYABLE) for s in failed.values())
+            if not retryable or attempt == MULTICAST_BIND_RETRIES:
+                raise CollectiveError(f"multicast bind (attempt {attempt + 1})",
+                                      {r: s[1] for r, s in failed.items()}, rank=comm.rank)
+            time.sleep(0.05 * (attempt + 1))
+
+    # -- views ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def _handle(self, owner: int, chunk: int) -> Any:
+        if owner == self.rank:
+            return self._own[chunk]
+        try:
+            return self._imports[(owner, chunk)]
+        except KeyError:
+            raise RuntimeError(f"[rank {self.rank}] chunk {chunk} of rank {owner} is not imported "
+                               "(release_imports() was called, or it does not exist)") from None
+
+    def map_range(self, segments: Sequence[Segment], name: str = "") -> VirtualRange:
+        """Local: reserve one range and map ``segments`` back to back, read/write.
+
+        Each segment's offset and size must be granularity multiples and lie
+        inside its chunk. On failure everything this call mapped is undone.
+        """
+        self._check_open()
+        segments = tuple(segments)
+        gran = self.granularity
+        for s in segments:
+            if not (0 <= s.owner < self.world_size) or not (0 <= s.chunk < len(self.chunk_sizes[s.owner])):
+                raise ConfigError(f"[rank {self.rank}] segment {s} names a chunk that does not exist")
+            if s.offset % gran or s.nbytes % gran or s.nbytes <= 0:
+                raise ConfigError(f"[rank {self.rank}] segment {s} is not aligned to the granularity "
+                                  f"{gran}. Fix: round offsets and sizes to granularity multiples")
+            if s.offset + s.nbytes > self.chunk_sizes[s.owner][s.chunk]:
+                raise ConfigError(f"[rank {self.rank}] segment {s} runs past the end of its "
+                                  f"{self.chunk_sizes[s.owner][s.chunk]}-byte chunk")
+        total = sum(s.nbytes for s in segments)
+        if total == 0:
+            raise ConfigError(f"[rank {self.rank}] a virtual range needs at least one segment")
+        base = self.driver.reserve(total, gran)
+        mapping = _RangeMapping(self.driver, base, total)
+        try:
+            cursor = base
+            for s in segments:
+                self.driver.map(cursor, s.nbytes, self._handle(s.owner, s.chunk), s.offset)
+                mapping.mapped.append((cursor, s.nbytes))
+                cursor += s.nbytes
+            self.driver.set_access(base, total)
+        except BaseException:
+            mapping.release_now()
+            raise
+        vr = VirtualRange(mapping, segments, name)
+        self._ranges.add(vr)
+        self._strong_ranges.append(vr)
+        return vr
+
+    def map_chunks(self, chunk: int = 0, order: str = "rank", name: str = "") -> VirtualRange:
+        """Every rank's chunk ``chunk`` back to back, in rank order or local-first.
+
+        ``local_first``: this rank's chunk, then ranks ``rank+1, …, R-1, 0, …``.
+        """
+        owners = self.owner_order(order)
+        return self.map_range([Segment(r, chunk, 0, self.chunk_sizes[r][chunk]) for r in owners],
+                              name or f"chunk{chunk}/{order}")
+
+    def owner_order(self, order: str) -> list[int]:
+        if order == "rank":
+            return list(range(self.world_size))
+        if order == "local_first":
+            return [(self.rank + i) % self.world_size for i in range(self.world_size)]
+        raise ConfigError(f"[rank {self.rank}] order={order!r}. Fix: use 'rank' or 'local_first'")
+
+    def release_imports(self) -> None:
+        """Release imported peer handles once every view is mapped (mappings keep
+        the memory alive). Further ``map_range`` calls on peer chunks then fail."""
+        while self._imports:
+            _, handle = self._imports.popitem()
+            self.driver.release(handle)
+
+    # -- multicast -------------------------------------------------------------------
+    @property
+    def has_multicast(self) -> bool:
+        return self._multicast is not None and self._multicast.bound
+
+    def multicast_write(self, offset: int, src: torch.Tensor) -> None:
+        """Store ``src`` (any dtype, contiguous) at byte ``offset`` of every rank's chunk 0.
+
+        CUDA: one copy into the multicast range (the switch fans it out).
+        Host: software fan-out through this rank's mappings of every member.
+        Ordering with other ranks' reads is the caller's (barrier after).
+        """
+        mc = self._multicast
+        if mc is None or not mc.bound:
+            raise RuntimeError(f"[rank {self.rank}] no multicast object (decision: {self.decision.reason})")
+        data = src.contiguous().view(torch.uint8).reshape(-1)
+        if offset < 0 or offset + data.numel() > mc.size:
+            raise ConfigError(f"[rank {self.rank}] multicast write [{offset}, +{data.numel()}) exceeds "
+                              f"the {mc.size}-byte multicast object")
+        if mc.view is not None:
+            mc.view[offset:offset + data.numel()].copy_(data)
+        else:
+            self.driver.multicast_write(mc.handle, offset, data.cpu())
+
+    def _teardown_multicast_quietly(self) -> None:
+        try:
+            self._teardown_multicast()
+        except Exception:  # noqa: BLE001 - rollback path: keep undoing the rest
+            pass
+
+    def _teardown_multicast(self) -> None:
+        mc, self._multicast = self._multicast, None
+        if mc is None:
+            return
+        driver = self.driver
+        driver.synchronize()
+        mc.view = None
+        if mc.mapped and mc.va is not None:
+            driver.unmap(mc.va[0], mc.va[1])
+            mc.mapped = False
+        if mc.va is not None:
+            driver.free_reservation(*mc.va)
+            mc.va = None
+        if mc.bound:
+            # Unbind before the bound memory is unmapped or released anywhere.
+            driver.multicast_unbind(mc.handle, 0, mc.size)
+            mc.bound = False
+        driver.multicast_release(mc.handle)
+
+    # -- accounting ---------------------------------------------------------------------
+    def own_handles(self) -> list[Any]:
+        return list(self._own)
+
+    def live_ranges(self) -> int:
+        return len(self._ranges)
+
+    # -- teardown -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"[rank {self.comm.rank}] symmetric memory is closed")
+
+    def close(self) -> None:
+        """Collective teardown (see the module docstring for the order). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        driver = self.driver
+        driver.synchronize()
+        self.comm.barrier()  # nobody reads a peer's chunk any more
+        if self._multicast is not None:
+            mc = self._multicast
+            if mc.view is not None or mc.mapped:
+                mc.view = None
+            self._teardown_multicast()
+            self.comm.barrier()
+        ranges, self._strong_ranges = self._strong_ranges, []
+        for vr in ranges:
+            vr.close()
+        del ranges
+        self.release_imports()
+        while self._own:
+            driver.release(self._own.pop())
+
+    def __enter__(self) -> "SymmetricMemory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
