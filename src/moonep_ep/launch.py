@@ -69,6 +69,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, init
                 pass
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush the queue's feeder thread before the hard exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

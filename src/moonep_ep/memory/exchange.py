@@ -35,6 +35,7 @@ from .group import GroupComm
 _SCM_MAX_FD = 253
 _HEADER = struct.Struct("<iii")  # sender rank, fds in this batch, fds in total
 _ACK = b"\x01"
+_ABORT = -1  # "total" of a header that cancels the exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,28 +150,37 @@ class HandleExchanger:
             recv_error: list[BaseException] = []
 
             def receive_all() -> None:
-                try:
-                    deadline = time.monotonic() + comm.timeout_s
-                    for _ in range(world - 1):
+                # Keep accepting after a bad peer: every sender waits for our ack.
+                deadline = time.monotonic() + comm.timeout_s
+                for _ in range(world - 1):
+                    try:
                         listener.settimeout(max(0.01, deadline - time.monotonic()))
                         conn, _ = listener.accept()
-                        with conn:
+                    except BaseException as exc:  # reported to the main thread
+                        recv_error.append(exc)
+                        return
+                    with conn:
+                        try:
                             conn.settimeout(max(0.01, deadline - time.monotonic()))
                             sender = _check_peer(conn, pid_to_rank, uid, rank)
                             received[sender] = _recv_fds(conn, sender, rank)
-                except BaseException as exc:  # reported to the main thread
-                    recv_error.append(exc)
+                        except BaseException as exc:
+                            recv_error.append(exc)
 
             thread = threading.Thread(target=receive_all, name=f"moonep-ep-fdrecv-{rank}", daemon=True)
             thread.start()
             send_error: BaseException | None = None
-            try:
-                for step in range(1, world):
-                    peer = (rank + step) % world
+            peers = [(rank + step) % world for step in range(1, world)]
+            for i, peer in enumerate(peers):
+                try:
                     _send_fds(os.path.join(directory, f"rank{peer}.sock"), rank, list(local_fds),
                               comm.timeout_s)
-            except BaseException as exc:
-                send_error = exc
+                except BaseException as exc:
+                    send_error = exc
+                    # Tell the peers still waiting on us, so they fail now, not at their timeout.
+                    for other in peers[i:]:
+                        _send_abort(os.path.join(directory, f"rank{other}.sock"), rank)
+                    break
             thread.join(comm.timeout_s + 1.0)
             if thread.is_alive():
                 recv_error.append(TimeoutError(f"no fds from rank(s) "
@@ -233,6 +243,8 @@ def _recv_fds(conn: socket.socket, sender: int, rank: int) -> list[int]:
             claimed, _batch, total = _HEADER.unpack(msg)
             if claimed != sender:
                 raise PermissionError(f"[rank {rank}] peer with rank {sender}'s credentials claimed rank {claimed}")
+            if total == _ABORT:
+                raise ConnectionAbortedError(f"rank {sender} aborted the exchange (its send failed)")
             conn.sendall(_ACK)
             if len(fds) >= total:
                 if len(fds) != total:
@@ -256,3 +268,14 @@ def _send_fds(path: str, rank: int, fds: list[int], timeout_s: float) -> None:
             sock.sendmsg([_HEADER.pack(rank, len(batch), len(fds))], anc)
             if _recv_exact(sock, 1) != _ACK:
                 raise ConnectionError("bad acknowledgement")
+
+
+def _send_abort(path: str, rank: int) -> None:
+    """Best effort: a peer that is gone simply times out instead."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2.0)
+            sock.connect(path)
+            sock.sendall(_HEADER.pack(rank, 0, _ABORT))
+    except OSError:
+        pass
