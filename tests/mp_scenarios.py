@@ -268,3 +268,21 @@ def disagree_granularity(ctx: Any) -> dict[str, Any]:
 
 def env_probe(ctx: Any) -> str:
     return os.environ.get("MOONEP_EP_PROBE", "")
+
+
+def cuda_fake_sequence(ctx: Any) -> dict[str, Any]:
+    """SymmetricMemory over the CUDA driver, with the recording fake in place of
+    cuda.bindings.driver: the real call sequence, no GPU."""
+    from moonep_ep.memory.cuda import CudaDriver
+    from moonep_ep.memory.cuda_fake import RecordingCudaApi
+
+    api = RecordingCudaApi(granularity=GRAN, multicast=True)
+    driver = CudaDriver(device=0, rank=ctx.rank, api=api)
+    symm = SymmetricMemory.allocate([GRAN, 2 * GRAN], driver=driver, multicast=True)
+    view = symm.map_chunks(1, "local_first")
+    symm.release_imports()
+    view.close()
+    symm.close()
+    driver.close()
+    return {"calls": [(name, [repr(a) for a in args]) for name, args in api.calls],
+            "live": api.live(), "driver_live": driver.live_objects()}

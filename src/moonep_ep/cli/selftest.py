@@ -1,0 +1,91 @@
+"""``moonep-ep selftest``: spawn N local ranks, map a symmetric allocation, verify, tear down, count leaks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("selftest", help="map symmetric memory across N local ranks and verify it")
+    p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
+    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="auto",
+                   help="host (memfd, CPU), cuda (VMM), or auto (cuda when a GPU is visible)")
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size per rank in MiB (default 4)")
+    p.add_argument("--cycles", type=int, default=1, help="allocate/verify/teardown cycles (leak soak)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before unfinished ranks are killed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def _resolve_driver(name: str) -> tuple[str, str]:
+    if name != "auto":
+        return name, "nccl" if name == "cuda" else "gloo"
+    import torch
+
+    return ("cuda", "nccl") if torch.cuda.is_available() else ("host", "gloo")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch import RankFailure, run_ranks
+    from ..memory.selftest import selftest_rank
+
+    if args.ranks < 1:
+        print(f"moonep-ep selftest: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
+        return 2
+    driver, backend = _resolve_driver(args.driver)
+    if driver == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("moonep-ep selftest: --driver cuda needs a CUDA GPU visible to torch; use --driver host",
+                  file=sys.stderr)
+            return 2
+    def progress(msg: str) -> None:  # stderr, so --json output stays one clean object
+        print(f"[selftest] {msg}", file=sys.stderr, flush=True)
+
+    chunk = int(args.chunk_mib * (1 << 20))
+    try:
+        per_rank = run_ranks(selftest_rank, args.ranks, args=(driver, chunk, args.cycles), backend=backend,
+                             timeout_s=args.timeout, progress=progress)
+    except RankFailure as exc:
+        summary = {"ok": False, "ranks": args.ranks, "driver": driver, "errors": exc.errors}
+        print(json.dumps(summary, indent=2) if args.json else str(exc))
+        return 1
+    errors = [e for r in per_rank for e in r["errors"]]
+    firsts = [r["first_cycle"] for r in per_rank]
+    summary = {
+        "ok": not errors and all(r["leaked_fds"] == 0 and r["leaked_mappings"] == 0 and
+                                 not r["leaked_driver_objects"] for r in per_rank),
+        "ranks": args.ranks,
+        "driver": driver,
+        "handle_type": firsts[0]["handle_type"],
+        "multicast": firsts[0]["multicast"],
+        "cycles": args.cycles,
+        "physical_bytes_per_rank": [f["physical_bytes"] for f in firsts],
+        "resident_bytes_per_rank": [f["resident_bytes"] for f in firsts],
+        "visible_bytes_per_rank": [f["visible_bytes"] for f in firsts],
+        "map_ms_per_rank": [f["map_ms"] for f in firsts],
+        "leaked_fds": sum(r["leaked_fds"] for r in per_rank),
+        "leaked_mappings": sum(r["leaked_mappings"] for r in per_rank),
+        "leaked_driver_objects": {r["rank"]: r["leaked_driver_objects"] for r in per_rank
+                                  if r["leaked_driver_objects"]},
+        "rss_growth_bytes": max(r["rss_growth_bytes"] for r in per_rank),
+        "seconds_per_rank": [r["seconds"] for r in per_rank],
+        "errors": errors,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        status = "OK" if summary["ok"] else "FAILED"
+        print(f"selftest {status}: {args.ranks} ranks, {driver} driver, {summary['handle_type']} handles, "
+              f"multicast {'on' if summary['multicast']['used'] else 'off'} ({summary['multicast']['reason']})")
+        for r, f in enumerate(firsts):
+            print(f"  rank {r}: physical {f['physical_bytes'] / 2**20:.1f} MiB (OS), "
+                  f"visible {f['visible_bytes'] / 2**20:.1f} MiB, map {f['map_ms']} ms")
+        print(f"  leaked fds {summary['leaked_fds']}, leaked mappings {summary['leaked_mappings']}")
+        for e in errors:
+            print(f"  error: {e}")
+    return 0 if summary["ok"] else 1

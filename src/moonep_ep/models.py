@@ -1,0 +1,376 @@
+"""Routed-expert shapes of public MoE models, and a HuggingFace config reader.
+
+Only what sizes the routed experts is kept: the width an expert reads
+(``hidden_size``, ``H``), its intermediate size (``I``), the number of routed
+experts per MoE layer (``E``), top-k (``K``) and the number of MoE layers
+(``L``). One routed expert is three projections, gate ``[I, H]``, up
+``[I, H]`` and down ``[H, I]``, i.e. ``3*H*I`` parameters.
+
+Shapes come from ``/work/shared/reference/models_and_peers.md`` §1, which
+cites each model's released config (source numbers in ``notes``). Sizes are
+computed for BF16 (``dtype_bytes = 2``), the dtype of the MoonEP BF16 expert
+path; ``native_dtype`` records what the checkpoint ships in, for information.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "MoEModelConfig",
+    "MODELS",
+    "DEFAULT_MODELS",
+    "model_names",
+    "lookup_model",
+    "get_model",
+    "load_hf_config",
+    "parse_hf_config",
+    "expert_bytes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEModelConfig:
+    """Routed-expert geometry of one MoE model.
+
+    Attributes:
+        name: canonical name (``kimi-k2``) or, for a parsed config, its path.
+        hidden_size: ``H``, the width each expert reads and writes (for Kimi
+            K3 the latent 3584, not the model width 7168), in elements.
+        moe_intermediate_size: ``I``, each routed expert's intermediate size.
+        num_experts: ``E``, routed experts per MoE layer (shared experts excluded).
+        top_k: ``K``, routed experts selected per token.
+        num_moe_layers: ``L``, decoder layers that have routed experts
+            (dense layers and MTP layers excluded).
+        dtype_bytes: bytes per parameter used for sizing (2 = BF16).
+        native_dtype: dtype the released checkpoint stores routed experts in.
+        notes: provenance and caveats.
+    """
+
+    name: str
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    dtype_bytes: int = 2
+    native_dtype: str = "bf16"
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k",
+                      "num_moe_layers", "dtype_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model {self.name!r}: {field} must be a positive int: got {value!r}. "
+                                  f"Fix: give {field} as a positive integer")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model {self.name!r}: top_k {self.top_k} exceeds num_experts "
+                              f"{self.num_experts}. Fix: check num_experts_per_tok in the config")
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate + up + down): ``3*H*I``."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def row_bytes(self) -> tuple[int, int, int]:
+        """Bytes of one expert row per projection, ``(gate, up, down)``: each ``I*H*dtype_bytes``."""
+        rb = self.hidden_size * self.moe_intermediate_size * self.dtype_bytes
+        return (rb, rb, rb)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert (all three projections) at ``dtype_bytes``."""
+        return sum(self.row_bytes)
+
+    @property
+    def routed_bytes(self) -> int:
+        """Bytes of every routed expert of every MoE layer: ``L*E*3*H*I*dtype_bytes``."""
+        return self.num_moe_layers * self.num_experts * self.expert_bytes
+
+    def summary(self) -> str:
+        """One line: ``E=.. K=.. H=.. I=.. L=..`` and MB per expert (1 MB = 1e6 bytes)."""
+        return (f"E={self.num_experts} K={self.top_k} H={self.hidden_size} "
+                f"I={self.moe_intermediate_size} L={self.num_moe_layers}, "
+                f"{self.dtype_bytes} B/param, {self.expert_bytes / 1e6:.1f} MB/expert "
+                f"(native {self.native_dtype})")
+
+
+def expert_bytes(config: MoEModelConfig, dtype_bytes: int | None = None) -> int:
+    """Bytes of one routed expert (``3*H*I`` params) at ``dtype_bytes`` (default: the config's)."""
+    b = config.dtype_bytes if dtype_bytes is None else dtype_bytes
+    return config.expert_params * b
+
+
+_REF = "models_and_peers.md §1 source"
+
+MODELS: dict[str, MoEModelConfig] = {m.name: m for m in [
+    MoEModelConfig("kimi-k3", 3584, 3072, 896, 16, 92, native_dtype="mxfp4",
+                   notes=f"H = latent routed-expert width 3584 (model width 7168); 93 layers, "
+                         f"92 MoE; 2 shared experts not counted ({_REF}s 1-5)"),
+    MoEModelConfig("kimi-k2", 7168, 2048, 384, 8, 60, native_dtype="fp8",
+                   notes=f"61 layers, first_k_dense_replace=1; 1 shared expert not counted; "
+                         f"K2-Thinking/K2.5+ ship routed experts INT4 W4A16 ({_REF}s 6-10)"),
+    MoEModelConfig("deepseek-v3", 7168, 2048, 256, 8, 58, native_dtype="fp8",
+                   notes=f"61 layers, 3 dense; MTP layer not counted; same MoE for R1, V3.1, "
+                         f"V3.2 ({_REF}s 7, 11)"),
+    MoEModelConfig("qwen3-235b-a22b", 4096, 1536, 128, 8, 94, native_dtype="bf16",
+                   notes=f"no shared experts ({_REF} 12)"),
+    MoEModelConfig("qwen3-30b-a3b", 2048, 768, 128, 8, 48, native_dtype="bf16",
+                   notes=f"no shared experts ({_REF} 13)"),
+    MoEModelConfig("qwen3-next-80b-a3b", 2048, 512, 512, 10, 48, native_dtype="bf16",
+                   notes=f"1 shared expert (I 512) not counted ({_REF}s 14, 15)"),
+    MoEModelConfig("glm-4.5", 5120, 1536, 160, 8, 89, native_dtype="bf16",
+                   notes=f"92 layers, 3 dense; MTP layer not counted; same shape for GLM-4.6/4.7 "
+                         f"({_REF}s 17, 18)"),
+    MoEModelConfig("llama-4-maverick", 5120, 8192, 128, 1, 24, native_dtype="bf16",
+                   notes=f"48 blocks, interleave_moe_layer_step=2 ({_REF}s 19, 20)"),
+    MoEModelConfig("gpt-oss-120b", 2880, 2880, 128, 4, 36, native_dtype="mxfp4",
+                   notes=f"experts ship MXFP4 ({_REF}s 22, 23)"),
+    MoEModelConfig("olmoe-1b-7b", 2048, 1024, 64, 8, 16, native_dtype="bf16",
+                   notes=f"OLMoE-1B-7B-0924; used by the vLLM MoonEP PR for DP4/EP4 ({_REF} 24)"),
+    MoEModelConfig("mixtral-8x22b", 6144, 16384, 8, 2, 56, native_dtype="bf16",
+                   notes=f"E=8: MoonEP needs E % EP == 0, so EP <= 8 ({_REF} 21)"),
+    MoEModelConfig("tiny", 512, 256, 16, 4, 4, native_dtype="bf16",
+                   notes="moonep_ep CPU demo model; H, I multiples of 128 (MoonEP tile), "
+                         "after hyper-accel/tiny-random-kimi-k2 (models_and_peers.md §1.2)"),
+]}
+
+#: Models reported by default (``tiny`` is a demo shape, not a real model).
+DEFAULT_MODELS: tuple[str, ...] = tuple(n for n in MODELS if n != "tiny")
+
+# Extra spellings; keys are compared after _normalize().
+_ALIASES = {
+    "kimik3": "kimi-k3", "kimik31": "kimi-k3", "kimik31pro": "kimi-k3",
+    "kimik2": "kimi-k2", "kimik2instruct": "kimi-k2", "kimik2base": "kimi-k2",
+    "kimik2thinking": "kimi-k2", "kimik25": "kimi-k2", "kimik26": "kimi-k2",
+    "deepseekv3": "deepseek-v3", "deepseekr1": "deepseek-v3", "deepseekv31": "deepseek-v3",
+    "deepseekv32": "deepseek-v3", "dsv3": "deepseek-v3",
+    "qwen3235b": "qwen3-235b-a22b", "qwen3235ba22b": "qwen3-235b-a22b",
+    "qwen330b": "qwen3-30b-a3b", "qwen330ba3b": "qwen3-30b-a3b",
+    "qwen3next": "qwen3-next-80b-a3b", "qwen3next80b": "qwen3-next-80b-a3b",
+    "glm45": "glm-4.5", "glm46": "glm-4.5", "glm47": "glm-4.5",
+    "llama4maverick": "llama-4-maverick", "maverick": "llama-4-maverick",
+    "gptoss120b": "gpt-oss-120b", "gptoss": "gpt-oss-120b",
+    "olmoe": "olmoe-1b-7b", "olmoe1b7b": "olmoe-1b-7b", "olmoe1b7b0924": "olmoe-1b-7b",
+    "mixtral8x22b": "mixtral-8x22b",
+}
+
+
+def _normalize(name: str) -> str:
+    """Case-, underscore-, hyphen-, dot- and space-insensitive key (``Qwen3_30B-A3B`` -> ``qwen330ba3b``)."""
+    return re.sub(r"[\s_\-./]+", "", name.strip().lower())
+
+
+_LOOKUP: dict[str, str] = {_normalize(n): n for n in MODELS}
+_LOOKUP.update(_ALIASES)
+
+
+def model_names() -> list[str]:
+    """Canonical names of every built-in model, ``tiny`` included."""
+    return list(MODELS)
+
+
+def lookup_model(name: str) -> MoEModelConfig | None:
+    """The built-in model for ``name`` (any alias, any case), or ``None``."""
+    canonical = _LOOKUP.get(_normalize(name))
+    return MODELS[canonical] if canonical else None
+
+
+def get_model(name_or_path: str) -> MoEModelConfig:
+    """A built-in model by name, or a HuggingFace ``config.json`` (file or its directory).
+
+    Raises ConfigError when ``name_or_path`` is neither.
+    """
+    model = lookup_model(name_or_path)
+    if model is not None:
+        return model
+    if os.path.exists(name_or_path):
+        return load_hf_config(name_or_path)
+    raise ConfigError(f"unknown model {name_or_path!r} (not a built-in name and no such file). "
+                      f"Fix: use one of {', '.join(MODELS)} or the path of a HuggingFace config.json")
+
+
+# --------------------------------------------------------------------------------------------
+# HuggingFace config.json
+# --------------------------------------------------------------------------------------------
+
+def _missing(path: str, key: str, fix: str) -> ConfigError:
+    return ConfigError(f"{path}: missing key {key}. Fix: {fix}")
+
+
+def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return k, cfg[k]
+    return None, None
+
+
+def _as_int(path: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: key {key} must be an integer: got {value!r}. "
+                          f"Fix: correct {key} in the config")
+    return value
+
+
+def _moe_layer_count(path: str, cfg: Mapping[str, Any], num_layers: int) -> tuple[int, str]:
+    """Number of decoder layers with routed experts, and which rule decided it.
+
+    Rules, first match wins (as the HF / vLLM model code does):
+
+    * ``moe_layers`` (explicit list of indices, Llama 4);
+    * ``first_k_dense_replace`` (+ ``moe_layer_freq``; DeepSeek, Kimi, GLM):
+      layer ``i`` is MoE when ``i >= first_k_dense_replace and i % moe_layer_freq == 0``;
+    * ``decoder_sparse_step`` / ``mlp_only_layers`` (Qwen2/3-MoE): layer ``i`` is MoE
+      when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``;
+    * ``interleave_moe_layer_step`` (Llama 4): layers ``step-1, 2*step-1, ...``;
+    * otherwise every layer (Mixtral, OLMoE, gpt-oss).
+
+    MTP layers (``num_nextn_predict_layers``) are not in ``num_hidden_layers``
+    and are not counted.
+    """
+    layers = range(num_layers)
+    if cfg.get("moe_layers") is not None:
+        moe_layers = cfg["moe_layers"]
+        if not isinstance(moe_layers, list):
+            raise ConfigError(f"{path}: key moe_layers must be a list of layer indices: got "
+                              f"{moe_layers!r}. Fix: correct moe_layers in the config")
+        return len({i for i in moe_layers if 0 <= int(i) < num_layers}), "moe_layers"
+    if cfg.get("first_k_dense_replace") is not None:
+        k = _as_int(path, "first_k_dense_replace", cfg["first_k_dense_replace"])
+        freq = _as_int(path, "moe_layer_freq", cfg.get("moe_layer_freq") or 1)
+        return sum(1 for i in layers if i >= k and i % freq == 0), "first_k_dense_replace"
+    if cfg.get("decoder_sparse_step") is not None or cfg.get("mlp_only_layers"):
+        step = _as_int(path, "decoder_sparse_step", cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        return (sum(1 for i in layers if i not in dense and (i + 1) % step == 0),
+                "decoder_sparse_step/mlp_only_layers")
+    if cfg.get("interleave_moe_layer_step") is not None:
+        step = _as_int(path, "interleave_moe_layer_step", cfg["interleave_moe_layer_step"])
+        return len(range(step - 1, num_layers, step)), "interleave_moe_layer_step"
+    return num_layers, "all layers"
+
+
+def _native_dtype(cfg: Mapping[str, Any]) -> str:
+    q = cfg.get("quantization_config")
+    if isinstance(q, Mapping):
+        method = str(q.get("quant_method") or q.get("format") or "quantized")
+        bits = q.get("num_bits")
+        groups = q.get("config_groups")
+        if bits is None and isinstance(groups, Mapping):
+            for group in groups.values():
+                if isinstance(group, Mapping) and isinstance(group.get("weights"), Mapping):
+                    bits = group["weights"].get("num_bits")
+                    break
+        return f"{method} int{bits}" if bits else method
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bf16")
+
+
+def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
+                    name: str | None = None) -> MoEModelConfig:
+    """Build a MoEModelConfig from a parsed HuggingFace ``config.json`` dict.
+
+    Keys read (a nested ``text_config`` overrides the top level, as in Llama 4
+    and multimodal Kimi/Qwen configs):
+
+    * ``H``: ``routed_expert_hidden_size`` (Kimi K3 latent MoE) else ``hidden_size``;
+    * ``E``: ``n_routed_experts`` | ``num_experts`` | ``num_local_experts``;
+    * ``I``: ``moe_intermediate_size``; ``intermediate_size`` only for configs whose
+      experts use it (``num_local_experts`` / ``num_experts`` families without a
+      ``moe_intermediate_size``, e.g. Mixtral, OLMoE, gpt-oss, Llama 4). A DeepSeek-style
+      config (``n_routed_experts``) must have ``moe_intermediate_size``: its
+      ``intermediate_size`` is the dense MLP;
+    * ``K``: ``num_experts_per_tok`` | ``experts_per_token`` | ``moe_topk``;
+    * ``L``: ``num_hidden_layers`` filtered by the dense-layer keys (see
+      ``_moe_layer_count``).
+
+    Sizes use BF16 (``dtype_bytes = 2``) whatever the checkpoint dtype; the
+    checkpoint's dtype or quantization goes to ``native_dtype``.
+
+    Raises ConfigError naming the missing or bad key and the fix.
+    """
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{path}: expected a JSON object at the top level: got "
+                          f"{type(cfg).__name__}. Fix: pass a HuggingFace config.json")
+    merged: dict[str, Any] = dict(cfg)
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping):
+        merged.update({k: v for k, v in text.items() if v is not None})
+
+    ekey, num_experts = _first(merged, ("n_routed_experts", "num_experts", "num_local_experts"))
+    if ekey is None:
+        raise _missing(path, "n_routed_experts / num_experts / num_local_experts",
+                       "this is not an MoE config (no routed-expert count); add the number of "
+                       "routed experts per layer under one of these keys")
+    num_experts = _as_int(path, ekey, num_experts)
+    if num_experts <= 0:
+        raise ConfigError(f"{path}: key {ekey} is {num_experts}: this model has no routed experts. "
+                          f"Fix: pass an MoE model's config")
+
+    hkey, hidden = _first(merged, ("routed_expert_hidden_size", "hidden_size"))
+    if hkey is None:
+        raise _missing(path, "hidden_size", "add hidden_size (the width each routed expert reads)")
+    hidden = _as_int(path, hkey, hidden)
+
+    if merged.get("moe_intermediate_size") is not None:
+        ikey = "moe_intermediate_size"
+    elif ekey != "n_routed_experts" and merged.get("intermediate_size") is not None:
+        ikey = "intermediate_size"
+    elif ekey == "n_routed_experts":
+        raise _missing(path, "moe_intermediate_size",
+                       "add moe_intermediate_size (each routed expert's intermediate size); "
+                       "intermediate_size in a DeepSeek-style config is the dense MLP's")
+    else:
+        raise _missing(path, "moe_intermediate_size / intermediate_size",
+                       "add moe_intermediate_size (each routed expert's intermediate size)")
+    inter = _as_int(path, ikey, merged[ikey])
+
+    kkey, top_k = _first(merged, ("num_experts_per_tok", "experts_per_token", "moe_topk"))
+    if kkey is None:
+        raise _missing(path, "num_experts_per_tok", "add num_experts_per_tok (top-k routed experts)")
+    top_k = _as_int(path, kkey, top_k)
+
+    lkey, num_layers = _first(merged, ("num_hidden_layers", "num_layers", "n_layers"))
+    if lkey is None:
+        raise _missing(path, "num_hidden_layers", "add num_hidden_layers (decoder layers)")
+    num_layers = _as_int(path, lkey, num_layers)
+    moe_layers, rule = _moe_layer_count(path, merged, num_layers)
+    if moe_layers <= 0:
+        raise ConfigError(f"{path}: no decoder layer has routed experts ({rule}, "
+                          f"{num_layers} layers). Fix: check first_k_dense_replace / "
+                          f"decoder_sparse_step / mlp_only_layers")
+
+    if name is None:
+        name = str(cfg.get("_name_or_path") or merged.get("_name_or_path") or path)
+    notes = (f"parsed from {path}: H from {hkey}, I from {ikey}, E from {ekey}, K from {kkey}, "
+             f"{moe_layers}/{num_layers} MoE layers ({rule}); model_type "
+             f"{merged.get('model_type', '?')}")
+    return MoEModelConfig(name=name, hidden_size=hidden, moe_intermediate_size=inter,
+                          num_experts=num_experts, top_k=top_k, num_moe_layers=moe_layers,
+                          dtype_bytes=2, native_dtype=_native_dtype(merged), notes=notes)
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> MoEModelConfig:
+    """Read a HuggingFace ``config.json`` (the file, or a directory holding it).
+
+    Raises ConfigError if the file is missing, is not JSON, or lacks a key.
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file. Fix: pass the path of a HuggingFace config.json "
+                          f"or the model directory that holds it") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON ({exc}). Fix: pass a HuggingFace config.json") from None
+    return parse_hf_config(cfg, path=p)
