@@ -44,8 +44,8 @@ class RankContext:
     device: str
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, init_file: str,
-               timeout_s: float, results: Any, args: tuple, env: dict[str, str]) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, use_cuda: bool,
+               init_file: str, timeout_s: float, results: Any, args: tuple, env: dict[str, str]) -> None:
     os.environ.update(env)
     try:
         import torch
@@ -53,7 +53,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, init
 
         torch.set_num_threads(1)  # ranks share few cores; oversubscription wrecks timings
         device = "cpu"
-        if backend == "nccl":
+        if use_cuda:
             local = rank % torch.cuda.device_count()
             torch.cuda.set_device(local)
             device = f"cuda:{local}"
@@ -77,15 +77,20 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, init
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), backend: str = "gloo",
+              use_cuda: bool | None = None,
               timeout_s: float = DEFAULT_RANK_TIMEOUT_S, group_timeout_s: float | None = None,
               env: dict[str, str] | None = None,
               progress: Callable[[str], None] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; return results in rank order.
 
-    ``fn`` must be importable by name (a module-level function). Raises
+    ``use_cuda`` (default: ``backend == "nccl"``) pins rank ``r`` to GPU
+    ``r % device_count``; with fewer GPUs than ranks use gloo (NCCL refuses two
+    ranks on one GPU). ``fn`` must be importable by name (a module-level function). Raises
     :class:`RankFailure` with every failing rank's traceback if any rank
     raises, dies, or runs past ``timeout_s``.
     """
+    if use_cuda is None:
+        use_cuda = backend == "nccl"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     workdir = tempfile.mkdtemp(prefix="moonep-ep-run-")
@@ -97,7 +102,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
     try:
         for rank in range(world_size):
             proc = ctx.Process(target=_rank_main, name=f"moonep-ep-rank{rank}",
-                               args=(fn, rank, world_size, backend, init_file, group_timeout, results,
+                               args=(fn, rank, world_size, backend, use_cuda, init_file, group_timeout, results,
                                      args, dict(env or {})))
             proc.start()
             procs.append(proc)

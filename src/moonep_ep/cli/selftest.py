@@ -20,12 +20,16 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _resolve_driver(name: str) -> tuple[str, str]:
-    if name != "auto":
-        return name, "nccl" if name == "cuda" else "gloo"
+def _resolve_driver(name: str, ranks: int) -> tuple[str, str]:
+    """Driver and process-group backend. NCCL needs one GPU per rank; with fewer
+    GPUs (e.g. 2 ranks on 1 GPU to test fd export/import) gloo carries the metadata."""
     import torch
 
-    return ("cuda", "nccl") if torch.cuda.is_available() else ("host", "gloo")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "host"
+    if name == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+        return name, "nccl"
+    return name, "gloo"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print(f"moonep-ep selftest: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
         return 2
-    driver, backend = _resolve_driver(args.driver)
+    driver, backend = _resolve_driver(args.driver, args.ranks)
     if driver == "cuda":
         import torch
 
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     chunk = int(args.chunk_mib * (1 << 20))
     try:
         per_rank = run_ranks(selftest_rank, args.ranks, args=(driver, chunk, args.cycles), backend=backend,
+                             use_cuda=driver == "cuda",
                              timeout_s=args.timeout, progress=progress)
     except RankFailure as exc:
         summary = {"ok": False, "ranks": args.ranks, "driver": driver, "errors": exc.errors}

@@ -59,7 +59,7 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
     handle_pref = os.environ.get("MOONEP_EP_HANDLE_TYPE", "auto").strip().lower()
     mc_pref = os.environ.get("MOONEP_EP_MULTICAST", "auto").strip().lower()
     local = {"host": comm.hostname, "fd": caps.posix_fd, "fabric": caps.fabric,
-             "multicast": caps.multicast, "prefs": (handle_pref, mc_pref)}
+             "multicast": caps.multicast, "device": caps.device, "prefs": (handle_pref, mc_pref)}
     peers = comm.all_gather_object(local)
     rank = comm.rank
 
@@ -93,6 +93,10 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
         handle_type, reason = HandleType.POSIX_FD, ("forced" if handle_pref == "fd" else "all ranks on one host")
 
     no_mc = [r for r, p in enumerate(peers) if not p["multicast"]]
+    # A multicast team has one member per GPU: ranks sharing a GPU cannot form one.
+    devices = [(p["host"], p["device"]) for p in peers]
+    if caps.driver == "cuda" and len(set(devices)) != len(devices):
+        no_mc = sorted(set(no_mc) | {r for r, d in enumerate(devices) if devices.count(d) > 1})
     if mc_pref == "on" and no_mc:
         raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST=on but rank(s) {no_mc} lack multicast. "
                           "Fix: MOONEP_EP_MULTICAST=auto or off, or run on NVSwitch GPUs with Fabric Manager")
