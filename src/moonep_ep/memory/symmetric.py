@@ -191,10 +191,10 @@ class SymmetricMemory:
                 self.decision = vote(self.comm, driver.capabilities(), want_multicast=multicast)
                 self.granularity = driver.granularity(self.decision.handle_type)
                 sizes = [int(n) for n in chunk_bytes]
-                bad = [n for n in sizes if n <= 0]
-                if bad:
-                    raise ConfigError(f"[rank {rank}] chunk sizes must be positive, got {sizes}. "
-                                      "Fix: drop empty chunks or pass their real sizes")
+                bad = [n for n in sizes if n < 0]
+                if bad or not sizes:
+                    raise ConfigError(f"[rank {rank}] chunk sizes must be >= 0 (at least one chunk), got "
+                                      f"{sizes}. Fix: pass each chunk's size in bytes")
                 sizes = [round_up(n, self.granularity) for n in sizes]
                 self.tags = list(tags) if tags else [f"chunk{i}" for i in range(len(sizes))]
                 if len(self.tags) != len(sizes):
@@ -212,10 +212,15 @@ class SymmetricMemory:
             exported: list[Any] = []
             with self.comm.step("create and export"):
                 for size, tag in zip(sizes, self.tags):
+                    if size == 0:  # an empty chunk (e.g. a rank owning no page) has no memory
+                        self._own.append(None)
+                        continue
                     handle = driver.create(size, self.decision.handle_type, tag=tag)
                     undo.callback(driver.release, handle)
                     self._own.append(handle)
                 for handle in self._own:
+                    if handle is None:
+                        continue
                     shareable = driver.export(handle, self.decision.handle_type)
                     if isinstance(shareable, int):
                         undo.callback(_close_quietly, shareable)
@@ -230,12 +235,13 @@ class SymmetricMemory:
 
             with self.comm.step("import peer handles"):
                 for owner, peer_list in enumerate(received):
-                    if len(peer_list) != len(self.chunk_sizes[owner]):
+                    nonempty = [i for i, n in enumerate(self.chunk_sizes[owner]) if n > 0]
+                    if len(peer_list) != len(nonempty):
                         raise DriverError(f"[rank {rank}] rank {owner} sent {len(peer_list)} handles "
-                                          f"for {len(self.chunk_sizes[owner])} chunks")
+                                          f"for {len(nonempty)} non-empty chunks")
                     if owner == rank:
                         continue
-                    for i, shareable in enumerate(peer_list):
+                    for i, shareable in zip(nonempty, peer_list):
                         handle = driver.import_handle(shareable, self.decision.handle_type,
                                                       size=self.chunk_sizes[owner][i])
                         undo.callback(driver.release, handle)
@@ -260,7 +266,7 @@ class SymmetricMemory:
         rank, world = comm.rank, comm.world_size
         with comm.step("multicast size"):
             mc_gran = driver.multicast_granularity(world, ht)
-            smallest = min(sizes[0] for sizes in self.chunk_sizes if sizes) if all(self.chunk_sizes) else 0
+            smallest = min(sizes[0] for sizes in self.chunk_sizes)
             size = multicast_bytes if multicast_bytes is not None else smallest // mc_gran * mc_gran
             if size <= 0 or size % mc_gran or size > smallest:
                 raise ConfigError(f"[rank {rank}] multicast size {size} must be a positive multiple of "
@@ -452,7 +458,7 @@ class SymmetricMemory:
 
     # -- accounting ---------------------------------------------------------------------
     def own_handles(self) -> list[Any]:
-        return list(self._own)
+        return [h for h in self._own if h is not None]
 
     def live_ranges(self) -> int:
         return len(self._ranges)
@@ -479,7 +485,9 @@ class SymmetricMemory:
         del ranges
         self.release_imports()
         while self._own:
-            driver.release(self._own.pop())
+            handle = self._own.pop()
+            if handle is not None:
+                driver.release(handle)
 
     def __enter__(self) -> "SymmetricMemory":
         return self

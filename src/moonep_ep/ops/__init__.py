@@ -1,0 +1,1 @@
+"""Prefetch, grouped expert compute and the reference MoonEP buffer."""
