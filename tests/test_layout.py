@@ -103,3 +103,44 @@ def test_bad_layouts_fail_on_every_rank(case, needle):
     for rank, msg in enumerate(run_ranks(ml.bad_layout, 4, args=(case,))):
         assert needle in msg, (rank, msg)
         assert "Fix:" in msg
+
+
+@pytest.mark.slow
+def test_footprint_measure_tiny_matches_prediction_within_one_percent():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "footprint", "--measure", "--ranks", "4",
+                           "--model", "tiny", "--layers", "8", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ok"] and out["ranks"] == 4 and out["layers"] == 8
+    assert out["max_relative_error"] <= 0.01
+    for r, row in enumerate(out["per_rank"]):
+        assert row["filled"]
+        # OS-measured categories (memfd sizes by tag) equal the driver's and the plan's.
+        assert row["measured_by_category"]["expert_bytes"] == row["predicted_by_category"]["expert_bytes"]
+        assert row["measured_by_category"]["slot_bytes"] == row["predicted_by_category"]["slot_bytes"]
+        assert row["resident_bytes"] <= row["measured_bytes"]
+    tiny_row = 256 * 512 * 2
+    assert out["replicated_bytes_per_rank"] == 8 * (16 + 4) * 3 * tiny_row
+    assert out["replicated_over_moonep_ep"] > 1
+
+
+@pytest.mark.slow
+def test_bench_layout_reports_mapping_time_and_one_exchange_round():
+    import json
+    import subprocess
+    import sys
+
+    # Kimi K2's counts at a smaller rank count to keep CI short.
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "bench", "layout", "--ranks", "4",
+                           "--layers", "60", "--experts", "384", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ok"] and out["handle_exchange_rounds"] == 1
+    assert out["mappings_per_rank"] == [60 * 3 * (4 + 1)] * 4  # R owner runs + 1 slot pool per view
+    assert all(t > 0 for t in out["map_s_per_rank"])

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "check": "check",
     "selftest": "selftest",
     "footprint": "footprint",
+    "bench": "bench",
 }
 
 

@@ -129,6 +129,8 @@ class ShardedExpertStore:
             slot_chunk_bytes = cursor
         self.symm = SymmetricMemory.allocate([expert_chunk_bytes[self.rank], slot_chunk_bytes],
                                              driver=driver, tags=["experts", "slots"], comm=comm)
+        t_map = time.perf_counter()
+        self.allocate_seconds = t_map - t0
         try:
             with comm.step("map expert views"):
                 for layer in range(num_layers):
@@ -136,6 +138,7 @@ class ShardedExpertStore:
                         self._map_gen_a(layer, p)
                         if gen_b:
                             self._map_gen_b(layer, p)
+            self.mapping_seconds = time.perf_counter() - t_map
             self.symm.release_imports()  # mappings keep peers' memory alive
             if driver.device_type != "cpu":
                 self._zero_own()  # cuMemCreate memory is not zero-filled

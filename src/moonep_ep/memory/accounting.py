@@ -19,6 +19,7 @@ class ProcessMemory:
     open_memfds: int          # fds in /proc/self/fd pointing at our memfds
     memfd_mappings: int       # lines of /proc/self/maps backed by our memfds
     own_bytes: int            # st_size of memfds this rank created (physical allocation)
+    own_bytes_by_tag: dict    # the same, split by the allocation's tag (memfd name suffix)
     own_resident_bytes: int   # st_blocks of those memfds (pages actually backed)
     rss_bytes: int            # VmRSS
 
@@ -30,6 +31,7 @@ def _is_ours(target: str) -> bool:
 def snapshot(rank: int | None = None) -> ProcessMemory:
     """Scan ``/proc/self``; ``own_*`` count memfds named for ``rank``."""
     open_memfds = own = resident = 0
+    by_tag: dict[str, int] = {}
     own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}." if rank is not None else None
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -46,13 +48,15 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
                 continue
             own += st.st_size
             resident += st.st_blocks * 512
+            tag = target[len(own_prefix):].split(" ")[0]
+            by_tag[tag] = by_tag.get(tag, 0) + st.st_size
     mappings = 0
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(None, 5)
             if len(parts) == 6 and _is_ours(parts[5].strip()):
                 mappings += 1
-    return ProcessMemory(open_memfds, mappings, own, resident, rss_bytes())
+    return ProcessMemory(open_memfds, mappings, own, by_tag, resident, rss_bytes())
 
 
 def rss_bytes() -> int:

@@ -119,6 +119,7 @@ class HandleExchanger:
         self.comm = comm
 
     def exchange(self, local: Sequence[Shareable], handle_type: HandleType) -> list[list[Shareable]]:
+        self.comm.rounds["handle_exchange"] += 1
         if handle_type == HandleType.FABRIC:
             payload = [bytes(h) for h in local]
             if any(len(h) != 64 for h in payload):

@@ -41,9 +41,12 @@ class GroupComm:
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.pid = os.getpid()
         self.hostname = socket.gethostname()
+        #: Collective rounds issued through this object (benchmarks report them).
+        self.rounds = {"metadata": 0, "handle_exchange": 0}
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
+        self.rounds["metadata"] += 1
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
