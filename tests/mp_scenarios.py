@@ -270,19 +270,21 @@ def env_probe(ctx: Any) -> str:
     return os.environ.get("MOONEP_EP_PROBE", "")
 
 
-def cuda_fake_sequence(ctx: Any) -> dict[str, Any]:
+def cuda_fake_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
     """SymmetricMemory over the CUDA driver, with the recording fake in place of
     cuda.bindings.driver: the real call sequence, no GPU."""
     from moonep_ep.memory.cuda import CudaDriver
     from moonep_ep.memory.cuda_fake import RecordingCudaApi
 
-    api = RecordingCudaApi(granularity=GRAN, multicast=True)
-    driver = CudaDriver(device=0, rank=ctx.rank, api=api)
+    # One GPU per rank (device = rank), as on an NVSwitch node: the vote keeps multicast on.
+    api = RecordingCudaApi(granularity=GRAN, multicast=True, device_count=ctx.world_size)
+    driver = CudaDriver(device=0 if same_gpu else ctx.rank, rank=ctx.rank, api=api)
     symm = SymmetricMemory.allocate([GRAN, 2 * GRAN], driver=driver, multicast=True)
     view = symm.map_chunks(1, "local_first")
     symm.release_imports()
     view.close()
     symm.close()
     driver.close()
-    return {"calls": [(name, [repr(a) for a in args]) for name, args in api.calls],
+    return {"multicast": symm.decision.multicast, "reason": symm.decision.reason,
+            "calls": [(name, [repr(a) for a in args]) for name, args in api.calls],
             "live": api.live(), "driver_live": driver.live_objects()}

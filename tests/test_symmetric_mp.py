@@ -120,3 +120,14 @@ def test_cuda_call_sequence_against_the_recording_fake():
         for i, n in enumerate(names):
             if n == "cuMemAddressFree":
                 assert names[i - 1] in ("cuMemUnmap", "cuMemAddressFree")
+
+
+def test_two_ranks_on_one_gpu_vote_multicast_off():
+    # A multicast team has one member per GPU: two processes on one GPU (the
+    # single-GPU fd-exchange setup) must not try to form one.
+    for res in run_ranks(sc.cuda_fake_sequence, 2, args=(True,)):
+        names = [n for n, _ in res["calls"]]
+        assert res["multicast"] is False and "lack it" in res["reason"]
+        assert "cuMulticastCreate" not in names and "cuMulticastBindMem" not in names
+        assert "cuMemImportFromShareableHandle" in names
+        assert all(v == 0 for v in res["live"].values())

@@ -368,11 +368,13 @@ class HostDriver(MemoryDriver):
         driver = self
 
         class _Lock:
+            # POSIX record locks, not flock: every member's fd shares one open file
+            # description (dup + SCM_RIGHTS), and flock would not exclude them.
             def __enter__(self):
-                fcntl.flock(mc.fd, fcntl.LOCK_EX)
+                fcntl.lockf(mc.fd, fcntl.LOCK_EX)
 
             def __exit__(self, *exc):
-                fcntl.flock(mc.fd, fcntl.LOCK_UN)
+                fcntl.lockf(mc.fd, fcntl.LOCK_UN)
                 return False
 
         if id(mc) not in driver._multicasts:
