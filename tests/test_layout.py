@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import mp_layout as ml
+from clitools import moonep_ep_json
 from moonep_ep.errors import ConfigError
 from moonep_ep.launch import run_ranks
 from moonep_ep.layout.plan import plan_expert_region, predict_rank_bytes, slot_pool_bytes
@@ -107,15 +108,7 @@ def test_bad_layouts_fail_on_every_rank(case, needle):
 
 @pytest.mark.slow
 def test_footprint_measure_tiny_matches_prediction_within_one_percent():
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "footprint", "--measure", "--ranks", "4",
-                           "--model", "tiny", "--layers", "8", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(proc.stdout)
+    out = moonep_ep_json("footprint", "--measure", "--ranks", "4", "--model", "tiny", "--layers", "8")
     assert out["ok"] and out["ranks"] == 4 and out["layers"] == 8
     assert out["max_relative_error"] <= 0.01
     for r, row in enumerate(out["per_rank"]):
@@ -131,16 +124,8 @@ def test_footprint_measure_tiny_matches_prediction_within_one_percent():
 
 @pytest.mark.slow
 def test_bench_layout_reports_mapping_time_and_one_exchange_round():
-    import json
-    import subprocess
-    import sys
-
     # Kimi K2's counts at a smaller rank count to keep CI short.
-    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "bench", "layout", "--ranks", "4",
-                           "--layers", "60", "--experts", "384", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(proc.stdout)
+    out = moonep_ep_json("bench", "layout", "--ranks", "4", "--layers", "60", "--experts", "384")
     assert out["ok"] and out["handle_exchange_rounds"] == 1
     assert out["mappings_per_rank"] == [60 * 3 * (4 + 1)] * 4  # R owner runs + 1 slot pool per view
     assert all(t > 0 for t in out["map_s_per_rank"])
