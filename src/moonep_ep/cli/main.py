@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "selftest": "selftest",
     "footprint": "footprint",
     "bench": "bench",
+    "demo": "demo",
 }
 
 
