@@ -288,3 +288,265 @@ def cuda_fake_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
     return {"multicast": symm.decision.multicast, "reason": symm.decision.reason,
             "calls": [(name, [repr(a) for a in args]) for name, args in api.calls],
             "live": api.live(), "driver_live": driver.live_objects()}
+
+
+def cuda_fabric_fallback(ctx: Any, fail_rank: int, fail_call: str, times: int) -> dict[str, Any]:
+    """Fabric refused (NOT_PERMITTED) on one rank: every rank falls back to POSIX fds."""
+    from moonep_ep.memory.cuda import CudaDriver
+    from moonep_ep.memory.cuda_fake import RecordingCudaApi
+
+    api = RecordingCudaApi(granularity=GRAN, multicast=False, fabric=True, device_count=ctx.world_size)
+    if ctx.rank == fail_rank:
+        api.fail(fail_call, "CUDA_ERROR_NOT_PERMITTED", times)
+    driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
+    out: dict[str, Any] = {}
+    try:
+        symm = SymmetricMemory.allocate([GRAN], driver=driver)
+        out.update(handle_type=symm.decision.handle_type.value, reason=symm.decision.reason)
+        view = symm.map_chunks()
+        symm.release_imports()
+        view.close()
+        symm.close()
+    except CollectiveError as exc:
+        out["error"] = str(exc)
+    driver.close()
+    out["creates"] = [repr(a[1].requestedHandleTypes) for n, a in api.calls if n == "cuMemCreate"]
+    out["live"] = api.live()
+    out["calls"] = [n for n, _ in api.calls]
+    return out
+
+
+KILL_POINTS = ["before_exchange", "mid_exchange", "after_mapping", "during_prefetch"]
+
+
+def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
+    """``victim`` SIGKILLs itself at ``point``; survivors report their error, how long
+    they took to raise it, and what they leaked after cleaning up."""
+    import signal
+    import time
+
+    from moonep_ep.errors import MoonEPError
+    from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
+    from moonep_ep.memory import exchange
+
+    rank = ctx.rank
+    driver = HostDriver(rank=rank, granularity=GRAN)
+    before = snapshot(rank)
+    me_dies = rank == victim
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if me_dies and point == "mid_exchange":
+        original = exchange._send_fds
+        sent = []
+
+        def send_then_die(*args, **kwargs):
+            if sent:
+                die()  # one peer has our fds, the others wait for us
+            original(*args, **kwargs)
+            sent.append(1)
+        exchange._send_fds = send_then_die
+    out: dict[str, Any] = {"rank": rank}
+    store = full = None
+    t0 = time.monotonic()
+    try:
+        if me_dies and point == "before_exchange":
+            die()
+        store = ShardedExpertStore(num_layers=2, num_experts=3 * ctx.world_size,
+                                   projections=ffn_projections(256, 128), num_slots=3, driver=driver)
+        store.load(lambda layer, proj, e: torch.full(
+            next(p.shape for p in store.projections if p.name == proj), float(e), dtype=torch.bfloat16))
+        if me_dies and point == "after_mapping":
+            die()
+        t0 = time.monotonic()
+        for step in range(50):  # pull prefetch: slots <- rows of every owner, then a barrier
+            if me_dies and point == "during_prefetch" and step == 3:
+                die()
+            full = store.gen_a(step % 2, "down")
+            for b in range(3):
+                full[store.num_experts + b].copy_(full[(victim * 3 + b) % store.num_experts])
+            store.finish_loading()
+        out["error"] = None
+    except MoonEPError as exc:
+        out["error"] = str(exc)
+        out["error_type"] = type(exc).__name__
+    out["seconds_to_error"] = round(time.monotonic() - t0, 2)
+    full = None  # our own view: it would (rightly) keep its mapping alive
+    if store is not None:
+        try:
+            store.close()
+        except MoonEPError as exc:
+            out["close_error"] = type(exc).__name__
+    gc.collect()
+    out["leaks"] = leaks(driver, before)
+    return out
+
+
+_FOREIGN_SENDER = r"""
+import array, os, socket, struct, sys
+path = sys.argv[1]
+fd = os.memfd_create("foreign")
+os.ftruncate(fd, 4096)
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.connect(path)
+    # Claims to be rank 0 and offers an fd of its own.
+    try:
+        s.sendmsg([struct.pack("<iii", 0, 1, 1)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        print("sent")
+    except (BrokenPipeError, ConnectionResetError):
+        print("cut off")  # the member already checked our credentials and hung up
+"""
+
+
+def exchange_security(ctx: Any) -> dict[str, Any]:
+    """A foreign process offers fds to rank 1; a crashed run's directory is swept;
+    received fds are close-on-exec and the memory sealed."""
+    import fcntl
+    import stat
+    import subprocess
+    import sys
+    import tempfile
+
+    from moonep_ep.memory import exchange
+    from moonep_ep.memory.driver import HandleType
+    from moonep_ep.memory.group import GroupComm
+
+    rank = ctx.rank
+    comm = GroupComm()
+    driver = HostDriver(rank=rank, granularity=GRAN)
+    out: dict[str, Any] = {}
+    stale = live = None
+    if rank == 0:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        stale = tempfile.mkdtemp(prefix=f"moonep-ep-fds-{dead.pid}-")  # left by a "crashed" run
+        open(os.path.join(stale, "rank1.sock"), "w").close()
+        live = tempfile.mkdtemp(prefix=f"moonep-ep-fds-{os.getppid()}-")  # a live run's: kept
+        original = exchange._send_fds
+
+        def foreign_first(path, *args, **kwargs):
+            d = os.path.dirname(path)
+            out["dir_mode"] = oct(stat.S_IMODE(os.stat(d).st_mode))
+            out["dir"] = d
+            proc = subprocess.run([sys.executable, "-c", _FOREIGN_SENDER, path], capture_output=True,
+                                  text=True, timeout=30)
+            out["foreign"] = proc.stdout.strip() or proc.stderr[-300:]
+            return original(path, *args, **kwargs)
+        exchange._send_fds = foreign_first
+    h = driver.create(GRAN)
+    fd = driver.export(h, HandleType.POSIX_FD)
+    inodes = comm.all_gather_object(os.fstat(fd).st_ino)
+    ex = exchange.HandleExchanger(comm)
+    got = ex.exchange([fd], HandleType.POSIX_FD)
+    os.close(fd)
+    peer = 1 - rank
+    rfd = got[peer][0]
+    out["rejected"] = ex.rejected
+    out["peer_inode_ok"] = os.fstat(rfd).st_ino == inodes[peer]
+    out["cloexec"] = bool(fcntl.fcntl(rfd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+    try:
+        os.ftruncate(rfd, GRAN // 2)
+        out["sealed"] = False
+    except PermissionError:
+        out["sealed"] = True
+    for lst in got:
+        for f in lst:
+            os.close(f)
+    driver.release(h)
+    comm.barrier()
+    out["dir_removed"] = not os.path.exists(ex.last_directory)
+    if rank == 0:
+        out["stale_swept"] = not os.path.exists(stale)
+        out["live_kept"] = os.path.exists(live)
+        out["fresh_dir"] = out.get("dir") not in (stale, live)
+        os.rmdir(live)
+    return out
+
+
+def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
+    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (recording fake)."""
+    from moonep_ep.memory.cuda import CudaDriver
+    from moonep_ep.memory.cuda_fake import RecordingCudaApi
+
+    api = RecordingCudaApi(granularity=GRAN, multicast=True, fabric=False, device_count=ctx.world_size)
+    if ctx.rank == 1:
+        api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times)
+    driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
+    out: dict[str, Any] = {}
+    try:
+        symm = SymmetricMemory.allocate([GRAN], driver=driver, multicast=True)
+        out["multicast"] = symm.has_multicast
+        view = symm.map_chunks()
+        symm.release_imports()
+        view.close()
+        symm.close()
+    except CollectiveError as exc:
+        out["error"] = str(exc)
+    driver.close()
+    out["binds"] = sum(1 for n, _ in api.calls if n == "cuMulticastBindMem")
+    out["calls"] = [n for n, _ in api.calls]
+    out["live"] = api.live()
+    return out
+
+
+def bad_input(ctx: Any, case: str) -> dict[str, Any]:
+    """One bad input (often on one rank only): every rank must raise, naming the rank,
+    the value and the fix, and nothing may leak."""
+    from moonep_ep.errors import MoonEPError
+    from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
+
+    rank = ctx.rank
+    driver = HostDriver(rank=rank, granularity=GRAN)
+    before = snapshot(rank)
+    result: dict[str, Any] = {}
+    projs = ffn_projections(256, 128)
+    store = None
+    try:
+        if case == "alloc_negative_size":
+            SymmetricMemory.allocate([-5 if rank == 1 else GRAN], driver=driver).close()
+        elif case == "alloc_disagree_handle_type":
+            os.environ["MOONEP_EP_HANDLE_TYPE"] = "fd" if rank == 0 else "auto"
+            SymmetricMemory.allocate([GRAN], driver=driver).close()
+        elif case == "alloc_disagree_granularity":
+            d2 = HostDriver(rank=rank, granularity=GRAN * (2 if rank == 1 else 1))
+            SymmetricMemory.allocate([4 * GRAN], driver=d2).close()
+        elif case == "tensor_too_big":
+            symm = SymmetricMemory.allocate([GRAN], driver=driver)
+            try:
+                view = symm.map_chunks()
+                try:
+                    with symm.comm.step("view"):
+                        view.tensor(torch.bfloat16, (ctx.world_size * GRAN,))
+                finally:
+                    view.close()
+            finally:
+                symm.close()
+        else:
+            store = ShardedExpertStore(num_layers=2, num_experts=8, projections=projs, num_slots=4,
+                                       driver=driver)
+            shape = {p.name: p.shape for p in projs}
+            if case == "load_wrong_dtype":
+                store.load(lambda layer, proj, e: torch.zeros(
+                    shape[proj], dtype=torch.float32 if rank == 1 else torch.bfloat16))
+            elif case == "load_wrong_shape":
+                store.load(lambda layer, proj, e: torch.zeros(
+                    (shape[proj][0] + (8 if rank == 0 else 0), shape[proj][1]), dtype=torch.bfloat16))
+            elif case == "load_layer_wrong_shape":
+                epn = 8 // ctx.world_size
+                tensors = {p.name: torch.zeros((epn + (1 if rank == 1 else 0), *p.shape), dtype=torch.bfloat16)
+                           for p in projs}
+                store.load_layer(0, tensors)
+            elif case == "view_unknown_layer":
+                with store.symm.comm.step("views"):
+                    store.gen_a(5 if rank == 0 else 0, "gate")
+        result["raised"] = None
+    except MoonEPError as exc:
+        result["raised"] = type(exc).__name__
+        result["message"] = str(exc)
+    finally:
+        os.environ.pop("MOONEP_EP_HANDLE_TYPE", None)
+        if store is not None:
+            store.close()
+    result["leaks"] = leaks(driver, before)
+    return result

@@ -43,7 +43,18 @@ class CollectiveError(MoonEPError):
 
 
 class PeerLostError(CollectiveError):
-    """A peer died or stopped answering within the configured timeout."""
+    """A peer died or stopped answering within the configured timeout.
+
+    Raised by every surviving rank at its next collective step; local
+    resources are still released (see ``SymmetricMemory.close``).
+    """
+
+    def __init__(self, step: str, rank: int | None, detail: str, timeout_s: float):
+        MoonEPError.__init__(
+            self, f"[rank {rank}] lost contact with a peer during '{step}' (a rank was killed, crashed or "
+                  f"stopped answering within MOONEP_EP_TIMEOUT_S={timeout_s:.0f}s): {detail}. Fix: read the "
+                  "other ranks' logs for the first failure, then restart all ranks")
+        self.step, self.rank, self.failures = step, rank, {-1: detail}
 
 
 def config_error(rank: int | None, what: str, value: object, fix: str) -> ConfigError:

@@ -15,7 +15,8 @@ def add_parser(subparsers: Any) -> None:
                    help="host (memfd, CPU), cuda (VMM), or auto (cuda when a GPU is visible)")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size per rank in MiB (default 4)")
     p.add_argument("--cycles", type=int, default=1, help="allocate/verify/teardown cycles (leak soak)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before unfinished ranks are killed")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before unfinished ranks are killed (default 120 + 3 per cycle)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         per_rank = run_ranks(selftest_rank, args.ranks, args=(driver, chunk, args.cycles), backend=backend,
                              use_cuda=driver == "cuda",
-                             timeout_s=args.timeout, progress=progress)
+                             timeout_s=args.timeout or 120.0 + 3.0 * args.cycles, progress=progress)
     except RankFailure as exc:
         summary = {"ok": False, "ranks": args.ranks, "driver": driver, "errors": exc.errors}
         print(json.dumps(summary, indent=2) if args.json else str(exc))
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     firsts = [r["first_cycle"] for r in per_rank]
     summary = {
         "ok": not errors and all(r["leaked_fds"] == 0 and r["leaked_mappings"] == 0 and
-                                 not r["leaked_driver_objects"] for r in per_rank),
+                                 not r["leaked_driver_objects"] for r in per_rank)
+              and sum(r["leaked_shm_bytes"] for r in per_rank) == 0,
         "ranks": args.ranks,
         "driver": driver,
         "handle_type": firsts[0]["handle_type"],
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         "leaked_mappings": sum(r["leaked_mappings"] for r in per_rank),
         "leaked_driver_objects": {r["rank"]: r["leaked_driver_objects"] for r in per_rank
                                   if r["leaked_driver_objects"]},
+        "leaked_shm_bytes": sum(r["leaked_shm_bytes"] for r in per_rank),
+        "system_shmem_delta_bytes": per_rank[0]["system_shmem_delta_bytes"],
         "rss_growth_bytes": max(r["rss_growth_bytes"] for r in per_rank),
         "seconds_per_rank": [r["seconds"] for r in per_rank],
         "errors": errors,
@@ -90,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         for r, f in enumerate(firsts):
             print(f"  rank {r}: physical {f['physical_bytes'] / 2**20:.1f} MiB (OS), "
                   f"visible {f['visible_bytes'] / 2**20:.1f} MiB, map {f['map_ms']} ms")
-        print(f"  leaked fds {summary['leaked_fds']}, leaked mappings {summary['leaked_mappings']}")
+        print(f"  leaked fds {summary['leaked_fds']}, leaked mappings {summary['leaked_mappings']}, "
+              f"leaked shared memory {summary['leaked_shm_bytes']} B, RSS growth over "
+              f"{args.cycles} cycles {summary['rss_growth_bytes']} B")
         for e in errors:
             print(f"  error: {e}")
     return 0 if summary["ok"] else 1

@@ -279,26 +279,34 @@ class ShardedExpertStore:
         t0 = time.perf_counter()
         epn, first = self.experts_per_rank, self.rank * self.experts_per_rank
         stats = self.load_stats
-        for layer in range(self.num_layers):
-            for p in self.projections:
-                own = self.owner_view(layer, p.name)
-                for j in range(epn):
-                    expert = first + j
-                    stats.experts_requested.append(expert)
-                    src = loader(layer, p.name, expert)
-                    self._check_src(src, p, (layer, p.name, expert))
-                    own[j].copy_(src)
-                    stats.bytes_written += p.row_bytes
-                    stats.max_transient_bytes = max(stats.max_transient_bytes,
-                                                    src.numel() * src.element_size())
-            if progress:
-                progress(f"rank {self.rank}: loaded layer {layer + 1}/{self.num_layers}")
+        # Lockstep: a bad tensor on one rank raises on every rank, nobody waits in a barrier.
+        with self.symm.comm.step("load experts"):
+            for layer in range(self.num_layers):
+                for p in self.projections:
+                    own = self.owner_view(layer, p.name)
+                    for j in range(epn):
+                        expert = first + j
+                        stats.experts_requested.append(expert)
+                        src = loader(layer, p.name, expert)
+                        self._check_src(src, p, (layer, p.name, expert))
+                        own[j].copy_(src)
+                        stats.bytes_written += p.row_bytes
+                        stats.max_transient_bytes = max(stats.max_transient_bytes,
+                                                        src.numel() * src.element_size())
+                if progress:
+                    progress(f"rank {self.rank}: loaded layer {layer + 1}/{self.num_layers}")
         self.finish_loading()
         stats.seconds += time.perf_counter() - t0
         return stats
 
     def load_layer(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Write this rank's experts of one layer from ``{projection: [epn, out, in]}``."""
+        """Write this rank's experts of one layer from ``{projection: [epn, out, in]}``.
+
+        Collective (lockstep): a bad tensor on one rank raises on every rank."""
+        with self.symm.comm.step(f"load layer {layer}"):
+            self._load_layer_local(layer, tensors)
+
+    def _load_layer_local(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
         for p in self.projections:
             if p.name not in tensors:
                 raise config_error(self.rank, "missing projection in load_layer", p.name,

@@ -21,6 +21,7 @@ class ProcessMemory:
     own_bytes: int            # st_size of memfds this rank created (physical allocation)
     own_bytes_by_tag: dict    # the same, split by the allocation's tag (memfd name suffix)
     own_resident_bytes: int   # st_blocks of those memfds (pages actually backed)
+    held_bytes: int           # bytes of our memfds (any rank's) this process keeps alive: open or mapped
     rss_bytes: int            # VmRSS
 
 
@@ -32,6 +33,7 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
     """Scan ``/proc/self``; ``own_*`` count memfds named for ``rank``."""
     open_memfds = own = resident = 0
     by_tag: dict[str, int] = {}
+    held: dict[int, int] = {}  # inode -> bytes kept alive (fd size, or mapped extent)
     own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}." if rank is not None else None
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -41,6 +43,11 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
         if not _is_ours(target):
             continue
         open_memfds += 1
+        try:
+            st_any = os.fstat(int(name))
+            held[st_any.st_ino] = st_any.st_size
+        except OSError:
+            pass
         if own_prefix and target.startswith(own_prefix):
             try:
                 st = os.fstat(int(name))
@@ -51,12 +58,18 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
             tag = target[len(own_prefix):].split(" ")[0]
             by_tag[tag] = by_tag.get(tag, 0) + st.st_size
     mappings = 0
+    mapped: dict[int, int] = {}
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(None, 5)
             if len(parts) == 6 and _is_ours(parts[5].strip()):
                 mappings += 1
-    return ProcessMemory(open_memfds, mappings, own, by_tag, resident, rss_bytes())
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                inode = int(parts[4])
+                mapped[inode] = mapped.get(inode, 0) + hi - lo
+    for inode, extent in mapped.items():
+        held.setdefault(inode, extent)
+    return ProcessMemory(open_memfds, mappings, own, by_tag, resident, sum(held.values()), rss_bytes())
 
 
 def rss_bytes() -> int:

@@ -185,7 +185,7 @@ class RecordingCudaApi:
         self._handles: dict[int, Any] = {}          # handle -> _Alloc | _Multicast
         self._objects: list[Any] = []               # every allocation / multicast object
         self._by_inode: dict[int, Any] = {}         # memfd inode -> exported object
-        self._by_ident: dict[int, Any] = {}         # fabric id -> exported object
+        self._by_ident: dict[tuple[int, int], Any] = {}  # (pid, fabric id) -> exported object
         self._reservations: dict[int, int] = {}     # addr -> size
         self._next_addr = _ADDRESS_BASE
         self._mappings: dict[int, _Mapping] = {}    # addr -> mapping
@@ -422,9 +422,16 @@ class RecordingCudaApi:
             return fd
         if ht == int(self.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC):
             fabric = self._real.CUmemFabricHandle()
-            payload = _FABRIC_MAGIC + struct.pack("<Q", obj.ident)
+            # ident, then what a fake in another process needs for a stand-in:
+            # kind (0 memory, 1 multicast), size, device or member count, handle types.
+            is_mc = isinstance(obj, _Multicast)
+            if is_mc:
+                obj.shared = True
+            payload = _FABRIC_MAGIC + struct.pack(
+                "<QBQIIi", obj.ident, int(is_mc), obj.size,
+                obj.num_devices if is_mc else obj.device, obj.handle_types, os.getpid())
             fabric.data = payload.ljust(64, b"\0")
-            self._by_ident[obj.ident] = obj
+            self._by_ident[(os.getpid(), obj.ident)] = obj
             return fabric
         raise _Fail("CUDA_ERROR_NOT_SUPPORTED", f"handle type {ht} not modelled")
 
@@ -451,8 +458,18 @@ class RecordingCudaApi:
             data = bytes(os_handle)
             if len(data) != 64 or not data.startswith(_FABRIC_MAGIC):
                 raise _Fail("CUDA_ERROR_INVALID_VALUE", "not a fabric handle of this fake")
-            ident = struct.unpack_from("<Q", data, len(_FABRIC_MAGIC))[0]
-            obj = self._by_ident.get(ident)
+            ident, is_mc, size, extra, handle_types, pid = struct.unpack_from(
+                "<QBQIIi", data, len(_FABRIC_MAGIC))
+            obj = self._by_ident.get((pid, ident))  # idents repeat across processes; pids do not
+            if obj is None:  # exported by another process's fake: a stand-in, as for fds
+                if is_mc:
+                    obj = _Multicast(self._new_id(), size, extra, handle_types)
+                    obj.shared = True
+                else:
+                    obj = _Alloc(self._new_id(), size, extra, handle_types)
+                self._objects.append(obj)
+                self._by_ident[(pid, ident)] = obj
+                return self._new_handle(obj)
         else:
             raise _Fail("CUDA_ERROR_NOT_SUPPORTED", f"handle type {ht} not modelled")
         if obj is None or not obj.alive():

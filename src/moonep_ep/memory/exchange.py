@@ -24,7 +24,6 @@ import shutil
 import socket
 import struct
 import tempfile
-import threading
 import time
 from typing import Sequence
 
@@ -34,8 +33,8 @@ from .group import GroupComm
 
 _SCM_MAX_FD = 253
 _HEADER = struct.Struct("<iii")  # sender rank, fds in this batch, fds in total
-_ACK = b"\x01"
 _ABORT = -1  # "total" of a header that cancels the exchange
+_DIR_PREFIX = "moonep-ep-fds-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +44,18 @@ class ExchangeDecision:
     handle_type: HandleType
     multicast: bool
     reason: str
+    #: Handle type every rank switches to if the first one is refused collectively
+    #: (fabric → POSIX fds on one host); None when there is no fallback.
+    fallback: HandleType | None = None
 
 
 def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) -> ExchangeDecision:
     """Collective: choose the handle type and multicast use from all ranks' capabilities.
 
-    ``auto`` handle type: POSIX fds when every rank is on one host (no IMEX
-    domain needed, works on every single-node NVSwitch box); FABRIC when ranks
-    span hosts and all support it. ``auto`` multicast: on iff every rank
+    ``auto`` handle type: FABRIC when every rank supports it — with a
+    collective fall-back to POSIX fds when ranks share one host and the system
+    refuses fabric (``NOT_PERMITTED``/``NOT_SUPPORTED``: no IMEX channel) —
+    else POSIX fds on one host; ranks on several hosts need fabric. ``auto`` multicast: on iff every rank
     supports it. A forced choice that some rank cannot honour raises the same
     error on every rank, naming the ranks and the fix.
     """
@@ -75,6 +78,7 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
     one_host = len({p["host"] for p in peers}) == 1
     no_fd = [r for r, p in enumerate(peers) if not p["fd"]]
     no_fabric = [r for r, p in enumerate(peers) if not p["fabric"]]
+    fallback = None
     if handle_pref == "fabric" or (handle_pref == "auto" and not one_host):
         if no_fabric:
             why = "forced by MOONEP_EP_HANDLE_TYPE=fabric" if handle_pref == "fabric" else "ranks span several hosts"
@@ -82,6 +86,10 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
                               "fabric support. Fix: run all ranks on one host with MOONEP_EP_HANDLE_TYPE=fd, "
                               "or enable IMEX channels on every node")
         handle_type, reason = HandleType.FABRIC, ("forced" if handle_pref == "fabric" else "ranks span hosts")
+    elif handle_pref == "auto" and not no_fabric and not no_fd:
+        # Every rank reports fabric support: try it (it also spans hosts later), and
+        # fall back to POSIX fds on every rank if the system refuses it (no IMEX).
+        handle_type, reason, fallback = HandleType.FABRIC, "all ranks support fabric", HandleType.POSIX_FD
     else:
         if not one_host:
             raise ConfigError(f"[rank {rank}] POSIX fds cannot cross hosts "
@@ -103,7 +111,7 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
     multicast = want_multicast and mc_pref != "off" and not no_mc
     if not multicast:
         reason += "; multicast off" + (f" (rank(s) {no_mc} lack it)" if no_mc else "")
-    return ExchangeDecision(handle_type, multicast, reason)
+    return ExchangeDecision(handle_type, multicast, reason, fallback)
 
 
 class HandleExchanger:
@@ -117,6 +125,10 @@ class HandleExchanger:
 
     def __init__(self, comm: GroupComm):
         self.comm = comm
+        #: Connections refused because the peer was not a group member (pid/uid).
+        self.rejected: list[str] = []
+        #: Socket directory of the latest fd exchange (removed when it ends).
+        self.last_directory: str | None = None
 
     def exchange(self, local: Sequence[Shareable], handle_type: HandleType) -> list[list[Shareable]]:
         self.comm.rounds["handle_exchange"] += 1
@@ -131,15 +143,20 @@ class HandleExchanger:
     def exchange_fds(self, local_fds: Sequence[int]) -> list[list[int]]:
         comm = self.comm
         rank, world = comm.rank, comm.world_size
-        sock_dir = tempfile.mkdtemp(prefix="moonep-ep-fds-") if rank == 0 else None
-        directory = comm.all_gather_object(sock_dir)[0]
+        sock_dir = None
+        if rank == 0:
+            _sweep_stale_dirs()
+            # Fresh random name (0700): sockets of a crashed run are never reused.
+            sock_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+        directory = comm.all_gather_object(sock_dir, "fd exchange: directory")[0]
+        self.last_directory = directory
         received: dict[int, list[int]] = {}
         listener = None
         error: BaseException | None = None
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(os.path.join(directory, f"rank{rank}.sock"))
-            listener.listen(world)
+            listener.listen(world + 16)  # members, plus room for strays we reject
             listener.settimeout(comm.timeout_s)
         except OSError as exc:
             error = exc
@@ -152,28 +169,9 @@ class HandleExchanger:
             pid_to_rank = {m[0]: r for r, m in enumerate(members)}
             uid = os.getuid()
 
-            recv_error: list[BaseException] = []
-
-            def receive_all() -> None:
-                # Keep accepting after a bad peer: every sender waits for our ack.
-                deadline = time.monotonic() + comm.timeout_s
-                for _ in range(world - 1):
-                    try:
-                        listener.settimeout(max(0.01, deadline - time.monotonic()))
-                        conn, _ = listener.accept()
-                    except BaseException as exc:  # reported to the main thread
-                        recv_error.append(exc)
-                        return
-                    with conn:
-                        try:
-                            conn.settimeout(max(0.01, deadline - time.monotonic()))
-                            sender = _check_peer(conn, pid_to_rank, uid, rank)
-                            received[sender] = _recv_fds(conn, sender, rank)
-                        except BaseException as exc:
-                            recv_error.append(exc)
-
-            thread = threading.Thread(target=receive_all, name=f"moonep-ep-fdrecv-{rank}", daemon=True)
-            thread.start()
+            # Send first, then receive, in one thread: a connection, its bytes and its
+            # in-flight fds wait in the receiver's kernel queue until accepted, so
+            # nothing blocks (and no thread, hence no per-thread heap arena, per call).
             send_error: BaseException | None = None
             peers = [(rank + step) % world for step in range(1, world)]
             for i, peer in enumerate(peers):
@@ -186,11 +184,31 @@ class HandleExchanger:
                     for other in peers[i:]:
                         _send_abort(os.path.join(directory, f"rank{other}.sock"), rank)
                     break
-            thread.join(comm.timeout_s + 1.0)
-            if thread.is_alive():
-                recv_error.append(TimeoutError(f"no fds from rank(s) "
-                                               f"{sorted(set(range(world)) - set(received) - {rank})} "
-                                               f"within {comm.timeout_s:.0f}s"))
+            recv_error: list[BaseException] = []
+            deadline = time.monotonic() + comm.timeout_s
+            answered: set[int] = set()
+            while len(answered) < world - 1:
+                try:
+                    listener.settimeout(max(0.01, deadline - time.monotonic()))
+                    conn, _ = listener.accept()
+                except (TimeoutError, socket.timeout):
+                    missing = sorted(set(range(world)) - answered - {rank})
+                    recv_error.append(TimeoutError(f"no fds from rank(s) {missing} within "
+                                                   f"{comm.timeout_s:.0f}s"))
+                    break
+                with conn:
+                    try:
+                        conn.settimeout(max(0.01, deadline - time.monotonic()))
+                        sender = _check_peer(conn, pid_to_rank, uid, rank)
+                    except PermissionError as exc:
+                        # Not a member: take nothing from it, and keep waiting for members.
+                        self.rejected.append(str(exc))
+                        continue
+                    answered.add(sender)
+                    try:
+                        received[sender] = _recv_fds(conn, sender, rank)
+                    except (OSError, ConnectionError, PermissionError) as exc:
+                        recv_error.append(exc)
             local_error = send_error or (recv_error[0] if recv_error else None)
             if local_error is not None:
                 error = RuntimeError(f"[rank {rank}] fd exchange failed: "
@@ -209,6 +227,28 @@ class HandleExchanger:
             # Everyone is past its socket use once agree() returned (or raised).
             if rank == 0 and directory:
                 shutil.rmtree(directory, ignore_errors=True)
+
+
+def _sweep_stale_dirs() -> None:
+    """Remove socket directories of ours whose creating process is gone (a crashed run)."""
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_DIR_PREFIX):
+            continue
+        path = os.path.join(base, name)
+        try:
+            pid = int(name[len(_DIR_PREFIX):].split("-", 1)[0])
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
 
 
 def _check_peer(conn: socket.socket, pid_to_rank: dict[int, int], uid: int, rank: int) -> int:
@@ -250,7 +290,6 @@ def _recv_fds(conn: socket.socket, sender: int, rank: int) -> list[int]:
                 raise PermissionError(f"[rank {rank}] peer with rank {sender}'s credentials claimed rank {claimed}")
             if total == _ABORT:
                 raise ConnectionAbortedError(f"rank {sender} aborted the exchange (its send failed)")
-            conn.sendall(_ACK)
             if len(fds) >= total:
                 if len(fds) != total:
                     raise ConnectionError(f"rank {sender} sent {len(fds)} fds, announced {total}")
@@ -262,17 +301,15 @@ def _recv_fds(conn: socket.socket, sender: int, rank: int) -> list[int]:
 
 
 def _send_fds(path: str, rank: int, fds: list[int], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Connect and queue every fd (batches of at most 253) with a header each; the
+    receiver takes them when it accepts. Returns once the kernel holds them."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(path)
         batches = [fds[i:i + _SCM_MAX_FD] for i in range(0, len(fds), _SCM_MAX_FD)] or [[]]
         for batch in batches:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch))] if batch else []
             sock.sendmsg([_HEADER.pack(rank, len(batch), len(fds))], anc)
-            if _recv_exact(sock, 1) != _ACK:
-                raise ConnectionError("bad acknowledgement")
 
 
 def _send_abort(path: str, rank: int) -> None:

@@ -11,16 +11,20 @@ goes through the group.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, PeerLostError
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_EP_TIMEOUT_S", "60"))
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def default_timeout_s() -> float:
+    """``MOONEP_EP_TIMEOUT_S`` (read when used, so a rank can set it after import), else 60 s."""
+    return float(os.environ.get("MOONEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 class GroupComm:
@@ -38,16 +42,22 @@ class GroupComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         self.pid = os.getpid()
         self.hostname = socket.gethostname()
         #: Collective rounds issued through this object (benchmarks report them).
         self.rounds = {"metadata": 0, "handle_exchange": 0}
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
+        """``all_gather_object`` over the group; a dead or silent peer becomes a
+        :class:`PeerLostError` naming this rank and the step (not a bare backend error)."""
         out: list[Any] = [None] * self.world_size
         self.rounds["metadata"] += 1
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except (RuntimeError, ConnectionError, OSError) as exc:
+            raise PeerLostError(step or "all_gather", self.rank, f"{type(exc).__name__}: {exc}",
+                                self.timeout_s) from exc
         return out
 
     def barrier(self) -> None:
@@ -57,7 +67,7 @@ class GroupComm:
         """Collective: raise on every rank if ``error`` is set on any rank."""
         message = None if error is None else (error if isinstance(error, str) else
                                               f"{type(error).__name__}: {error}")
-        gathered = self.all_gather_object(message)
+        gathered = self.all_gather_object(message, step)
         failures = {r: m for r, m in enumerate(gathered) if m is not None}
         if failures:
             exc = CollectiveError(step, failures, rank=self.rank)
@@ -75,6 +85,3 @@ class GroupComm:
             raise  # unreachable: agree raises when an error is given
         self.agree(name, None)
 
-
-def timeout_delta(timeout_s: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=timeout_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import torch
 
 from . import make_driver
-from .accounting import snapshot
+from .accounting import snapshot, system_shmem_bytes
+from .group import GroupComm
 from .symmetric import SymmetricMemory
 
 
@@ -87,14 +89,32 @@ def _one_cycle(ctx: Any, driver, chunk_bytes: int) -> dict[str, Any]:
     return result
 
 
+def _settled_rss(rank: int) -> int:
+    """RSS after garbage collection and returning free heap pages to the OS, so the
+    figure is memory still held, not memory the allocator merely caches."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the raw figure is still meaningful
+        pass
+    return snapshot(rank).rss_bytes
+
+
 def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1) -> dict[str, Any]:
     """Run ``cycles`` full allocate/verify/teardown cycles; report the first cycle and leaks."""
     driver = make_driver(driver_name, rank=ctx.rank)
+    comm = GroupComm()
     gc.collect()
+    comm.barrier()  # every rank idle: the machine-wide shared-memory figure is comparable
+    shm_before = system_shmem_bytes()
     before = snapshot(ctx.rank)
     live_before = driver.live_objects()
     first = None
-    rss_after_first = None
+    rss_baseline = None
+    # RSS is compared from the end of a warm-up: allocator arenas and torch/gloo
+    # state grow over the first few hundred collectives, then stay flat; a leak
+    # of ours grows every cycle and shows in the remaining cycles.
+    warmup = max(1, min(50, cycles // 4))
     errors: list[str] = []
     t0 = time.perf_counter()
     for cycle in range(cycles):
@@ -102,9 +122,11 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1)
         errors += [f"cycle {cycle}: {e}" for e in res["errors"]]
         if first is None:
             first = res
-            gc.collect()
-            rss_after_first = snapshot(ctx.rank).rss_bytes
-    gc.collect()
+        if cycle + 1 == warmup:
+            rss_baseline = _settled_rss(ctx.rank)
+    rss_end = _settled_rss(ctx.rank)
+    comm.barrier()  # every rank torn down
+    shm_after = system_shmem_bytes()
     after = snapshot(ctx.rank)
     live = driver.live_objects()
     leaked_driver = {k: v - live_before.get(k, 0) for k, v in live.items() if v != live_before.get(k, 0)}
@@ -118,5 +140,10 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1)
         "leaked_fds": after.open_memfds - before.open_memfds,
         "leaked_mappings": after.memfd_mappings - before.memfd_mappings,
         "leaked_driver_objects": leaked_driver,
-        "rss_growth_bytes": after.rss_bytes - (rss_after_first or after.rss_bytes),
+        "rss_growth_bytes": rss_end - (rss_baseline if rss_baseline is not None else rss_end),
+        "rss_warmup_cycles": warmup,
+        # Shared memory this rank still keeps alive (its open or mapped memfds, any owner's).
+        "leaked_shm_bytes": after.held_bytes - before.held_bytes,
+        # Machine-wide /proc/meminfo Shmem change: informative only, other processes move it.
+        "system_shmem_delta_bytes": (shm_after - shm_before) if ctx.rank == 0 else 0,
     }

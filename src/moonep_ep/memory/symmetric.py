@@ -50,6 +50,13 @@ from .group import GroupComm
 
 MULTICAST_BIND_RETRIES = int(os.environ.get("MOONEP_EP_MC_BIND_RETRIES", "3"))
 _RETRYABLE = ("SYSTEM_NOT_READY",)
+#: Result codes meaning "this system cannot share fabric handles" (no IMEX channel or domain).
+_FABRIC_REFUSED = ("NOT_PERMITTED", "NOT_SUPPORTED")
+
+
+def _fabric_refused(exc: CollectiveError) -> bool:
+    return bool(exc.failures) and all(any(code in msg for code in _FABRIC_REFUSED)
+                                      for msg in exc.failures.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +130,8 @@ class VirtualRange:
             numel *= int(dim)
         nbytes = numel * itemsize
         if byte_offset < 0 or byte_offset + nbytes > self.size or byte_offset % itemsize:
-            raise ConfigError(f"tensor [{byte_offset}, +{nbytes}) of {dtype} does not fit the "
+            raise ConfigError(f"[rank {self._mapping.driver.rank if self._mapping else '?'}] "
+                              f"tensor [{byte_offset}, +{nbytes}) of {dtype} does not fit the "
                               f"{self.size}-byte range {self.name!r} (or is misaligned). Fix: check the "
                               "shape and offset against the layout")
         raw = self.bytes()[byte_offset:byte_offset + nbytes]
@@ -189,77 +197,92 @@ class SymmetricMemory:
         with undo:
             with self.comm.step("validate and vote"):
                 self.decision = vote(self.comm, driver.capabilities(), want_multicast=multicast)
-                self.granularity = driver.granularity(self.decision.handle_type)
-                sizes = [int(n) for n in chunk_bytes]
-                bad = [n for n in sizes if n < 0]
-                if bad or not sizes:
+                requested = [int(n) for n in chunk_bytes]
+                if not requested or any(n < 0 for n in requested):
                     raise ConfigError(f"[rank {rank}] chunk sizes must be >= 0 (at least one chunk), got "
-                                      f"{sizes}. Fix: pass each chunk's size in bytes")
-                sizes = [round_up(n, self.granularity) for n in sizes]
-                self.tags = list(tags) if tags else [f"chunk{i}" for i in range(len(sizes))]
-                if len(self.tags) != len(sizes):
-                    raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(sizes)} chunks")
-            # Ranks must agree on granularity and handle type before sizes mean anything.
-            meta = self.comm.all_gather_object((sizes, self.granularity, self.decision.handle_type.value))
-            with self.comm.step("compare granularity"):
-                grans = {m[1] for m in meta}
-                if len(grans) != 1:
-                    raise ConfigError(f"[rank {rank}] ranks report different granularities "
-                                      f"{[m[1] for m in meta]}. Fix: use the same GPU model / "
-                                      "MOONEP_EP_HOST_GRANULARITY on every rank")
-            self.chunk_sizes = [list(m[0]) for m in meta]
-
-            exported: list[Any] = []
-            with self.comm.step("create and export"):
-                for size, tag in zip(sizes, self.tags):
-                    if size == 0:  # an empty chunk (e.g. a rank owning no page) has no memory
-                        self._own.append(None)
-                        continue
-                    handle = driver.create(size, self.decision.handle_type, tag=tag)
-                    undo.callback(driver.release, handle)
-                    self._own.append(handle)
-                for handle in self._own:
-                    if handle is None:
-                        continue
-                    shareable = driver.export(handle, self.decision.handle_type)
-                    if isinstance(shareable, int):
-                        undo.callback(_close_quietly, shareable)
-                    exported.append(shareable)
-
-            received = HandleExchanger(self.comm).exchange(exported, self.decision.handle_type)
-            # Received fds are ours: close them right after import, on every path.
-            for peer_list in received:
-                for item in peer_list:
-                    if isinstance(item, int):
-                        undo.callback(_close_quietly, item)
-
-            with self.comm.step("import peer handles"):
-                for owner, peer_list in enumerate(received):
-                    nonempty = [i for i, n in enumerate(self.chunk_sizes[owner]) if n > 0]
-                    if len(peer_list) != len(nonempty):
-                        raise DriverError(f"[rank {rank}] rank {owner} sent {len(peer_list)} handles "
-                                          f"for {len(nonempty)} non-empty chunks")
-                    if owner == rank:
-                        continue
-                    for i, shareable in zip(nonempty, peer_list):
-                        handle = driver.import_handle(shareable, self.decision.handle_type,
-                                                      size=self.chunk_sizes[owner][i])
-                        undo.callback(driver.release, handle)
-                        self._imports[(owner, i)] = handle
-
+                                      f"{requested}. Fix: pass each chunk's size in bytes")
+                self.tags = list(tags) if tags else [f"chunk{i}" for i in range(len(requested))]
+                if len(self.tags) != len(requested):
+                    raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(requested)} chunks")
+            while True:
+                attempt = contextlib.ExitStack()
+                try:
+                    self._create_exchange_import(requested, attempt)
+                except CollectiveError as exc:
+                    attempt.close()  # this attempt leaves nothing behind
+                    fallback = self.decision.fallback
+                    if fallback is None or not _fabric_refused(exc):
+                        raise
+                    # Fabric needs an IMEX channel/domain; on one host POSIX fds serve, for all ranks.
+                    self.decision = dataclasses.replace(
+                        self.decision, handle_type=fallback, fallback=None,
+                        reason=f"{self.decision.reason}; fabric refused on rank(s) {sorted(exc.failures)}, "
+                               "fell back to POSIX fds on every rank")
+                    continue
+                undo.push(attempt.pop_all())
+                break
             if self.decision.multicast:
                 self._setup_multicast(undo, multicast_bytes)
-
-            # Success: keep handles, but close every fd (exported and received) now.
-            undo.pop_all()
-            for shareable in exported:
-                if isinstance(shareable, int):
-                    _close_quietly(shareable)
-            for peer_list in received:
-                for item in peer_list:
-                    if isinstance(item, int):
-                        _close_quietly(item)
+            undo.pop_all()  # success: the object owns every handle now
         return self
+
+    def _create_exchange_import(self, requested: list[int], undo: contextlib.ExitStack) -> None:
+        """Collective: round sizes for the chosen handle type, create and export own chunks,
+        exchange all handles in one round, import the peers' chunks, close every fd."""
+        comm, driver, rank = self.comm, self.driver, self.comm.rank
+        ht = self.decision.handle_type
+        self.granularity = driver.granularity(ht)
+        sizes = [round_up(n, self.granularity) for n in requested]
+        # Ranks must agree on granularity and handle type before sizes mean anything.
+        meta = comm.all_gather_object((sizes, self.granularity, ht.value), "gather chunk sizes")
+        with comm.step("compare granularity"):
+            if len({m[1] for m in meta}) != 1:
+                raise ConfigError(f"[rank {rank}] ranks report different granularities "
+                                  f"{[m[1] for m in meta]}. Fix: use the same GPU model / "
+                                  "MOONEP_EP_HOST_GRANULARITY on every rank")
+            if len({m[2] for m in meta}) != 1:
+                raise ConfigError(f"[rank {rank}] ranks chose different handle types {[m[2] for m in meta]}. "
+                                  "Fix: set the same MOONEP_EP_HANDLE_TYPE on every rank")
+        self.chunk_sizes = [list(m[0]) for m in meta]
+        self._own = []
+        undo.callback(self._own.clear)
+
+        exported: list[Any] = []
+        fds: list[int] = []  # every fd this attempt holds; closed right after import, on every path
+        undo.callback(lambda: [_close_quietly(fd) for fd in fds])
+        with comm.step(f"create and export ({ht.value})"):
+            for size, tag in zip(sizes, self.tags):
+                if size == 0:  # an empty chunk (e.g. a rank owning no page) has no memory
+                    self._own.append(None)
+                    continue
+                handle = driver.create(size, ht, tag=tag)
+                undo.callback(driver.release, handle)
+                self._own.append(handle)
+            for handle in self._own:
+                if handle is not None:
+                    shareable = driver.export(handle, ht)
+                    if isinstance(shareable, int):
+                        fds.append(shareable)
+                    exported.append(shareable)
+
+        received = HandleExchanger(comm).exchange(exported, ht)
+        fds.extend(item for peer_list in received for item in peer_list if isinstance(item, int))
+
+        with comm.step(f"import peer handles ({ht.value})"):
+            for owner, peer_list in enumerate(received):
+                nonempty = [i for i, n in enumerate(self.chunk_sizes[owner]) if n > 0]
+                if len(peer_list) != len(nonempty):
+                    raise DriverError(f"[rank {rank}] rank {owner} sent {len(peer_list)} handles "
+                                      f"for {len(nonempty)} non-empty chunks")
+                if owner == rank:
+                    continue
+                for i, shareable in zip(nonempty, peer_list):
+                    handle = driver.import_handle(shareable, ht, size=self.chunk_sizes[owner][i])
+                    undo.callback(driver.release, handle)
+                    undo.callback(self._imports.pop, (owner, i), None)
+                    self._imports[(owner, i)] = handle
+        while fds:  # imported: the handles keep the memory, the fds are done
+            _close_quietly(fds.pop())
 
     def _setup_multicast(self, undo: contextlib.ExitStack, multicast_bytes: int | None) -> None:
         comm, driver, ht = self.comm, self.driver, self.decision.handle_type
@@ -469,25 +492,41 @@ class SymmetricMemory:
             raise RuntimeError(f"[rank {self.comm.rank}] symmetric memory is closed")
 
     def close(self) -> None:
-        """Collective teardown (see the module docstring for the order). Idempotent."""
+        """Collective teardown (see the module docstring for the order). Idempotent.
+
+        If a peer is gone (the barrier fails), every local resource is still
+        released, then the error is raised: a survivor never leaks because a
+        peer died.
+        """
         if self._closed:
             return
         self._closed = True
         driver = self.driver
-        driver.synchronize()
-        self.comm.barrier()  # nobody reads a peer's chunk any more
+        errors: list[BaseException] = []
+
+        def attempt(fn, *args) -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - keep releasing, raise the first at the end
+                errors.append(exc)
+
+        attempt(driver.synchronize)
+        attempt(self.comm.barrier)  # nobody reads a peer's chunk any more
         if self._multicast is not None:
-            self._teardown_multicast()
-            self.comm.barrier()
+            attempt(self._teardown_multicast)
+            if not errors:
+                attempt(self.comm.barrier)  # every member unbound before anyone frees memory
         ranges, self._strong_ranges = self._strong_ranges, []
         for vr in ranges:
-            vr.close()
+            attempt(vr.close)
         del ranges
-        self.release_imports()
+        attempt(self.release_imports)
         while self._own:
             handle = self._own.pop()
             if handle is not None:
-                driver.release(handle)
+                attempt(driver.release, handle)
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> "SymmetricMemory":
         return self
