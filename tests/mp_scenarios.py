@@ -328,6 +328,7 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
     from moonep_ep.errors import MoonEPError
     from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
     from moonep_ep.memory import exchange
+    from moonep_ep.ops.prefetch import pull_slots
 
     rank = ctx.rank
     driver = HostDriver(rank=rank, granularity=GRAN)
@@ -363,9 +364,8 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
         for step in range(50):  # pull prefetch: slots <- rows of every owner, then a barrier
             if me_dies and point == "during_prefetch" and step == 3:
                 die()
-            full = store.gen_a(step % 2, "down")
-            for b in range(3):
-                full[store.num_experts + b].copy_(full[(victim * 3 + b) % store.num_experts])
+            full = {p.name: store.gen_a(step % 2, p.name) for p in store.projections}
+            pull_slots(full, [(victim * 3 + b) % store.num_experts for b in range(3)], store.num_experts)
             store.finish_loading()
         out["error"] = None
     except MoonEPError as exc:

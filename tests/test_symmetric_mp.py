@@ -112,6 +112,10 @@ def test_cuda_call_sequence_against_the_recording_fake():
         assert access and all(a[3] == "1" for a in access)
         # Teardown: sync before the first unmap; unbind before the bound memory's release;
         # every reservation freed after its unmaps; primary context released last.
+        # Imported handles are released right after mapping (the mappings keep the memory),
+        # before any teardown starts.
+        last_access = len(names) - 1 - names[::-1].index("cuMemSetAccess")
+        assert names[last_access + 1:last_access + 3] == ["cuMemRelease", "cuMemRelease"]
         first_unmap = first("cuMemUnmap")
         assert "cuCtxSynchronize" in names[:first_unmap]
         unbind = first("cuMulticastUnbind")
