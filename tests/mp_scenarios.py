@@ -290,6 +290,24 @@ def cuda_fake_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
             "live": api.live(), "driver_live": driver.live_objects()}
 
 
+def _allocate_map_close(driver: Any, multicast: bool) -> dict[str, Any]:
+    """One GRAN chunk per rank: allocate, map all, release imports, tear down, close the
+    driver; report the decision, or the collective error."""
+    out: dict[str, Any] = {}
+    try:
+        symm = SymmetricMemory.allocate([GRAN], driver=driver, multicast=multicast)
+        out.update(handle_type=symm.decision.handle_type.value, reason=symm.decision.reason,
+                   multicast=symm.has_multicast)
+        view = symm.map_chunks()
+        symm.release_imports()
+        view.close()
+        symm.close()
+    except CollectiveError as exc:
+        out["error"] = str(exc)
+    driver.close()
+    return out
+
+
 def cuda_fabric_fallback(ctx: Any, fail_rank: int, fail_call: str, times: int) -> dict[str, Any]:
     """Fabric refused (NOT_PERMITTED) on one rank: every rank falls back to POSIX fds."""
     from moonep_ep.memory.cuda import CudaDriver
@@ -299,17 +317,7 @@ def cuda_fabric_fallback(ctx: Any, fail_rank: int, fail_call: str, times: int) -
     if ctx.rank == fail_rank:
         api.fail(fail_call, "CUDA_ERROR_NOT_PERMITTED", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
-    out: dict[str, Any] = {}
-    try:
-        symm = SymmetricMemory.allocate([GRAN], driver=driver)
-        out.update(handle_type=symm.decision.handle_type.value, reason=symm.decision.reason)
-        view = symm.map_chunks()
-        symm.release_imports()
-        view.close()
-        symm.close()
-    except CollectiveError as exc:
-        out["error"] = str(exc)
-    driver.close()
+    out = _allocate_map_close(driver, multicast=False)
     out["creates"] = [repr(a[1].requestedHandleTypes) for n, a in api.calls if n == "cuMemCreate"]
     out["live"] = api.live()
     out["calls"] = [n for n, _ in api.calls]
@@ -473,17 +481,7 @@ def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
     if ctx.rank == 1:
         api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
-    out: dict[str, Any] = {}
-    try:
-        symm = SymmetricMemory.allocate([GRAN], driver=driver, multicast=True)
-        out["multicast"] = symm.has_multicast
-        view = symm.map_chunks()
-        symm.release_imports()
-        view.close()
-        symm.close()
-    except CollectiveError as exc:
-        out["error"] = str(exc)
-    driver.close()
+    out = _allocate_map_close(driver, multicast=True)
     out["binds"] = sum(1 for n, _ in api.calls if n == "cuMulticastBindMem")
     out["calls"] = [n for n, _ in api.calls]
     out["live"] = api.live()
