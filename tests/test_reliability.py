@@ -99,6 +99,7 @@ def test_bad_input_raises_on_every_rank_with_rank_value_and_fix(case):
         assert res["leaks"] == {}, (case, rank, res["leaks"])
 
 
+@pytest.mark.timeout(1500)
 def test_selftest_soak_200_cycles_leaks_nothing():
     from clitools import moonep_ep_json
 
