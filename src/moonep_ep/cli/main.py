@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "footprint": "footprint",
     "bench": "bench",
     "demo": "demo",
+    "vllm-demo": "vllm_demo",
 }
 
 

@@ -325,7 +325,7 @@ class ShardedExpertStore:
     def finish_loading(self) -> None:
         """Collective: make every rank's writes visible before anyone reads a peer's rows."""
         self.driver.synchronize()
-        self.symm.comm.barrier()
+        self.symm.comm.barrier("finish loading")
 
     def _check_src(self, src: torch.Tensor, p: ProjectionSpec, where: tuple) -> None:
         if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(p.shape):

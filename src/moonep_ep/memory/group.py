@@ -60,8 +60,8 @@ class GroupComm:
                                 self.timeout_s) from exc
         return out
 
-    def barrier(self) -> None:
-        self.all_gather_object(None)
+    def barrier(self, step: str = "barrier") -> None:
+        self.all_gather_object(None, step)
 
     def agree(self, step: str, error: BaseException | str | None) -> None:
         """Collective: raise on every rank if ``error`` is set on any rank."""

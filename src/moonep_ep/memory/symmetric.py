@@ -511,11 +511,11 @@ class SymmetricMemory:
                 errors.append(exc)
 
         attempt(driver.synchronize)
-        attempt(self.comm.barrier)  # nobody reads a peer's chunk any more
+        attempt(self.comm.barrier, "close: peers done")  # nobody reads a peer's chunk any more
         if self._multicast is not None:
             attempt(self._teardown_multicast)
             if not errors:
-                attempt(self.comm.barrier)  # every member unbound before anyone frees memory
+                attempt(self.comm.barrier, "close: multicast unbound")  # before anyone frees memory
         ranges, self._strong_ranges = self._strong_ranges, []
         for vr in ranges:
             attempt(vr.close)

@@ -1,0 +1,159 @@
+"""Which MoonEP ``Buffer`` serves vLLM, which memory driver backs the expert store, and the system check.
+
+``MOONEP_EP_BUFFER`` = ``auto`` (default) | ``reference`` | ``moonep``:
+
+* ``moonep``: the real CUDA library; must be importable, expose the pull
+  (Gen A) API vLLM 0.33.0 calls (a ``B`` constructor argument), and report
+  NVSwitch multicast (``moonep._C.nvl_multicast_supported()``);
+* ``reference``: :class:`moonep_ep.ops.buffer.ReferenceBuffer` (pure
+  PyTorch over the EP process group: gloo on CPU, NCCL on GPU);
+* ``auto``: ``moonep`` when usable, else ``reference``.
+
+One log line per process says which one serves and why.
+
+The expert store (:class:`moonep_ep.layout.store.ShardedExpertStore`) needs,
+on GPU, CUDA VMM, a shareable handle type (POSIX fds within one host, fabric
+handles across hosts) and peer access; the real MoonEP buffer additionally
+needs multicast. :func:`system_check` names every missing piece at backend
+selection (when the MoonEP all2all manager is built), before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+from typing import Any
+
+from ..errors import ConfigError
+
+logger = logging.getLogger("vllm.moonep_ep")
+
+BUFFER_CHOICES = ("auto", "reference", "moonep")
+#: Host pages for the CPU store. Host memory maps at 4 KiB; 64 KiB keeps page
+#: padding small for tiny test models while still exercising every alignment rule.
+DEFAULT_CPU_GRANULARITY = 64 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferChoice:
+    kind: str            # "reference" or "moonep"
+    cls: Any             # the Buffer class
+    reason: str
+
+
+def _real_moonep(device_type: str) -> tuple[Any, str]:
+    """``(moonep.Buffer, "")`` when the real library can serve vLLM 0.33.0 here, else ``(None, why)``."""
+    if device_type != "cuda":
+        return None, "the real MoonEP library runs on CUDA GPUs only"
+    try:
+        moonep = importlib.import_module("moonep")
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"
+        return None, f"the moonep package is not importable ({type(exc).__name__}: {exc})"
+    buffer_cls = getattr(moonep, "Buffer", None)
+    if buffer_cls is None:
+        return None, "the moonep package has no Buffer"
+    try:
+        params = inspect.signature(buffer_cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if params and "B" not in params:
+        return None, ("the installed moonep has the push API (no B argument); vLLM 0.33.0 calls the pull API "
+                      "(B=, full_*_weight)")
+    try:
+        from moonep._C import nvl_multicast_supported  # type: ignore[import-not-found]
+
+        if not nvl_multicast_supported():
+            return None, "moonep reports no NVSwitch multicast on this GPU/topology"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"moonep's multicast probe failed ({type(exc).__name__}: {exc})"
+    return buffer_cls, ""
+
+
+_logged: set[str] = set()
+
+
+def select_buffer(device_type: str) -> BufferChoice:
+    """Resolve ``MOONEP_EP_BUFFER`` for this process; logs the choice once."""
+    pref = os.environ.get("MOONEP_EP_BUFFER", "auto").strip().lower() or "auto"
+    if pref not in BUFFER_CHOICES:
+        raise ConfigError(f"MOONEP_EP_BUFFER={pref!r} is not one of {', '.join(BUFFER_CHOICES)}. "
+                          "Fix: unset it (auto) or pick reference or moonep")
+    real, why = (None, "MOONEP_EP_BUFFER=reference") if pref == "reference" else _real_moonep(device_type)
+    if pref == "moonep" and real is None:
+        raise ConfigError(f"MOONEP_EP_BUFFER=moonep, but {why}. Fix: install the MoonEP library on a GPU node "
+                          "with NVSwitch multicast, or set MOONEP_EP_BUFFER=reference (or auto)")
+    if real is not None:
+        choice = BufferChoice("moonep", real, f"MOONEP_EP_BUFFER={pref}: the moonep library is usable")
+    else:
+        from ..ops.buffer import ReferenceBuffer
+
+        choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
+    line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason})"
+    if line not in _logged:
+        _logged.add(line)
+        logger.info(line)
+    return choice
+
+
+def system_check(device_type: str, buffer_kind: str) -> dict[str, Any]:
+    """Raise :class:`ConfigError` naming every missing capability; return the capabilities found.
+
+    CPU: the host driver (memfd + mmap) must work. CUDA: VMM, POSIX fd or
+    fabric handles, and peer access for the store; multicast too for the real
+    buffer (the reference buffer needs none).
+    """
+    if device_type != "cuda":
+        from ..memory.host import HostDriver
+
+        caps = HostDriver(granularity=cpu_granularity()).capabilities()
+        if not caps.available:
+            raise ConfigError("moonep_ep: the host memory driver is unusable here: "
+                              f"{caps.reasons.get('driver')}. Fix: run on Linux with memfd_create")
+        return caps.to_json()
+    import torch
+
+    from ..memory.cuda import CudaDriver
+
+    caps = CudaDriver(device=torch.cuda.current_device()).capabilities()
+    missing = []
+    if not caps.available:
+        missing.append(f"CUDA driver ({caps.reasons.get('driver')})")
+    else:
+        if not caps.vmm:
+            missing.append(f"VMM ({caps.reasons.get('vmm')})")
+        if not (caps.posix_fd or caps.fabric):
+            missing.append(f"POSIX fd or fabric handles (fd: {caps.reasons.get('posix_fd')}; "
+                           f"fabric: {caps.reasons.get('fabric')})")
+        if caps.peer_access is False:
+            missing.append(f"peer access ({caps.reasons.get('peer_access')})")
+        if buffer_kind == "moonep" and not caps.multicast:
+            missing.append(f"multicast ({caps.reasons.get('multicast')}; the real MoonEP buffer needs it — "
+                           "MOONEP_EP_BUFFER=reference runs without)")
+    if missing:
+        raise ConfigError(f"moonep_ep: --all2all-backend moonep with the sharded layout cannot run on "
+                          f"{caps.device}: missing {'; '.join(missing)}. Fix: run on GPUs with CUDA VMM and "
+                          "NVLink peer access (`moonep-ep check` lists every capability)")
+    return caps.to_json()
+
+
+def cpu_granularity() -> int:
+    return int(os.environ.get("MOONEP_EP_HOST_GRANULARITY", DEFAULT_CPU_GRANULARITY))
+
+
+def make_store_driver(device: Any, rank: int) -> Any:
+    """The memory driver for the expert store on ``device`` (a torch device)."""
+    if getattr(device, "type", str(device)) == "cuda":
+        from ..memory.cuda import CudaDriver
+
+        index = device.index
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        return CudaDriver(device=index, rank=rank)
+    from ..memory.host import HostDriver
+
+    return HostDriver(rank=rank, granularity=cpu_granularity())

