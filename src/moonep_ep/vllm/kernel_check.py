@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -197,9 +198,17 @@ def _convert(moe_cfg: Any, layer: Any) -> None:
 
 
 def kernel_rank(ctx: Any, case_dict: dict[str, Any]) -> dict[str, Any]:
+    stats = tempfile.mkdtemp(prefix="moonep-ep-kstats-")
+    try:
+        return _kernel_rank(ctx, case_dict, stats)
+    finally:
+        shutil.rmtree(stats, ignore_errors=True)
+
+
+def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[str, Any]:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ["MOONEP_EP_CPU"] = "1"
-    os.environ["MOONEP_EP_VLLM_STATS_DIR"] = tempfile.mkdtemp(prefix="moonep-ep-kstats-")
+    os.environ["MOONEP_EP_VLLM_STATS_DIR"] = stats_dir  # turns on the per-prefetch slot records
     case = KernelCase(**case_dict)
     rank, world = ctx.rank, ctx.world_size
     from moonep_ep.vllm import plugin
@@ -393,8 +402,29 @@ BAD_CASES = ("experts_not_divisible", "hidden_not_128", "intermediate_not_128", 
 
 
 def bad_configs_rank(ctx: Any) -> dict[str, str]:
-    """Every misconfiguration in turn, on the same ranks (one process start for all)."""
-    return {case: bad_config_rank(ctx, case) for case in BAD_CASES}
+    """Every misconfiguration in turn, on the same ranks (one process start for all); then backend
+    selection with ``MOONEP_EP_BUFFER=moonep`` on CPU (the real library cannot serve)."""
+    out = {case: bad_config_rank(ctx, case) for case in BAD_CASES}
+    os.environ["MOONEP_EP_CPU"] = "1"
+    from moonep_ep.errors import MoonEPError
+    from moonep_ep.vllm import plugin
+
+    plugin.install()
+    _setup_vllm(ctx.rank, ctx.world_size)
+    from vllm.distributed import get_ep_group
+
+    from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
+
+    ep = get_ep_group()
+    os.environ["MOONEP_EP_BUFFER"] = "moonep"
+    try:
+        ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)
+        out["buffer_moonep_on_cpu"] = "no error"
+    except MoonEPError as exc:
+        out["buffer_moonep_on_cpu"] = str(exc)
+    finally:
+        os.environ.pop("MOONEP_EP_BUFFER", None)
+    return out
 
 
 def plugin_checks() -> dict[str, Any]:

@@ -31,6 +31,7 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
 from ..errors import ConfigError
+from ..memory.group import GroupComm
 from .buffers import select_buffer, system_check
 from .sharded import ModelExpertStore
 from .stats import STATS, stats_dir
@@ -109,12 +110,19 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def __init__(self, cpu_group: Any, tcp_store_group: Any = None, device_group: Any = None):
         device_type = _device_type()
-        self.buffer_choice = select_buffer(device_type)
-        if self.buffer_choice.kind == "moonep":
-            from vllm.utils.import_utils import check_moonep_system_support
+        error: Exception | None = None
+        try:
+            self.buffer_choice = select_buffer(device_type)
+            if self.buffer_choice.kind == "moonep":
+                from vllm.utils.import_utils import check_moonep_system_support
 
-            check_moonep_system_support()
-        self.capabilities = system_check(device_type, self.buffer_choice.kind)
+                check_moonep_system_support()
+            self.capabilities = system_check(device_type, self.buffer_choice.kind)
+        except Exception as exc:  # noqa: BLE001 - shared with every EP rank below
+            error = exc
+        # Lockstep: a rank missing a capability fails every rank with every rank's reason,
+        # instead of leaving the others waiting in the EP group's next collective.
+        GroupComm(cpu_group).agree("MoonEP backend selection (moonep_ep system check)", error)
         All2AllManagerBase.__init__(self, cpu_group, tcp_store_group)
         self._device_group = device_group
         self.handle_cache = Cache()
@@ -181,7 +189,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             raise ConfigError(f"[rank {self.rank}] moonep_ep: MoonEP prefetch before every MoE layer was loaded "
                               f"into the sharded store (missing: {store.missing_layers()[:4]}). Fix: load all "
                               "MoE layers of the model before the first forward")
-        if STATS is not None:
+        if stats_dir() is not None:
             STATS.check_freed()
             STATS.flush()
 
