@@ -72,18 +72,19 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
     return ProcessMemory(open_memfds, mappings, own, by_tag, resident, sum(held.values()), rss_bytes())
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
+def _proc_kib_field(path: str, field: str) -> int:
+    """Bytes of a ``Field:  N kB`` line of a /proc status-style file (0 if absent)."""
+    with open(path) as lines:
+        for line in lines:
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_bytes() -> int:
+    return _proc_kib_field("/proc/self/status", "VmRSS:")
 
 
 def system_shmem_bytes() -> int:
     """``Shmem`` of /proc/meminfo: every memfd page on the machine, counted once."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib_field("/proc/meminfo", "Shmem:")

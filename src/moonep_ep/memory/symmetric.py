@@ -171,8 +171,7 @@ class SymmetricMemory:
         self._own: list[Any] = []
         self._imports: dict[tuple[int, int], Any] = {}
         self._multicast: _Multicast | None = None
-        self._ranges: weakref.WeakSet[VirtualRange] = weakref.WeakSet()
-        self._strong_ranges: list[VirtualRange] = []
+        self._ranges: list[VirtualRange] = []
         self._closed = False
 
     # -- construction -------------------------------------------------------------
@@ -401,8 +400,7 @@ class SymmetricMemory:
             mapping.release_now()
             raise
         vr = VirtualRange(mapping, segments, name)
-        self._ranges.add(vr)
-        self._strong_ranges.append(vr)
+        self._ranges.append(vr)
         return vr
 
     def map_chunks(self, chunk: int = 0, order: str = "rank", name: str = "") -> VirtualRange:
@@ -483,9 +481,6 @@ class SymmetricMemory:
     def own_handles(self) -> list[Any]:
         return [h for h in self._own if h is not None]
 
-    def live_ranges(self) -> int:
-        return len(self._ranges)
-
     # -- teardown -------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -516,7 +511,7 @@ class SymmetricMemory:
             attempt(self._teardown_multicast)
             if not errors:
                 attempt(self.comm.barrier, "close: multicast unbound")  # before anyone frees memory
-        ranges, self._strong_ranges = self._strong_ranges, []
+        ranges, self._ranges = self._ranges, []
         for vr in ranges:
             attempt(vr.close)
         del ranges
