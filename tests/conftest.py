@@ -1,12 +1,13 @@
-"""Shared fixtures. Multi-process scenarios live in ``mp_scenarios.py`` (importable
-by spawned ranks, which inherit this sys.path)."""
+"""Shared settings for every test package.
+
+Rank bodies of the multi-process tests sit in the test modules that assert on
+them; spawned ranks import those modules as ``tests.<layer>.<module>`` (pytest
+puts the repository root on ``sys.path``, and ``spawn`` hands it to children).
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-# Small logical granularity keeps multi-process tests fast while still
-# exercising every alignment rule (CUDA's 2 MiB is the default elsewhere).
+# A peer that dies is reported within this bound (the library default is 60 s).
 os.environ.setdefault("MOONEP_EP_TIMEOUT_S", "30")

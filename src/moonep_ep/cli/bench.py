@@ -11,8 +11,8 @@ import importlib
 from typing import Any
 
 BENCHMARKS = {
-    "layout": ("moonep_ep.layout.bench", "map a Kimi-K2-shaped sharded layout; per-rank mapping time, collective rounds"),
-    "prefetch": ("moonep_ep.ops.bench", "pull-prefetch bandwidth from remote shards vs a local copy"),
+    "layout": ("moonep_ep.tools.layout_bench", "map a Kimi-K2-shaped sharded layout; per-rank mapping time, collective rounds"),
+    "prefetch": ("moonep_ep.tools.prefetch_bench", "pull-prefetch bandwidth from remote shards vs a local copy"),
 }
 
 

@@ -4,7 +4,7 @@ Dispatch → pull prefetch from the owners' pages → grouped expert FFN →
 combine, per layer, compared with a dense reference MoE; the per-rank report
 covers rows received, experts prefetched and from whom, the error, physical
 expert bytes vs the replicated layout, and prefetch bandwidth remote vs
-local. The work lives in :mod:`moonep_ep.ops.demo`; this module parses
+local. The work lives in :mod:`moonep_ep.tools.demo`; this module parses
 options and prints.
 """
 
@@ -39,8 +39,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..launch import RankFailure
-    from ..ops.demo import format_report, resolve_config, run_demo
+    from ..tools.launch import RankFailure
+    from ..tools.demo import format_report, resolve_config, run_demo
 
     for name, value in (("--ranks", args.ranks), ("--tokens", args.tokens)):
         if value < 1:

@@ -3,9 +3,9 @@
 Prints, for each model and EP size, the bytes of routed experts one GPU holds
 under ``replicated`` (vLLM 0.33.0 MoonEP), ``per_layer_slots`` (SGLang-style),
 ``eplb`` (vLLM/SGLang redundant experts) and ``moonep_ep`` (this project), and
-which GPUs they fit on. The arithmetic lives in ``moonep_ep.footprint``; this
+which GPUs they fit on. The arithmetic lives in ``moonep_ep.layout.footprint``; this
 module only parses options and formats. ``--measure`` hands over to
-``moonep_ep.layout.measure.measure_footprint``, which allocates real memory.
+``moonep_ep.tools.measure.measure_footprint``, which allocates real memory.
 
 Wiring (done in ``moonep_ep.cli.main``)::
 
@@ -22,7 +22,7 @@ import sys
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from ..footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_RESERVE_GB,
+from ..layout.footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_RESERVE_GB,
                          GPU_CAPACITY_GB, SCHEMES, VLLM_DEFAULT_NUM_PREFETCH_SLOTS,
                          FootprintOptions, footprint_report)
 from ..models import DEFAULT_MODELS, MoEModelConfig, get_model, load_hf_config, model_names
@@ -120,7 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write a bar chart (per-GPU GB per scheme and EP size, GPU capacities)")
     p.add_argument("--measure", action="store_true",
                    help="allocate the moonep_ep layout for real and measure it "
-                        "(moonep_ep.layout.measure)")
+                        "(moonep_ep.tools.measure)")
     p.add_argument("--ranks", type=int, default=None, metavar="R",
                    help="with --measure: EP ranks to run")
     p.add_argument("--layers", type=int, default=None, metavar="L",
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     0 on success; 2 on a configuration error (message on stderr).
     """
     if getattr(args, "measure", False):
-        from ..layout.measure import measure_footprint  # allocates real memory; lazy on purpose
+        from ..tools.measure import measure_footprint  # allocates real memory; lazy on purpose
 
         return int(measure_footprint(args))
     try:

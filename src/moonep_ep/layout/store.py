@@ -102,8 +102,11 @@ class ShardedExpertStore:
         t0 = time.perf_counter()
         comm = GroupComm(group, timeout_s)
         self.rank, self.world_size = comm.rank, comm.world_size
-        with comm.step("validate expert layout"):
-            self._validate(comm)
+        with comm.step("validate expert layout") as layout:
+            self._validate()
+            layout.share(self._description())
+        self._check_same_everywhere(layout.gathered)
+        with comm.step("plan expert pages"):
             self.granularity = gran = driver.granularity()
             self.plans: dict[str, ExpertRegionPlan] = {
                 p.name: plan_expert_region(num_experts, self.world_size, p.row_bytes, gran)
@@ -148,7 +151,7 @@ class ShardedExpertStore:
         self.map_seconds = time.perf_counter() - t0
 
     # -- construction helpers ----------------------------------------------------------
-    def _validate(self, comm: Any) -> None:
+    def _validate(self) -> None:
         r, E, R = self.rank, self.num_experts, self.world_size
         if self.num_layers <= 0:
             raise config_error(r, "num_layers must be positive", self.num_layers, "pass the MoE layer count")
@@ -164,14 +167,18 @@ class ShardedExpertStore:
         if self.slot_pools not in (1, 2):
             raise config_error(r, "slot_pools must be 1 or 2", self.slot_pools,
                                "use 2 only for double-buffered prefetch")
-        mine = (self.num_layers, E, self.num_slots, self.slot_pools,
+
+    def _description(self) -> tuple:
+        return (self.num_layers, self.num_experts, self.num_slots, self.slot_pools,
                 [(p.name, p.shape, str(p.dtype)) for p in self.projections])
-        everyone = comm.all_gather_object(mine)
-        if any(other != mine for other in everyone):
-            differing = [i for i, other in enumerate(everyone) if other != everyone[0]]
-            raise ConfigError(f"[rank {r}] ranks disagree on the expert layout; ranks {differing} differ "
-                              f"from rank 0 ({everyone[0]} vs {mine}). Fix: build the store from the same "
-                              "model config on every rank")
+
+    def _check_same_everywhere(self, everyone: list[tuple]) -> None:
+        """Every rank sees the same list, so every rank raises (or not) alike."""
+        differing = [i for i, other in enumerate(everyone) if other != everyone[0]]
+        if differing:
+            raise ConfigError(f"[rank {self.rank}] ranks disagree on the expert layout; ranks {differing} differ "
+                              f"from rank 0 ({everyone[0]} vs {everyone[differing[0]]}). Fix: build the store "
+                              "from the same model config on every rank")
 
     def _gen_a_segments(self, layer: int, proj: ProjectionSpec) -> list[Segment]:
         plan, gran = self.plans[proj.name], self.granularity
@@ -230,7 +237,7 @@ class ShardedExpertStore:
             for pool in range(self.slot_pools):
                 self.gen_a(pool, p.name)[self.num_experts:].zero_()
         self.driver.synchronize()
-        self.symm.comm.barrier()
+        self.symm.comm.barrier("zero own expert pages and slots")
 
     # -- views --------------------------------------------------------------------------
     @property

@@ -123,7 +123,7 @@ class CudaDriver(MemoryDriver):
             when torch has CUDA, else 0.
         rank: used in error messages only.
         api: the ``cuda.bindings.driver`` module (default) or a stand-in with
-            the same interface, e.g. :class:`moonep_ep.memory.cuda_fake.RecordingCudaApi`.
+            the same interface, e.g. :class:`moonep_ep.testing.cuda_fake.RecordingCudaApi`.
     """
 
     name = "cuda"

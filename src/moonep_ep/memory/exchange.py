@@ -28,6 +28,7 @@ import time
 from typing import Sequence
 
 from ..errors import ConfigError
+from .. import envs
 from .driver import Capabilities, HandleType, Shareable
 from .group import GroupComm
 
@@ -49,31 +50,34 @@ class ExchangeDecision:
     fallback: HandleType | None = None
 
 
-def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) -> ExchangeDecision:
-    """Collective: choose the handle type and multicast use from all ranks' capabilities.
+def local_vote(caps: Capabilities, hostname: str) -> dict:
+    """What this rank contributes to :func:`vote`: host, capabilities, device identity and
+    the raw ``MOONEP_EP_HANDLE_TYPE`` / ``MOONEP_EP_MULTICAST`` strings (parsed after the
+    gather, so a bad value on one rank fails every rank at the same point)."""
+    return {"host": hostname, "fd": caps.posix_fd, "fabric": caps.fabric, "multicast": caps.multicast,
+            "device": caps.device, "driver": caps.driver,
+            "prefs": (envs.raw("MOONEP_EP_HANDLE_TYPE"), envs.raw("MOONEP_EP_MULTICAST"))}
 
-    ``auto`` handle type: FABRIC when every rank supports it — with a
+
+def vote(peers: Sequence[dict], rank: int, *, want_multicast: bool = True) -> ExchangeDecision:
+    """Choose the handle type and multicast use from every rank's :func:`local_vote`.
+
+    Pure: every rank passes the same gathered list, so every rank decides the
+    same (a split decision would deadlock the collective) and raises the same
+    error. ``auto`` handle type: FABRIC when every rank supports it -- with a
     collective fall-back to POSIX fds when ranks share one host and the system
-    refuses fabric (``NOT_PERMITTED``/``NOT_SUPPORTED``: no IMEX channel) —
-    else POSIX fds on one host; ranks on several hosts need fabric. ``auto`` multicast: on iff every rank
-    supports it. A forced choice that some rank cannot honour raises the same
-    error on every rank, naming the ranks and the fix.
+    refuses fabric (no IMEX channel) -- else POSIX fds on one host; ranks on
+    several hosts need fabric. ``auto`` multicast: on iff every rank supports
+    it. A forced choice that some rank cannot honour raises on every rank,
+    naming the ranks and the fix.
     """
-    handle_pref = os.environ.get("MOONEP_EP_HANDLE_TYPE", "auto").strip().lower()
-    mc_pref = os.environ.get("MOONEP_EP_MULTICAST", "auto").strip().lower()
-    local = {"host": comm.hostname, "fd": caps.posix_fd, "fabric": caps.fabric,
-             "multicast": caps.multicast, "device": caps.device, "prefs": (handle_pref, mc_pref)}
-    peers = comm.all_gather_object(local)
-    rank = comm.rank
-
     prefs = {p["prefs"] for p in peers}
     if len(prefs) != 1:
         raise ConfigError(f"[rank {rank}] ranks disagree on MOONEP_EP_HANDLE_TYPE/MOONEP_EP_MULTICAST: "
                           f"{[p['prefs'] for p in peers]}. Fix: set the same values on every rank")
-    if handle_pref not in ("auto", "fd", "fabric"):
-        raise ConfigError(f"[rank {rank}] MOONEP_EP_HANDLE_TYPE={handle_pref!r}. Fix: use auto, fd or fabric")
-    if mc_pref not in ("auto", "on", "off"):
-        raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST={mc_pref!r}. Fix: use auto, on or off")
+    raw_handle, raw_mc = peers[0]["prefs"]
+    handle_pref = envs.VARIABLES["MOONEP_EP_HANDLE_TYPE"].parse(raw_handle)
+    mc_pref = envs.VARIABLES["MOONEP_EP_MULTICAST"].parse(raw_mc)
 
     one_host = len({p["host"] for p in peers}) == 1
     no_fd = [r for r, p in enumerate(peers) if not p["fd"]]
@@ -103,7 +107,7 @@ def vote(comm: GroupComm, caps: Capabilities, *, want_multicast: bool = True) ->
     no_mc = [r for r, p in enumerate(peers) if not p["multicast"]]
     # A multicast team has one member per GPU: ranks sharing a GPU cannot form one.
     devices = [(p["host"], p["device"]) for p in peers]
-    if caps.driver == "cuda" and len(set(devices)) != len(devices):
+    if peers[0]["driver"] == "cuda" and len(set(devices)) != len(devices):
         no_mc = sorted(set(no_mc) | {r for r, d in enumerate(devices) if devices.count(d) > 1})
     if mc_pref == "on" and no_mc:
         raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST=on but rank(s) {no_mc} lack multicast. "
@@ -136,19 +140,19 @@ class HandleExchanger:
             payload = [bytes(h) for h in local]
             if any(len(h) != 64 for h in payload):
                 raise ConfigError(f"[rank {self.comm.rank}] fabric handles must be 64 bytes each")
-            return [list(p) for p in self.comm.all_gather_object(payload)]
+            return [list(p) for p in self.comm.all_gather_object(payload, "fabric handle exchange")]
         return self.exchange_fds([int(fd) for fd in local])
 
     # -- POSIX fds ---------------------------------------------------------------
     def exchange_fds(self, local_fds: Sequence[int]) -> list[list[int]]:
         comm = self.comm
         rank, world = comm.rank, comm.world_size
-        sock_dir = None
-        if rank == 0:
-            _sweep_stale_dirs()
-            # Fresh random name (0700): sockets of a crashed run are never reused.
-            sock_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
-        directory = comm.all_gather_object(sock_dir, "fd exchange: directory")[0]
+        with comm.step("fd exchange: directory") as made:
+            if rank == 0:
+                _sweep_stale_dirs()
+                # Fresh random name (0700): sockets of a crashed run are never reused.
+                made.share(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
+        directory = made.gathered[0]
         self.last_directory = directory
         received: dict[int, list[int]] = {}
         listener = None
@@ -161,12 +165,12 @@ class HandleExchanger:
         except OSError as exc:
             error = exc
         # Everyone listens (and reports pid/uid) before anyone connects.
-        members = comm.all_gather_object((comm.pid, os.getuid(), None if error is None else str(error)))
         try:
-            bad = {r: m[2] for r, m in enumerate(members) if m[2] is not None}
-            if bad:
-                comm.agree("fd exchange: listen", bad.get(rank))
-            pid_to_rank = {m[0]: r for r, m in enumerate(members)}
+            with comm.step("fd exchange: listen") as listening:
+                if error is not None:
+                    raise error
+                listening.share((comm.pid, os.getuid()))
+            pid_to_rank = {pid: r for r, (pid, _uid) in enumerate(listening.gathered)}
             uid = os.getuid()
 
             # Send first, then receive, in one thread: a connection, its bytes and its
@@ -210,10 +214,10 @@ class HandleExchanger:
                     except (OSError, ConnectionError, PermissionError) as exc:
                         recv_error.append(exc)
             local_error = send_error or (recv_error[0] if recv_error else None)
-            if local_error is not None:
-                error = RuntimeError(f"[rank {rank}] fd exchange failed: "
-                                     f"{type(local_error).__name__}: {local_error}")
-            comm.agree("fd exchange", error)
+            with comm.step("fd exchange"):
+                if local_error is not None:
+                    raise RuntimeError(f"[rank {rank}] fd exchange failed: "
+                                       f"{type(local_error).__name__}: {local_error}") from local_error
             received[rank] = [os.dup(fd) for fd in local_fds]
             return [received[r] for r in range(world)]
         except BaseException:

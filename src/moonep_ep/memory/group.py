@@ -1,30 +1,58 @@
-"""Lockstep helpers over a ``torch.distributed`` process group.
+"""Lockstep over a ``torch.distributed`` process group.
 
 Symmetric memory is collective: if one rank fails a step while the others go
-on to the next collective, the others hang. Every collective step here ends
-with ``agree``: each rank contributes ``None`` or its error message, and if any
-rank failed, *every* rank raises the same ``CollectiveError`` listing all
-failures. Metadata rides ``all_gather_object`` (gloo or NCCL); bulk data never
-goes through the group.
+on to the next collective, the others hang. So every collective step is a
+*lockstep*: each rank runs its local part, then one metadata collective
+carries every rank's outcome -- ``None`` or its error message -- and, on
+success, a payload. If any rank failed, *every* rank raises the same
+:class:`CollectiveError` listing all failures; otherwise every rank gets every
+rank's payload::
+
+    with comm.step("compare chunk sizes") as st:
+        sizes = local_sizes()          # may raise: every rank then raises
+        st.share(sizes)
+    everyone = st.gathered             # [rank 0's sizes, rank 1's sizes, ...]
+
+A decision taken from ``st.gathered`` is the same on every rank (they all
+see the same data), so raising from it needs no further round. The rule
+"never start a collective inside a step body" keeps ranks aligned: a rank
+that fails before such a call would meet its peers' collective with its own
+failure report. Every collective names its step, so a peer-loss error says
+where it happened. Metadata rides ``all_gather_object`` (gloo or NCCL); bulk
+data never goes through the group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 from typing import Any, Iterator
 
 import torch.distributed as dist
 
+from .. import envs
 from ..errors import CollectiveError, PeerLostError
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 def default_timeout_s() -> float:
-    """``MOONEP_EP_TIMEOUT_S`` (read when used, so a rank can set it after import), else 60 s."""
-    return float(os.environ.get("MOONEP_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    """``MOONEP_EP_TIMEOUT_S`` (read when used, so a rank can set it after import)."""
+    return envs.MOONEP_EP_TIMEOUT_S
+
+
+@dataclasses.dataclass
+class Lockstep:
+    """One lockstep step: what this rank shares, and afterwards what every rank shared."""
+
+    name: str
+    payload: Any = None
+    #: Every rank's payload in rank order; set once the step succeeded on every rank.
+    gathered: list[Any] | None = None
+
+    def share(self, payload: Any) -> None:
+        """Set the payload this rank contributes when the step ends."""
+        self.payload = payload
 
 
 class GroupComm:
@@ -48,40 +76,40 @@ class GroupComm:
         #: Collective rounds issued through this object (benchmarks report them).
         self.rounds = {"metadata": 0, "handle_exchange": 0}
 
-    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
+    def all_gather_object(self, obj: Any, step: str) -> list[Any]:
         """``all_gather_object`` over the group; a dead or silent peer becomes a
-        :class:`PeerLostError` naming this rank and the step (not a bare backend error)."""
+        :class:`PeerLostError` naming this rank and ``step`` (not a bare backend error)."""
         out: list[Any] = [None] * self.world_size
         self.rounds["metadata"] += 1
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except (RuntimeError, ConnectionError, OSError) as exc:
-            raise PeerLostError(step or "all_gather", self.rank, f"{type(exc).__name__}: {exc}",
-                                self.timeout_s) from exc
+            raise PeerLostError(step, self.rank, f"{type(exc).__name__}: {exc}", self.timeout_s) from exc
         return out
 
-    def barrier(self, step: str = "barrier") -> None:
+    def barrier(self, step: str) -> None:
+        """Wait for every rank at ``step`` (one metadata round)."""
         self.all_gather_object(None, step)
 
-    def agree(self, step: str, error: BaseException | str | None) -> None:
-        """Collective: raise on every rank if ``error`` is set on any rank."""
-        message = None if error is None else (error if isinstance(error, str) else
-                                              f"{type(error).__name__}: {error}")
-        gathered = self.all_gather_object(message, step)
-        failures = {r: m for r, m in enumerate(gathered) if m is not None}
-        if failures:
-            exc = CollectiveError(step, failures, rank=self.rank)
-            if isinstance(error, BaseException):
-                raise exc from error
-            raise exc
-
     @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        """Run a local step, then ``agree`` on its outcome (errors raised everywhere)."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - re-raised collectively below
-            self.agree(name, exc)
-            raise  # unreachable: agree raises when an error is given
-        self.agree(name, None)
+    def step(self, name: str) -> Iterator[Lockstep]:
+        """Run a local step, then settle it on every rank (see the module docstring).
 
+        An ``Exception`` inside the body is reported to every rank, and every
+        rank raises :class:`CollectiveError` naming each failing rank's error.
+        """
+        state = Lockstep(name)
+        try:
+            yield state
+        except Exception as exc:  # noqa: BLE001 - re-raised collectively by _settle
+            self._settle(state, exc)
+            raise  # unreachable: _settle raises when an error is given
+        self._settle(state, None)
+
+    def _settle(self, state: Lockstep, error: BaseException | None) -> None:
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        gathered = self.all_gather_object((message, None if error else state.payload), state.name)
+        failures = {r: m for r, (m, _) in enumerate(gathered) if m is not None}
+        if failures:
+            raise CollectiveError(state.name, failures, rank=self.rank) from error
+        state.gathered = [payload for _, payload in gathered]

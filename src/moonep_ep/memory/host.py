@@ -41,6 +41,7 @@ import struct
 
 import torch
 
+from .. import envs
 from .driver import Capabilities, HandleType, MemoryDriver, Shareable
 
 DEFAULT_HOST_GRANULARITY = 2 << 20
@@ -97,7 +98,7 @@ class HostDriver(MemoryDriver):
 
     def __init__(self, rank: int | None = None, granularity: int | None = None):
         super().__init__(rank)
-        gran = granularity or int(os.environ.get("MOONEP_EP_HOST_GRANULARITY", DEFAULT_HOST_GRANULARITY))
+        gran = granularity or envs.MOONEP_EP_HOST_GRANULARITY or DEFAULT_HOST_GRANULARITY
         if gran <= 0 or gran % mmap.PAGESIZE:
             raise self.error("HostDriver", f"granularity {gran} must be a positive multiple of the "
                              f"OS page size {mmap.PAGESIZE}; set MOONEP_EP_HOST_GRANULARITY accordingly")

@@ -29,7 +29,7 @@ handle → drop ranges (each unmaps, then frees its reservation, as soon as no
 tensor uses it) → release imported handles → release own handles. Received
 fds are closed right after import. Every step of ``create`` registers its undo
 before the next step runs, so a failure anywhere leaves nothing behind, and
-the failure is raised on every rank (``GroupComm.agree``).
+the failure is raised on every rank (``GroupComm.step``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import envs
 from ..errors import CollectiveError, ConfigError, DriverError
-from .driver import HandleType, MemoryDriver, round_up
-from .exchange import ExchangeDecision, HandleExchanger, vote
+from .driver import MemoryDriver, round_up
+from .exchange import ExchangeDecision, HandleExchanger, local_vote, vote
 from .group import GroupComm
 
-MULTICAST_BIND_RETRIES = int(os.environ.get("MOONEP_EP_MC_BIND_RETRIES", "3"))
 _RETRYABLE = ("SYSTEM_NOT_READY",)
 #: Result codes meaning "this system cannot share fabric handles" (no IMEX channel or domain).
 _FABRIC_REFUSED = ("NOT_PERMITTED", "NOT_SUPPORTED")
@@ -194,8 +194,8 @@ class SymmetricMemory:
         rank = self.comm.rank
         undo = contextlib.ExitStack()
         with undo:
-            with self.comm.step("validate and vote"):
-                self.decision = vote(self.comm, driver.capabilities(), want_multicast=multicast)
+            with self.comm.step("validate and vote") as voting:
+                voting.share(local_vote(driver.capabilities(), self.comm.hostname))
                 requested = [int(n) for n in chunk_bytes]
                 if not requested or any(n < 0 for n in requested):
                     raise ConfigError(f"[rank {rank}] chunk sizes must be >= 0 (at least one chunk), got "
@@ -203,6 +203,7 @@ class SymmetricMemory:
                 self.tags = list(tags) if tags else [f"chunk{i}" for i in range(len(requested))]
                 if len(self.tags) != len(requested):
                     raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(requested)} chunks")
+            self.decision = vote(voting.gathered, rank, want_multicast=multicast)
             while True:
                 attempt = contextlib.ExitStack()
                 try:
@@ -230,18 +231,21 @@ class SymmetricMemory:
         exchange all handles in one round, import the peers' chunks, close every fd."""
         comm, driver, rank = self.comm, self.driver, self.comm.rank
         ht = self.decision.handle_type
-        self.granularity = driver.granularity(ht)
-        sizes = [round_up(n, self.granularity) for n in requested]
-        # Ranks must agree on granularity and handle type before sizes mean anything.
-        meta = comm.all_gather_object((sizes, self.granularity, ht.value), "gather chunk sizes")
-        with comm.step("compare granularity"):
-            if len({m[1] for m in meta}) != 1:
-                raise ConfigError(f"[rank {rank}] ranks report different granularities "
-                                  f"{[m[1] for m in meta]}. Fix: use the same GPU model / "
-                                  "MOONEP_EP_HOST_GRANULARITY on every rank")
-            if len({m[2] for m in meta}) != 1:
-                raise ConfigError(f"[rank {rank}] ranks chose different handle types {[m[2] for m in meta]}. "
-                                  "Fix: set the same MOONEP_EP_HANDLE_TYPE on every rank")
+        # Ranks must agree on granularity and handle type before sizes mean anything;
+        # the granularity query itself may fail on one rank, so it runs inside the step.
+        with comm.step(f"granularity and chunk sizes ({ht.value})") as sizing:
+            gran = driver.granularity(ht)
+            sizing.share(([round_up(n, gran) for n in requested], gran, ht.value))
+        meta = sizing.gathered
+        if len({m[1] for m in meta}) != 1:
+            raise ConfigError(f"[rank {rank}] ranks report different granularities "
+                              f"{[m[1] for m in meta]}. Fix: use the same GPU model / "
+                              "MOONEP_EP_HOST_GRANULARITY on every rank")
+        if len({m[2] for m in meta}) != 1:
+            raise ConfigError(f"[rank {rank}] ranks chose different handle types {[m[2] for m in meta]}. "
+                              "Fix: set the same MOONEP_EP_HANDLE_TYPE on every rank")
+        self.granularity = meta[rank][1]
+        sizes = meta[rank][0]
         self.chunk_sizes = [list(m[0]) for m in meta]
         self._own = []
         undo.callback(self._own.clear)
@@ -330,20 +334,20 @@ class SymmetricMemory:
     def _bind_multicast_in_lockstep(self, mc: _Multicast) -> None:
         """Bind own chunk 0; transient failures are retried by all ranks together."""
         comm, driver = self.comm, self.driver
-        for attempt in range(MULTICAST_BIND_RETRIES + 1):
-            status = None
-            if not mc.bound:
-                try:
-                    driver.multicast_bind(mc.handle, 0, self._own[0], 0, mc.size)
-                    mc.bound = True
-                except DriverError as exc:
-                    status = (exc.code, str(exc))
-            statuses = comm.all_gather_object(status)
-            failed = {r: s for r, s in enumerate(statuses) if s is not None}
+        retries = envs.MOONEP_EP_MC_BIND_RETRIES
+        for attempt in range(retries + 1):
+            with comm.step(f"multicast bind (attempt {attempt + 1}): share outcomes") as binding:
+                if not mc.bound:
+                    try:
+                        driver.multicast_bind(mc.handle, 0, self._own[0], 0, mc.size)
+                        mc.bound = True
+                    except DriverError as exc:  # shared below: retried or raised on every rank
+                        binding.share((exc.code, str(exc)))
+            failed = {r: s for r, s in enumerate(binding.gathered) if s is not None}
             if not failed:
                 return
             retryable = all(any(code in s[0] for code in _RETRYABLE) for s in failed.values())
-            if not retryable or attempt == MULTICAST_BIND_RETRIES:
+            if not retryable or attempt == retries:
                 raise CollectiveError(f"multicast bind (attempt {attempt + 1})",
                                       {r: s[1] for r, s in failed.items()}, rank=comm.rank)
             time.sleep(0.05 * (attempt + 1))

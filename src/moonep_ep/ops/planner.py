@@ -54,31 +54,15 @@ Choices where the contract leaves room (each also noted where it applies):
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import config_error
+from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
 __all__ = ["DispatchPlan", "plan_dispatch", "entry_dst", "nvs_rows"]
-
-_INT32_MAX = 2**31 - 1
-# Kernel limits of MoonEP's planning launch (contract §7).
-_MAX_K = 32  # kmask bitset (also <= 127 for the 7-bit kidx packing)
-_MAX_R = 128  # duplicate-detection bitset (also <= 512 planning threads)
-_MAX_NVS = 2**24 - 1  # loff packed next to a 7-bit kidx
-
-
-def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
-    """Gen A ``NvS = S*K + (tp-1)*2*epn`` (contract §1.2), no validation.
-
-    The extra rows cover the padding of at most ``2*epn`` non-empty segments
-    per destination (``epn`` local + ``epn`` from the single remote group).
-    """
-    return S * K + (token_padding - 1) * 2 * (E // R)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchPlan:
@@ -235,16 +219,6 @@ class DispatchPlan:
 # validation helpers
 
 
-def _as_int(rank: int | None, name: str, value: Any, fix: str) -> int:
-    """``value`` as a Python int; bools and non-integers are rejected."""
-    if isinstance(value, bool):
-        raise config_error(rank, f"{name} must be an integer", value, fix)
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise config_error(rank, f"{name} must be an integer", value, fix) from None
-
-
 def _counts_array(rank: int | None, tokens_per_expert: Any, R: int, E: int) -> np.ndarray:
     """Gathered counts as an int64 ``[R, E]`` numpy array, or ConfigError."""
     fix_shape = f"pass the all-gathered tokens_per_expert of every rank as an integer [R, E] = [{R}, {E}] array"
@@ -309,117 +283,120 @@ def plan_dispatch(
         ConfigError: bad parameter or counts; the message names the offending
             value and the fix.
     """
-    # ---- scalar parameters -------------------------------------------------
-    S = _as_int(rank, "S (token capacity per rank)", S, "pass a positive int S")
-    K = _as_int(rank, "K (top-k)", K, "pass a positive int K")
-    E = _as_int(rank, "E (routed experts)", E, "pass a positive int E")
-    R = _as_int(rank, "R (EP ranks)", R, "pass a positive int R")
-    token_padding = _as_int(rank, "token_padding", token_padding, "pass a positive int, e.g. 128")
-    if S < 1:
-        raise config_error(rank, "S (token capacity per rank) must be >= 1", S, "pass S >= 1")
-    if K < 1 or K > _MAX_K:
-        raise config_error(rank, f"K (top-k) must be in [1, {_MAX_K}] (MoonEP kmask bitset)", K, f"use 1 <= K <= {_MAX_K}")
-    if R < 1 or R > _MAX_R:
-        raise config_error(rank, f"R (EP ranks) must be in [1, {_MAX_R}] (MoonEP duplicate bitset)", R, f"use 1 <= R <= {_MAX_R}")
-    if E < 1:
-        raise config_error(rank, "E (routed experts) must be >= 1", E, f"pass a positive multiple of R={R}")
-    if E % R != 0:
-        lo, hi = (E // R) * R, (E // R + 1) * R
-        raise config_error(
-            rank, f"E (routed experts) must be a multiple of R={R} (experts are split evenly over ranks)", E,
-            f"use E={hi}" + (f" or E={lo}" if lo > 0 else "") + f", or an R that divides {E}",
-        )
-    if token_padding < 1:
-        raise config_error(rank, "token_padding must be >= 1", token_padding, "pass a positive int, e.g. 128 (1 = no padding)")
-    epn = E // R
-    if B is None:
-        B = epn  # contract §1.1: None -> epn
-    B = _as_int(rank, "B (prefetch slots per rank)", B, f"pass a positive int or None (= epn = {epn})")
-    if B < 1:
-        raise config_error(rank, "B (prefetch slots per rank) must be >= 1", B, f"pass B >= 1, or None for B = epn = {epn}")
-    N = S * K
-    if N >= _INT32_MAX:
-        raise config_error(rank, "S*K must be < 2^31-1 (int32 entry indices)", N, "lower S or K")
-    NvS = nvs_rows(S, K, E, R, token_padding)
-    if NvS > _MAX_NVS:
-        raise config_error(
-            rank, "NvS = S*K + (token_padding-1)*2*(E/R) exceeds 2^24-1 (MoonEP packs loff next to a 7-bit kidx)", NvS,
-            "lower S, K or token_padding",
-        )
-    if R * NvS > _INT32_MAX:
-        raise config_error(rank, "R*NvS exceeds 2^31-1 (int32 dst = rank*NvS + loff)", R * NvS, "lower S, K, token_padding or R")
+    shape = check_shape(rank, S=S, K=K, E=E, R=R, B=B, token_padding=token_padding)
+    T, num_tokens = _check_counts(rank, tokens_per_expert, shape, total_num_tokens)
+    epn = shape.epn
+    total = int(T.sum())  # entries, = sum of tokens * K
+    # Python ints from here on: the loops are short (<= R receiver picks,
+    # <= R + epn split steps per group) and ints cannot overflow.
+    C = [int(c) for c in T.sum(axis=0)]
+    cap, balance = _global_counts(C, total, shape.R, epn)
+    z = _receiver_quotas(balance)
+    alloc = _split_tokens(C, z, shape.R, epn)
+    tables = _destination_tables(alloc, shape)
+    recv_cap = -(-total // shape.R)
+    nvs_s = recv_cap + (shape.token_padding - 1) * 2 * epn
+    # Proven bound (cap[d] <= recv_cap, <= 2*epn padded segments); a failure
+    # here is a planner bug, not a user error.
+    assert all(row[-1] <= nvs_s for row in tables["cu_seqlens"]) and nvs_s <= shape.NvS
 
-    # ---- counts ------------------------------------------------------------
-    T = _counts_array(rank, tokens_per_expert, R, E)
+    def i32(x: Any) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64).to(torch.int32).contiguous()
+
+    T64 = torch.from_numpy(T.copy())
+    alloc64 = torch.tensor(alloc, dtype=torch.int64)
+    expert_off64 = torch.tensor(tables["expert_off"], dtype=torch.int64)
+    route_count, route_row = _entry_routes(T64, alloc64, expert_off64)
+    return DispatchPlan(
+        S=shape.S, K=shape.K, E=shape.E, R=shape.R, B=shape.B, token_padding=shape.token_padding, epn=epn,
+        N=shape.N, NvS=shape.NvS, total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
+        tokens_per_expert=T64.to(torch.int32).contiguous(),
+        num_tokens=i32(num_tokens),
+        tpe_cumsum=T64.cumsum(0).to(torch.int32).contiguous(),
+        cap=i32(cap),
+        z=i32(z),
+        alloc=alloc64.to(torch.int32).contiguous(),
+        alloc_cumsum=alloc64.cumsum(1).to(torch.int32).contiguous(),
+        experts_to_copy=i32(tables["experts_to_copy"]),
+        copy_owner=i32(tables["copy_owner"]),
+        remote_stats=i32(tables["remote_stats"]),
+        cu_seqlens=i32(tables["cu_seqlens"]),
+        zero_fill_ranges=i32(tables["zero_fill"]),
+        expert_off=expert_off64.to(torch.int32).contiguous(),
+        route_count=route_count.to(torch.int32).contiguous(),
+        route_row=route_row.to(torch.int32).contiguous(),
+    )
+
+
+def _check_counts(rank: int | None, tokens_per_expert: Any, shape: DispatchShape,
+                  total_num_tokens: int | None) -> tuple[np.ndarray, list[int]]:
+    """The gathered ``[R, E]`` counts and each rank's token count ``s_r``, or ConfigError."""
+    R, K, S = shape.R, shape.K, shape.S
+    T = _counts_array(rank, tokens_per_expert, R, shape.E)
     if (T < 0).any():
         r, e = (int(x) for x in np.argwhere(T < 0)[0])
-        raise config_error(
-            rank, f"tokens_per_expert[{r}][{e}] is negative", int(T[r, e]),
-            "pass each rank's bincount(topk, minlength=E) (counts >= 0)",
-        )
-    row_sums = T.sum(axis=1)
+        raise config_error(rank, f"tokens_per_expert[{r}][{e}] is negative", int(T[r, e]),
+                           "pass each rank's bincount(topk, minlength=E) (counts >= 0)")
     num_tokens = []
-    for r in range(R):
-        n_r = int(row_sums[r])
+    for r, n_r in enumerate(int(x) for x in T.sum(axis=1)):
         if n_r % K != 0:
-            raise config_error(
-                rank, f"tokens_per_expert of rank {r} sums to a value that is not a multiple of K={K}", n_r,
-                "each rank's counts must sum to s*K (s tokens, K entries each); pass bincount(topk, minlength=E)",
-            )
+            raise config_error(rank, f"tokens_per_expert of rank {r} sums to a value that is not a multiple of K={K}",
+                               n_r, "each rank's counts must sum to s*K (s tokens, K entries each); pass "
+                               "bincount(topk, minlength=E)")
         s_r = n_r // K
         if s_r < 1:
-            raise config_error(
-                rank, f"rank {r} routes no tokens (sum of tokens_per_expert is 0)", n_r,
-                "MoonEP does not support s = 0: route at least one (dummy) token on every rank",
-            )
+            raise config_error(rank, f"rank {r} routes no tokens (sum of tokens_per_expert is 0)", n_r,
+                               "MoonEP does not support s = 0: route at least one (dummy) token on every rank")
         if s_r > S:
-            raise config_error(
-                rank, f"rank {r} routes s = sum/K tokens, more than the capacity S={S}", s_r,
-                f"route at most S tokens per rank (sum of counts <= S*K = {N}) or raise S",
-            )
+            raise config_error(rank, f"rank {r} routes s = sum/K tokens, more than the capacity S={S}", s_r,
+                               f"route at most S tokens per rank (sum of counts <= S*K = {shape.N}) or raise S")
         num_tokens.append(s_r)
     total_tokens = sum(num_tokens)
     if total_num_tokens is None:
         # Uniform mode: MoonEP's rank 0 traps when ranks disagree.
         if any(s_r != num_tokens[0] for s_r in num_tokens):
-            raise config_error(
-                rank, "ranks route different token counts but total_num_tokens is None", num_tokens,
-                f"pass total_num_tokens={total_tokens} (varlen) or route the same s on every rank",
-            )
+            raise config_error(rank, "ranks route different token counts but total_num_tokens is None", num_tokens,
+                               f"pass total_num_tokens={total_tokens} (varlen) or route the same s on every rank")
     else:
-        total_num_tokens = _as_int(rank, "total_num_tokens", total_num_tokens, f"pass an int (here {total_tokens}) or None")
+        total_num_tokens = as_int(rank, "total_num_tokens", total_num_tokens,
+                                  f"pass an int (here {total_tokens}) or None")
         if total_num_tokens != total_tokens:
-            raise config_error(
-                rank, "total_num_tokens differs from the tokens routed by all ranks (sum of tokens_per_expert / K)",
-                total_num_tokens, f"pass total_num_tokens={total_tokens}",
-            )
-    total = int(row_sums.sum())  # entries, = total_tokens * K
+            raise config_error(rank, "total_num_tokens differs from the tokens routed by all ranks (sum of "
+                               "tokens_per_expert / K)", total_num_tokens, f"pass total_num_tokens={total_tokens}")
+    return T, num_tokens
 
-    # Python ints from here on: the loops are short (<= R receiver picks,
-    # <= R + epn split steps per group) and ints cannot overflow.
-    C = [int(c) for c in T.sum(axis=0)]
 
-    # ---- §4.1 global counts --------------------------------------------------
+def _global_counts(C: list[int], total: int, R: int, epn: int) -> tuple[list[int], list[int]]:
+    """§4.1: every rank's capacity ``cap[d]`` and each home group's surplus ``balance[h]``."""
     cap = [total // R + (1 if d < total % R else 0) for d in range(R)]
-    G_tok = [sum(C[h * epn:(h + 1) * epn]) for h in range(R)]
-    balance = [G_tok[h] - cap[h] for h in range(R)]
+    balance = [sum(C[h * epn:(h + 1) * epn]) - cap[h] for h in range(R)]
+    return cap, balance
 
-    # ---- §4.2 receiver selection -------------------------------------------
-    # Fill the roomiest receiver completely from the most loaded group; a donor
-    # may overshoot and become a receiver itself. Each step zeroes one
-    # receiver for good, hence at most one donor group per receiver (§4.4).
+
+def _receiver_quotas(balance: list[int]) -> list[list[int]]:
+    """§4.2: ``z[h][u]`` entries the most loaded group ``h`` hands to the roomiest receiver ``u``.
+
+    A receiver is filled completely and zeroed for good; a donor may overshoot
+    and become a receiver itself. Hence at most one donor group per receiver (§4.4).
+    """
+    balance = list(balance)
+    R = len(balance)
     z = [[0] * R for _ in range(R)]
     while True:
         h = max(range(R), key=balance.__getitem__)  # first max
         u = min(range(R), key=balance.__getitem__)  # first min
         if balance[h] <= 0:
-            break
+            return z
         move = -balance[u]
         z[h][u] = move
         balance[h] -= move
         balance[u] = 0
 
-    # ---- §4.3 token split inside each home group -----------------------------
+
+def _split_tokens(C: list[int], z: list[list[int]], R: int, epn: int) -> list[list[int]]:
+    """§4.3: ``alloc[e][d]`` entries of expert ``e`` computed on rank ``d``: the largest
+    remaining quota is served by the currently fullest expert of the donor group."""
+    E = len(C)
     alloc = [[0] * R for _ in range(E)]
     for e in range(E):
         alloc[e][e // epn] = C[e]
@@ -438,8 +415,12 @@ def plan_dispatch(
             alloc[h * epn + j][h] -= take
             rem[j] -= take
             q[d] -= take
+    return alloc
 
-    # ---- §4.5 per-destination tables (Gen A) ---------------------------------
+
+def _destination_tables(alloc: list[list[int]], shape: DispatchShape) -> dict[str, list]:
+    """§4.5 (Gen A): each destination's slots, group layout, padding and expert offsets."""
+    R, E, B, tp, epn = shape.R, shape.E, shape.B, shape.token_padding, shape.epn
     G = E + B
     experts_to_copy = [[-1] * B for _ in range(R)]
     copy_owner = [[-1] * B for _ in range(R)]
@@ -461,62 +442,35 @@ def plan_dispatch(
         start = 0
         for g, e in enumerate(group_expert):
             cnt = alloc[e][d] if e >= 0 else 0
-            padded = -(-cnt // token_padding) * token_padding
+            padded = -(-cnt // tp) * tp
             if cnt > 0:
                 expert_off[d][e] = start
                 if padded > cnt:
                     zero_fill[d][g] = [start + cnt, padded - cnt]
             start += padded
             cu_seqlens[d][g] = start
+    return {"experts_to_copy": experts_to_copy, "copy_owner": copy_owner, "remote_stats": remote_stats,
+            "cu_seqlens": cu_seqlens, "zero_fill": zero_fill, "expert_off": expert_off}
 
-    recv_cap = -(-total // R)
-    nvs_s = recv_cap + (token_padding - 1) * 2 * epn
-    # Proven bound (cap[d] <= recv_cap, <= 2*epn padded segments); a failure
-    # here is a planner bug, not a user error.
-    assert all(cu_seqlens[d][-1] <= nvs_s for d in range(R)) and nvs_s <= NvS
 
-    # ---- tensors ---------------------------------------------------------------
-    def i32(x: Any) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64).to(torch.int32).contiguous()
+def _entry_routes(T: torch.Tensor, alloc: torch.Tensor, expert_off: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.6: entries per (source, expert, destination) and the first row they land on.
 
-    T64 = torch.from_numpy(T.copy())
-    tpe_cumsum = T64.cumsum(0)
-    alloc64 = torch.tensor(alloc, dtype=torch.int64)
-    alloc_cumsum = alloc64.cumsum(1)
-    expert_off64 = torch.tensor(expert_off, dtype=torch.int64)
-
-    # ---- §4.6 entry routing per (source, expert, destination) -----------------
-    # Global order of expert e's entries is (source rank, flat index); source s
-    # owns [Tprev, Tcum) of it and destination d takes [Aprev, Acum). The
-    # overlap of the two intervals is what s sends to d.
-    t_lo = (tpe_cumsum - T64)[:, :, None]  # [R_src, E, 1]
+    Global order of expert e's entries is (source rank, flat index); source s
+    owns ``[Tprev, Tcum)`` of it and destination d takes ``[Aprev, Acum)``. The
+    overlap of the two intervals is what s sends to d.
+    """
+    tpe_cumsum, alloc_cumsum = T.cumsum(0), alloc.cumsum(1)
+    t_lo = (tpe_cumsum - T)[:, :, None]  # [R_src, E, 1]
     t_hi = tpe_cumsum[:, :, None]
-    a_lo = (alloc_cumsum - alloc64)[None, :, :]  # [1, E, R_dst]
+    a_lo = (alloc_cumsum - alloc)[None, :, :]  # [1, E, R_dst]
     a_hi = alloc_cumsum[None, :, :]
     lo = torch.maximum(t_lo, a_lo)
     route_count = (torch.minimum(t_hi, a_hi) - lo).clamp_min(0)
-    off_de = expert_off64.t()[None, :, :]  # [1, E, R_dst]: expert_off[d][e]
+    off_de = expert_off.t()[None, :, :]  # [1, E, R_dst]: expert_off[d][e]
     route_row = torch.where(route_count > 0, off_de + (lo - a_lo), torch.full_like(lo, -1))
-
-    return DispatchPlan(
-        S=S, K=K, E=E, R=R, B=B, token_padding=token_padding, epn=epn, N=N, NvS=NvS,
-        total_num_tokens=total_tokens, nvs_s=nvs_s,
-        tokens_per_expert=T64.to(torch.int32).contiguous(),
-        num_tokens=i32(num_tokens),
-        tpe_cumsum=tpe_cumsum.to(torch.int32).contiguous(),
-        cap=i32(cap),
-        z=i32(z),
-        alloc=alloc64.to(torch.int32).contiguous(),
-        alloc_cumsum=alloc_cumsum.to(torch.int32).contiguous(),
-        experts_to_copy=i32(experts_to_copy),
-        copy_owner=i32(copy_owner),
-        remote_stats=i32(remote_stats),
-        cu_seqlens=i32(cu_seqlens),
-        zero_fill_ranges=i32(zero_fill),
-        expert_off=expert_off64.to(torch.int32).contiguous(),
-        route_count=route_count.to(torch.int32).contiguous(),
-        route_row=route_row.to(torch.int32).contiguous(),
-    )
+    return route_count, route_row
 
 
 # ---------------------------------------------------------------------------
@@ -546,7 +500,7 @@ def entry_dst(plan: DispatchPlan, rank: int, topk: Any) -> torch.Tensor:
             that disagrees with the plan.
     """
     R, E, K = plan.R, plan.E, plan.K
-    rank_i = _as_int(None, "rank", rank, f"pass a source rank in [0, {R})")
+    rank_i = as_int(None, "rank", rank, f"pass a source rank in [0, {R})")
     if not 0 <= rank_i < R:
         raise config_error(None, f"source rank must be in [0, {R})", rank, f"pass a source rank in [0, {R})")
     s = int(plan.num_tokens[rank_i])

@@ -1,6 +1,6 @@
 """Per-slot weight copies for MoonEP's two prefetch generations.
 
-Both establish the same post-condition (contract §2.3): *rank ``d``'s slot
+Both establish the same post-condition (moonep.md §2.3): *rank ``d``'s slot
 ``b`` holds expert ``experts_to_copy[d, b]``* for every ``b`` with a value
 ``>= 0``; slots holding ``-1`` are not touched.
 
@@ -100,19 +100,21 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
         streams: side-stream cache (CUDA only); the module default otherwise.
 
     Returns:
-        ``(copies, bytes, event)``: copies issued (used slots × tensors),
-        bytes read from the owners, and the CUDA event after the last copy
-        (``None`` on CPU, where the copies are complete on return).
+        ``(copies, bytes_by_expert, event)``: copies issued (used slots ×
+        tensors), the bytes each copy read, summed per source expert (counted
+        at the copy, from the source tensors' sizes), and the CUDA event after
+        the last copy (``None`` on CPU, where the copies are complete on return).
     """
     pairs = []
-    nbytes = 0
+    bytes_by_expert: dict[int, int] = {}
     for src_row, slot_row in slot_copies(experts_to_copy_row, num_experts):
         for full in full_weights.values():
-            pairs.append((full[slot_row], full[src_row]))
-            nbytes += full[src_row].numel() * full.element_size()
+            src = full[src_row]
+            pairs.append((full[slot_row], src))
+            bytes_by_expert[src_row] = bytes_by_expert.get(src_row, 0) + src.numel() * src.element_size()
     device = next(iter(full_weights.values())).device if full_weights else torch.device("cpu")
     event = _run_copies(pairs, device, streams)
-    return len(pairs), nbytes, event
+    return len(pairs), bytes_by_expert, event
 
 
 def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],

@@ -24,14 +24,14 @@ import dataclasses
 import importlib
 import inspect
 import logging
-import os
 from typing import Any
 
+from .. import envs
 from ..errors import ConfigError
 
 logger = logging.getLogger("vllm.moonep_ep")
 
-BUFFER_CHOICES = ("auto", "reference", "moonep")
+BUFFER_CHOICES = envs.VARIABLES["MOONEP_EP_BUFFER"].choices
 #: Host pages for the CPU store. Host memory maps at 4 KiB; 64 KiB keeps page
 #: padding small for tiny test models while still exercising every alignment rule.
 DEFAULT_CPU_GRANULARITY = 64 << 10
@@ -77,10 +77,7 @@ _logged: set[str] = set()
 
 def select_buffer(device_type: str) -> BufferChoice:
     """Resolve ``MOONEP_EP_BUFFER`` for this process; logs the choice once."""
-    pref = os.environ.get("MOONEP_EP_BUFFER", "auto").strip().lower() or "auto"
-    if pref not in BUFFER_CHOICES:
-        raise ConfigError(f"MOONEP_EP_BUFFER={pref!r} is not one of {', '.join(BUFFER_CHOICES)}. "
-                          "Fix: unset it (auto) or pick reference or moonep")
+    pref = envs.MOONEP_EP_BUFFER
     real, why = (None, "MOONEP_EP_BUFFER=reference") if pref == "reference" else _real_moonep(device_type)
     if pref == "moonep" and real is None:
         raise ConfigError(f"MOONEP_EP_BUFFER=moonep, but {why}. Fix: install the MoonEP library on a GPU node "
@@ -140,7 +137,7 @@ def system_check(device_type: str, buffer_kind: str) -> dict[str, Any]:
 
 
 def cpu_granularity() -> int:
-    return int(os.environ.get("MOONEP_EP_HOST_GRANULARITY", DEFAULT_CPU_GRANULARITY))
+    return envs.MOONEP_EP_HOST_GRANULARITY or DEFAULT_CPU_GRANULARITY
 
 
 def make_store_driver(device: Any, rank: int) -> Any:

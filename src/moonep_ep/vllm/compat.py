@@ -20,6 +20,8 @@ import importlib.metadata
 import importlib.util
 import os
 
+from .. import envs
+
 SUPPORTED_VLLM_VERSION = "0.33.0"
 
 #: sha256 of vLLM 0.33.0's MoonEP files (relative to the ``vllm`` package).
@@ -74,7 +76,7 @@ def check_vllm() -> VllmCompat:
         except OSError:
             bad.append(rel)
     match = not bad
-    force = os.environ.get("MOONEP_EP_VLLM_FORCE", "") == "1"
+    force = envs.MOONEP_EP_VLLM_FORCE
     name = f"{dist or 'vllm'} {version or '(unknown version)'}"
     if version == SUPPORTED_VLLM_VERSION and match:
         return VllmCompat(dist, version, True, (), True, f"moonep_ep: vLLM plugin active on {name}")

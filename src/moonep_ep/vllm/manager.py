@@ -110,19 +110,15 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def __init__(self, cpu_group: Any, tcp_store_group: Any = None, device_group: Any = None):
         device_type = _device_type()
-        error: Exception | None = None
-        try:
+        # Lockstep: a rank missing a capability fails every rank with every rank's reason,
+        # instead of leaving the others waiting in the EP group's next collective.
+        with GroupComm(cpu_group).step("MoonEP backend selection (moonep_ep system check)"):
             self.buffer_choice = select_buffer(device_type)
             if self.buffer_choice.kind == "moonep":
                 from vllm.utils.import_utils import check_moonep_system_support
 
                 check_moonep_system_support()
             self.capabilities = system_check(device_type, self.buffer_choice.kind)
-        except Exception as exc:  # noqa: BLE001 - shared with every EP rank below
-            error = exc
-        # Lockstep: a rank missing a capability fails every rank with every rank's reason,
-        # instead of leaving the others waiting in the EP group's next collective.
-        GroupComm(cpu_group).agree("MoonEP backend selection (moonep_ep system check)", error)
         All2AllManagerBase.__init__(self, cpu_group, tcp_store_group)
         self._device_group = device_group
         self.handle_cache = Cache()

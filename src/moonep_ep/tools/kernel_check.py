@@ -1,0 +1,512 @@
+"""Kernel tier: vLLM 0.33.0's own MoonEP classes over the sharded layout, on N gloo ranks (CPU).
+
+Run with the interpreter of an environment holding ``vllm==0.33.0`` and
+moonep_ep::
+
+    python -m moonep_ep.tools.kernel_check --ranks 2 --json
+
+Every rank (a spawned process; ``VLLM_TARGET_DEVICE=cpu``, ``MOONEP_EP_CPU=1``):
+
+1. initializes vLLM's distributed state over the rank group (EP group = all
+   ranks) and installs the plugin (:func:`moonep_ep.vllm.plugin.install`);
+2. builds the plugin's :class:`ShardedMoonEPAll2AllManager` for the EP group;
+3. for each of ``L`` MoE layers, creates its local experts
+   ``w13 [epn, 2I, H]``, ``w2 [epn, H, I]`` (deterministic per global expert)
+   as the parameters of a minimal layer module, and converts them with
+   vLLM's ``convert_to_unquantized_kernel_format(MOONEP, ...)`` — the
+   plugin's sharded branch — then ``replace_parameter`` as vLLM's
+   ``_setup_kernel`` does; a second set of layers with the same weights is
+   converted with ``MOONEP_EP_LAYOUT=replicated`` (vLLM's all-gather);
+   every collective of both conversions is recorded;
+4. builds ``maybe_make_prepare_finalize(...)`` (→ vLLM's
+   ``MoonEPPrepareAndFinalize`` over the manager's pool) and ``MoonEPExperts``
+   and runs ``FusedMoEKernel(pf, experts).apply(...)`` on skewed routing
+   (``logits += skew * bias`` with one bias shared by all ranks) for both
+   layouts;
+5. compares with a dense fp32 torch MoE, checks both layouts give the same
+   output, checks every filled slot holds its expert's weights (read from
+   the owner), and measures per-rank expert bytes of both layouts.
+
+Also: :func:`bad_config_rank` for the clear-message-no-hang cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+#: Pass criterion against the dense fp32 reference: |out - ref| <= atol + rtol*|ref| elementwise.
+#: The kernel rounds to bf16 after each grouped GEMM, the SiLU product and the route weight.
+TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}
+
+
+@dataclasses.dataclass
+class KernelCase:
+    ranks: int = 2
+    experts: int = 16
+    top_k: int = 4
+    hidden: int = 256
+    intermediate: int = 128
+    layers: int = 2
+    tokens: int = 128          # rank r routes tokens - 9*r tokens (all within one pool capacity)
+    skew: float = 8.0
+    max_num_tokens: int = 256
+    seed: int = 0
+
+
+def expert_weights(case: KernelCase, layer: int, expert: int) -> tuple[Any, Any, Any]:
+    """gate ``[I, H]``, up ``[I, H]``, down ``[H, I]`` bf16 of one global expert (any rank can regenerate it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(case.seed * 1_000_003 + layer * 10_007 + expert)
+    I, H = case.intermediate, case.hidden
+    gate = (torch.randn(I, H, generator=g) * 0.06).to(torch.bfloat16)
+    up = (torch.randn(I, H, generator=g) * 0.06).to(torch.bfloat16)
+    down = (torch.randn(H, I, generator=g) * 0.06).to(torch.bfloat16)
+    return gate, up, down
+
+
+def routing(case: KernelCase, layer: int, rank: int) -> tuple[Any, Any, Any]:
+    """Tokens ``[M, H]`` bf16 and skewed top-k (ids int32, weights fp32, renormalized)."""
+    import torch
+
+    M = case.tokens - 9 * rank
+    g_tok = torch.Generator().manual_seed(case.seed * 7919 + layer * 101 + rank)
+    x = torch.randn(M, case.hidden, generator=g_tok).to(torch.bfloat16)
+    g_shared = torch.Generator().manual_seed(case.seed * 7919 + layer * 101 + 99_991)
+    router = torch.randn(case.experts, case.hidden, generator=g_shared) / case.hidden ** 0.5
+    bias = torch.randn(1, case.experts, generator=g_shared)
+    logits = x.float() @ router.T + case.skew * bias
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, case.top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    return x, ids.to(torch.int32), w.to(torch.float32)
+
+
+def dense_reference(case: KernelCase, layer: int, x: Any, ids: Any, w: Any) -> Any:
+    """fp32 MoE straight from the dense weights: no dispatch, no padding, no slots."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.zeros(x.shape[0], case.hidden, dtype=torch.float32)
+    xf = x.float()
+    for e in torch.unique(ids).tolist():
+        gate, up, down = (t.float() for t in expert_weights(case, layer, e))
+        rows, ks = torch.nonzero(ids == e, as_tuple=True)
+        h = F.silu(xf[rows] @ gate.T) * (xf[rows] @ up.T)
+        out.index_add_(0, rows, (h @ down.T) * w[rows, ks, None])
+    return out
+
+
+_KEEP: list[Any] = []
+
+
+def _setup_vllm(rank: int, world: int) -> Any:
+    from vllm.config import CompilationConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    vcfg = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=True),
+                      compilation_config=CompilationConfig())
+    ctx = set_current_vllm_config(vcfg)
+    ctx.__enter__()
+    _KEEP.append(ctx)  # a collected context generator would restore the previous (no) config
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method="env://")
+    initialize_model_parallel(tensor_model_parallel_size=world)
+    return vcfg
+
+
+def _moe_config(case: KernelCase, rank: int) -> Any:
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+
+    R = case.ranks
+    pc = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=R, ep_size=R, tp_rank=0, pcp_rank=0, dp_rank=rank,
+                                ep_rank=rank, sp_size=1, use_ep=True, all2all_backend="moonep", enable_eplb=False)
+    return FusedMoEConfig(num_experts=case.experts, experts_per_token=case.top_k, hidden_dim=case.hidden,
+                          intermediate_size=case.intermediate, num_local_experts=case.experts // R,
+                          num_logical_experts=case.experts, activation=MoEActivation.SILU, device="cpu",
+                          routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc,
+                          in_dtype=torch.bfloat16, max_num_tokens=case.max_num_tokens)
+
+
+def _make_layer(case: KernelCase, name: str, layer: int, rank: int) -> Any:
+    import torch
+
+    R, E, I = case.ranks, case.experts, case.intermediate
+    epn = E // R
+    w13 = torch.empty(epn, 2 * I, case.hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(epn, case.hidden, I, dtype=torch.bfloat16)
+    for j in range(epn):
+        gate, up, down = expert_weights(case, layer, rank * epn + j)
+        w13[j, :I], w13[j, I:], w2[j] = gate, up, down
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[rank * epn:(rank + 1) * epn] = torch.arange(epn, dtype=torch.int32)
+
+    return _Layer(name, w13, w2, emap)
+
+
+def _layer_class() -> Any:
+    import torch
+
+    class Layer(torch.nn.Module):
+        """The parts of vLLM's ``RoutedExperts`` the MOONEP conversion touches (no closure over the
+        weights: the test checks that the original parameter storage is freed)."""
+
+        def __init__(self, name: str, w13: Any, w2: Any, emap: Any) -> None:
+            super().__init__()
+            self.layer_name = name
+            self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+            self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+            self.register_buffer("_expert_map", emap, persistent=False)
+
+        @property
+        def expert_map(self) -> Any:
+            return self._expert_map
+
+    return Layer
+
+
+def _Layer(*args: Any) -> Any:
+    global _LAYER_CLS
+    if _LAYER_CLS is None:
+        _LAYER_CLS = _layer_class()
+    return _LAYER_CLS(*args)
+
+
+_LAYER_CLS: Any = None
+
+
+def _convert(moe_cfg: Any, layer: Any) -> None:
+    """What vLLM's ``UnquantizedFusedMoEMethod._setup_kernel`` does to a MOONEP layer's parameters."""
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
+    from vllm.model_executor.utils import replace_parameter
+
+    w13_new, w2_new = oracle.convert_to_unquantized_kernel_format(
+        oracle.UnquantizedMoeBackend.MOONEP, moe_config=moe_cfg, w13_weight=layer.w13_weight,
+        w2_weight=layer.w2_weight, layer=layer)
+    replace_parameter(layer, "w13_weight", w13_new)
+    replace_parameter(layer, "w2_weight", w2_new)
+
+
+def kernel_rank(ctx: Any, case_dict: dict[str, Any]) -> dict[str, Any]:
+    stats = tempfile.mkdtemp(prefix="moonep-ep-kstats-")
+    try:
+        return _kernel_rank(ctx, case_dict, stats)
+    finally:
+        shutil.rmtree(stats, ignore_errors=True)
+
+
+def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ["MOONEP_EP_CPU"] = "1"
+    os.environ["MOONEP_EP_VLLM_STATS_DIR"] = stats_dir  # turns on the per-prefetch slot records
+    case = KernelCase(**case_dict)
+    rank, world = ctx.rank, ctx.world_size
+    from moonep_ep.vllm import plugin
+
+    plugin.install()
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    vcfg = _setup_vllm(rank, world)
+    from vllm.distributed import get_ep_group
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.experts import moonep_experts
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
+
+    from moonep_ep.memory.accounting import snapshot
+    from moonep_ep.ops.instrument import CollectiveRecorder
+    from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
+    from moonep_ep.vllm.stats import STATS
+
+    out: dict[str, Any] = {"rank": rank, "plugin": plugin.state()["patched"]}
+    ep = get_ep_group()
+    out["ep_size"] = ep.world_size
+    manager = ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)
+    ep.device_communicator.all2all_manager = manager
+    moe_cfg = _moe_config(case, rank)
+    names = [f"model.layers.{l}.mlp.experts" for l in range(case.layers)]
+    vcfg.compilation_config.static_all_moe_layers[:] = names
+    mem_before = snapshot(rank)
+
+    # -- conversion: sharded (plugin) and replicated (vLLM's all-gather) ------------------------
+    sharded, replicated, weak = [], [], []
+    with CollectiveRecorder() as rec_sharded:
+        for l, name in enumerate(names):
+            layer = _make_layer(case, name, l, rank)
+            for p in (layer.w13_weight, layer.w2_weight):
+                rec_sharded.register(p.data)
+                weak.append(StorageWeakRef(p.data.untyped_storage()))
+            del p
+            _convert(moe_cfg, layer)
+            sharded.append(layer)
+    os.environ["MOONEP_EP_LAYOUT"] = "replicated"
+    try:
+        with CollectiveRecorder() as rec_repl:
+            for l in range(case.layers):
+                layer = _make_layer(case, f"replicated.{l}", l, rank)
+                rec_repl.register(layer.w13_weight.data)
+                rec_repl.register(layer.w2_weight.data)
+                _convert(moe_cfg, layer)
+                replicated.append(layer)
+    finally:
+        os.environ.pop("MOONEP_EP_LAYOUT", None)
+    import gc
+
+    gc.collect()
+    store = manager.expert_store
+    out["store"] = store.describe()
+    out["store_ready"] = store.ready
+    out["original_params_freed"] = all(w.expired() for w in weak)
+    out["load_weight_bytes_sharded"] = rec_sharded.weight_bytes
+    out["load_collectives_sharded"] = rec_sharded.by_op()
+    out["load_weight_bytes_replicated"] = rec_repl.weight_bytes
+    out["load_collectives_replicated"] = rec_repl.by_op()
+    out["vllm_gather_calls"] = STATS.data["load"]["vllm_gather_calls"]
+    layout0 = sharded[0]._moonep_weight_layout
+    out["layout_type"] = type(layout0).__qualname__
+    out["layout_is_vllm_class"] = isinstance(layout0, vllm_moonep.MoonEPExpertWeightLayout)
+    out["w13_is_gate_view"] = sharded[0].w13_weight.data_ptr() == layout0.full_gate_weight.data_ptr()
+    E, B = case.experts, store.num_slots
+    out["view_shapes"] = [list(layout0.full_gate_weight.shape), list(layout0.full_up_weight.shape),
+                          list(layout0.full_down_weight.shape)]
+    # Row e of every view is the owner's expert, for all e (peer rows read through the mapping).
+    bad_rows = 0
+    for l, layer in enumerate(sharded):
+        lay = layer._moonep_weight_layout
+        for e in range(E):
+            gate, up, down = expert_weights(case, l, e)
+            bad_rows += int(not (torch.equal(lay.full_gate_weight[e], gate) and torch.equal(lay.full_up_weight[e], up)
+                                 and torch.equal(lay.full_down_weight[e], down)))
+    out["bad_rows"] = bad_rows
+    out["slot_pool_shared_by_layers"] = (
+        case.layers < 2 or sharded[0]._moonep_weight_layout.full_up_weight[E:].data_ptr()
+        != sharded[1]._moonep_weight_layout.full_up_weight[E:].data_ptr())  # distinct views …
+    # … of one physical pool: a write through layer 0's slot view is seen through layer 1's.
+    if case.layers >= 2:
+        s0 = sharded[0]._moonep_weight_layout.full_down_weight[E]
+        s1 = sharded[1]._moonep_weight_layout.full_down_weight[E]
+        s0.fill_(rank + 0.5)
+        out["slot_pool_shared_by_layers"] = out["slot_pool_shared_by_layers"] and bool(s1.eq(rank + 0.5).all())
+        s0.zero_()
+    ep.barrier()
+
+    # -- forward through vLLM's FusedMoEKernel(MoonEPPrepareAndFinalize, MoonEPExperts) ----------
+    results = []
+    for l in range(case.layers):
+        x, ids, w = routing(case, l, rank)
+        ref = dense_reference(case, l, x, ids, w)
+        outs = {}
+        for kind, layer in (("sharded", sharded[l]), ("replicated", replicated[l])):
+            pf = all2all_utils.maybe_make_prepare_finalize(moe=moe_cfg, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
+                                                           allow_new_interface=True, all2all_manager=manager)
+            experts = moonep_experts.MoonEPExperts(moe_config=moe_cfg, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG)
+            experts.process_weights_after_loading(layer)
+            kernel = FusedMoEKernel(pf, experts)
+            y = kernel.apply(hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight, topk_ids=ids,
+                             topk_weights=w, activation=MoEActivation.SILU, global_num_experts=E, expert_map=None,
+                             apply_router_weight_on_input=False)
+            outs[kind] = y
+            if kind == "sharded":
+                out.setdefault("pf_class", type(pf).__qualname__)
+                out.setdefault("experts_class", f"{type(experts).__module__}.{type(experts).__qualname__}")
+                buf = pf._buffer
+                sources = list(buf.last_slots)
+                lay = layer._moonep_weight_layout
+                slot_ok = all(torch.equal(lay.full_gate_weight[E + b], expert_weights(case, l, e)[0])
+                              and torch.equal(lay.full_down_weight[E + b], expert_weights(case, l, e)[2])
+                              for b, e, _ in sources)
+        err = (outs["sharded"].float() - ref).abs()
+        bound = TOLERANCE["atol"] + TOLERANCE["rtol"] * ref.abs()
+        results.append({
+            "layer": l, "tokens": int(x.shape[0]),
+            "max_abs_err": float(err.max()), "ref_max_abs": float(ref.abs().max()),
+            "within_tolerance": bool((err <= bound).all()),
+            "sharded_equals_replicated": bool(torch.equal(outs["sharded"], outs["replicated"])),
+            "max_abs_diff_sharded_replicated": float((outs["sharded"].float() - outs["replicated"].float())
+                                                     .abs().max()),
+            "slots": [[b, e, o] for b, e, o in sources],
+            "remote_slots": sum(1 for _, _, o in sources if o != rank),
+            "slot_contents_ok": slot_ok,
+            "tokens_per_expert": torch.bincount(ids.flatten().long(), minlength=E).tolist(),
+        })
+    out["layers"] = results
+    out["remote_prefetched"] = STATS.data["forward"]["remote_prefetched"]
+    # -- bytes per rank -----------------------------------------------------------------------------
+    mem = snapshot(rank)
+    out["sharded_bytes_measured_os"] = mem.own_bytes - mem_before.own_bytes
+    out["sharded_bytes"] = store.store.physical_bytes()["total_bytes"]
+    out["replicated_bytes_measured"] = sum(
+        t.untyped_storage().nbytes() for layer in replicated for t in
+        (layer._moonep_weight_layout.full_gate_weight, layer._moonep_weight_layout.full_up_weight,
+         layer._moonep_weight_layout.full_down_weight))
+    out["replicated_bytes_formula"] = store.store.replicated_bytes()
+    ep.barrier()
+    manager.destroy()
+    out["store_released"] = manager.expert_store is None
+    return out
+
+
+def bad_config_rank(ctx: Any, case: str) -> str:
+    """One misconfiguration on every rank: returns the error text (or 'no error')."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import torch
+
+    from moonep_ep.errors import MoonEPError
+    from moonep_ep.vllm.sharded import ModelExpertStore
+
+    kwargs = dict(layer_names=["a", "b"], num_experts=8, hidden=256, intermediate=128, num_slots=4, group=None,
+                  device=torch.device("cpu"))
+    epn_ids = None
+    if case == "experts_not_divisible":
+        kwargs["num_experts"] = 6 if ctx.world_size == 4 else 7
+    elif case == "hidden_not_128":
+        kwargs["hidden"] = 200
+    elif case == "intermediate_not_128":
+        kwargs["intermediate"] = 96
+    elif case == "ranks_disagree":
+        kwargs["layer_names"] = ["a", "b", "c"][: 2 + (ctx.rank % 2)]
+    elif case == "nonlinear_placement":
+        epn_ids = list(range(ctx.rank, 8, ctx.world_size))  # round robin
+    elif case == "fp16":
+        kwargs["dtype"] = torch.float16
+    try:
+        store = ModelExpertStore(**kwargs)
+    except MoonEPError as exc:
+        return str(exc)
+    try:
+        epn = 8 // ctx.world_size
+        store.adopt("a", torch.zeros(epn, 256, 256, dtype=torch.bfloat16), torch.zeros(epn, 256, 128,
+                    dtype=torch.bfloat16), expert_ids=epn_ids)
+        return "no error"
+    except MoonEPError as exc:
+        return str(exc)
+    finally:
+        store.close()
+
+
+BAD_CASES = ("experts_not_divisible", "hidden_not_128", "intermediate_not_128", "ranks_disagree",
+             "nonlinear_placement", "fp16")
+
+
+def bad_configs_rank(ctx: Any) -> dict[str, str]:
+    """Every misconfiguration in turn, on the same ranks (one process start for all); then backend
+    selection with ``MOONEP_EP_BUFFER=moonep`` on CPU (the real library cannot serve)."""
+    out = {case: bad_config_rank(ctx, case) for case in BAD_CASES}
+    os.environ["MOONEP_EP_CPU"] = "1"
+    from moonep_ep.errors import MoonEPError
+    from moonep_ep.vllm import plugin
+
+    plugin.install()
+    _setup_vllm(ctx.rank, ctx.world_size)
+    from vllm.distributed import get_ep_group
+
+    from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
+
+    ep = get_ep_group()
+    os.environ["MOONEP_EP_BUFFER"] = "moonep"
+    try:
+        ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)
+        out["buffer_moonep_on_cpu"] = "no error"
+    except MoonEPError as exc:
+        out["buffer_moonep_on_cpu"] = str(exc)
+    finally:
+        os.environ.pop("MOONEP_EP_BUFFER", None)
+    return out
+
+
+def plugin_checks() -> dict[str, Any]:
+    """Single process: install twice (idempotent), version verdict, other backends untouched."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from moonep_ep.vllm import compat, plugin
+
+    first = plugin.install()
+    second = plugin.install()
+    import torch
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
+
+    wrapped = oracle.convert_to_unquantized_kernel_format
+    w13 = torch.randn(2, 128, 256).to(torch.bfloat16).transpose(1, 2)  # non-contiguous on purpose
+    w2 = torch.randn(2, 128, 128).to(torch.bfloat16)
+    a = wrapped(oracle.UnquantizedMoeBackend.TRITON, None, w13, w2, None)
+    b = wrapped.__wrapped__(oracle.UnquantizedMoeBackend.TRITON, None, w13, w2, None)
+    return {
+        "compat": dataclasses.asdict(compat.check_vllm()),
+        "first": first, "second": second, "after_import": plugin.state(),
+        "wrapped_in_oracle": getattr(wrapped, "_moonep_ep_wrapped", False),
+        "wrapped_in_method": getattr(method.convert_to_unquantized_kernel_format, "_moonep_ep_wrapped", False),
+        "wrapped_once": getattr(wrapped.__wrapped__, "_moonep_ep_wrapped", False) is False,
+        "other_backend_untouched": all(torch.equal(x, y) for x, y in zip(a, b)),
+    }
+
+
+def run(case: KernelCase) -> list[dict[str, Any]]:
+    from moonep_ep.tools.launch import run_ranks
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    return run_ranks(kernel_rank, case.ranks, args=(dataclasses.asdict(case),), timeout_s=600,
+                     env={"VLLM_TARGET_DEVICE": "cpu", "MOONEP_EP_CPU": "1"})
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    lines = [f"per-rank expert bytes, {results[0]['store']['layers']} MoE layers, E={results[0]['store']['experts']}, "
+             f"B={results[0]['store']['slots']}:",
+             f"  {'rank':>4}  {'sharded (OS-measured)':>22}  {'replicated [E+B] (measured)':>28}  {'ratio':>6}"]
+    for r in results:
+        ratio = r["replicated_bytes_measured"] / max(1, r["sharded_bytes_measured_os"])
+        lines.append(f"  {r['rank']:>4}  {r['sharded_bytes_measured_os']:>22,}  {r['replicated_bytes_measured']:>28,}"
+                     f"  {ratio:>5.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.kernel_check")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--skew", type=float, default=8.0)
+    p.add_argument("--bad", default=None, help=f"run one misconfiguration case instead ({', '.join(BAD_CASES)}, all)")
+    p.add_argument("--plugin-checks", action="store_true", help="single-process plugin checks instead")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from moonep_ep.tools.launch import RankFailure, run_ranks
+
+    if args.plugin_checks:
+        print(json.dumps(plugin_checks(), default=str))
+        return 0
+    if args.bad:
+        fn, fargs = (bad_configs_rank, ()) if args.bad == "all" else (bad_config_rank, (args.bad,))
+        try:
+            msgs = run_ranks(fn, args.ranks, args=fargs, timeout_s=180, env={"VLLM_TARGET_DEVICE": "cpu"})
+        except RankFailure as exc:
+            print(json.dumps({"ok": False, "errors": exc.errors}))
+            return 1
+        print(json.dumps({"ok": True, "messages": msgs}))
+        return 0
+    case = KernelCase(ranks=args.ranks, experts=args.experts, layers=args.layers, skew=args.skew)
+    try:
+        results = run(case)
+    except RankFailure as exc:
+        print(json.dumps({"ok": False, "errors": exc.errors}) if args.json else str(exc))
+        return 1
+    print(format_table(results), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"ok": True, "case": dataclasses.asdict(case), "ranks": results}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

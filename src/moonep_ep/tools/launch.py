@@ -1,0 +1,148 @@
+"""Run a function on N local ranks, each a real process with its own process group.
+
+Used by the CLI (``selftest``, ``demo``, ``footprint --measure``) and by the
+multi-process tests. Ranks are *spawned* (never forked: fork is unsafe after
+CUDA init and would hide the handle exchange), join a gloo (CPU) or NCCL (GPU)
+group through a fresh ``file://`` rendezvous in a private temporary directory,
+and report ``(rank, result)`` or their traceback to the parent. The parent
+ends every rank it started, by pid, on every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+from .. import envs
+
+DEFAULT_RANK_TIMEOUT_S = 600.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; ``errors`` maps rank -> traceback/reason."""
+
+    def __init__(self, errors: dict[int, str], results: dict[int, Any]):
+        self.errors, self.results = errors, results
+        text = "\n".join(f"--- rank {r} ---\n{msg.rstrip()}" for r, msg in sorted(errors.items()))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What a rank function receives besides its own arguments."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, backend: str, use_cuda: bool,
+               init_file: str, timeout_s: float, results: Any, args: tuple, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # ranks share few cores; oversubscription wrecks timings
+        device = "cpu"
+        if use_cuda:
+            local = rank % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            device = f"cuda:{local}"
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            out = fn(RankContext(rank, world, backend, device), *args)
+            results.put((rank, "ok", out))
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a dead peer must not mask the result
+                pass
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush the queue's feeder thread before the hard exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), backend: str = "gloo",
+              use_cuda: bool | None = None,
+              timeout_s: float = DEFAULT_RANK_TIMEOUT_S, group_timeout_s: float | None = None,
+              env: dict[str, str] | None = None,
+              progress: Callable[[str], None] | None = None) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; return results in rank order.
+
+    ``use_cuda`` (default: ``backend == "nccl"``) pins rank ``r`` to GPU
+    ``r % device_count``; with fewer GPUs than ranks use gloo (NCCL refuses two
+    ranks on one GPU). ``fn`` must be importable by name (a module-level function). Raises
+    :class:`RankFailure` with every failing rank's traceback if any rank
+    raises, dies, or runs past ``timeout_s``.
+    """
+    if use_cuda is None:
+        use_cuda = backend == "nccl"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    workdir = tempfile.mkdtemp(prefix="moonep-ep-run-")
+    init_file = os.path.join(workdir, "pg_init")
+    group_timeout = group_timeout_s or min(timeout_s, envs.MOONEP_EP_TIMEOUT_S)
+    procs = []
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(target=_rank_main, name=f"moonep-ep-rank{rank}",
+                               args=(fn, rank, world_size, backend, use_cuda, init_file, group_timeout, results,
+                                     args, dict(env or {})))
+            proc.start()
+            procs.append(proc)
+        if progress:
+            progress(f"started {world_size} ranks (pids {[p.pid for p in procs]}), backend {backend}")
+        deadline = time.monotonic() + timeout_s
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if rank not in out and rank not in errors and proc.exitcode not in (None, 0):
+                        # Give a dying rank a moment to flush its traceback into the queue.
+                        try:
+                            r, status, payload = results.get(timeout=1.0)
+                            (out if status == "ok" else errors)[r] = payload
+                        except queue.Empty:
+                            errors[rank] = f"process exited with code {proc.exitcode} without a result"
+                if time.monotonic() > deadline:
+                    for rank in range(world_size):
+                        if rank not in out and rank not in errors:
+                            errors[rank] = f"no result within {timeout_s:.0f}s"
+                continue
+            if status == "ok":
+                out[rank] = payload
+                if progress:
+                    progress(f"rank {rank} done ({len(out)}/{world_size})")
+            else:
+                errors[rank] = payload
+        for proc in procs:
+            proc.join(timeout=10)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if errors:
+        raise RankFailure(errors, out)
+    return [out[r] for r in range(world_size)]

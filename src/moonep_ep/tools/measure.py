@@ -1,0 +1,128 @@
+"""``moonep-ep footprint --measure``: allocate a (scaled-down) moonep_ep layout for real
+on the host driver across N ranks, and compare the bytes the OS reports with
+the page-plan prediction and with vLLM 0.33.0's replicated layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..layout.plan import predict_rank_bytes
+
+#: Above this many bytes per rank the weights are allocated but not written
+#: (memfds are sparse: st_size counts, untouched pages cost no RAM).
+FILL_LIMIT_BYTES = 1 << 30
+
+
+def _measure_rank(ctx: Any, layers: int, experts: int, hidden: int, inter: int, slots: int,
+                  slot_pools: int, granularity: int) -> dict[str, Any]:
+    from ..memory.accounting import snapshot
+    from ..memory.host import HostDriver
+    from ..layout.store import ShardedExpertStore, ffn_projections
+
+    driver = HostDriver(rank=ctx.rank, granularity=granularity)
+    projs = ffn_projections(hidden, inter)
+    store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=slots,
+                               slot_pools=slot_pools, driver=driver)
+    try:
+        filled = store.physical_bytes()["total_bytes"] <= FILL_LIMIT_BYTES
+        if filled:
+            gen = torch.Generator().manual_seed(ctx.rank)
+
+            def loader(layer: int, proj: str, expert: int) -> torch.Tensor:
+                shape = next(p.shape for p in projs if p.name == proj)
+                return (torch.rand(shape, generator=gen) - 0.5).to(torch.bfloat16)
+
+            store.load(loader)
+            for p in projs:  # touch the slot pool(s) too, so resident == allocated
+                for pool in range(slot_pools):
+                    store.slots(pool, p.name).fill_(1.0)
+        os_view = snapshot(ctx.rank)
+        return {
+            "rank": ctx.rank,
+            "measured_bytes": os_view.own_bytes,
+            "measured_by_category": {"expert_bytes": os_view.own_bytes_by_tag.get("experts", 0),
+                                     "slot_bytes": os_view.own_bytes_by_tag.get("slots", 0)},
+            "resident_bytes": os_view.own_resident_bytes,
+            "driver_bytes": store.physical_bytes(),
+            "filled": filled,
+            "mappings": store.mapping_count,
+            "map_seconds": round(store.map_seconds, 4),
+        }
+    finally:
+        store.close()
+
+
+def measure_footprint(args: argparse.Namespace) -> int:
+    from ..layout.footprint import default_slots
+    from .launch import run_ranks
+    from ..models import get_model, load_hf_config
+
+    names = [n for item in (args.model or []) for n in str(item).split(",") if n]
+    configs = list(args.config or [])
+    if len(names) + len(configs) != 1:
+        raise ConfigError(f"--measure takes exactly one model, got {names + configs}. "
+                          "Fix: pass one --model NAME (e.g. tiny) or one --config PATH")
+    model = get_model(names[0]) if names else load_hf_config(configs[0])
+    ranks = args.ranks or 4
+    layers = args.layers or model.num_moe_layers
+    if model.num_experts % ranks:
+        raise ConfigError(f"{model.name}: {model.num_experts} experts do not split over --ranks {ranks}. "
+                          "Fix: choose a rank count that divides the expert count")
+    epn = model.num_experts // ranks
+    slots = epn if args.slots in ("auto", None) else int(args.slots)
+    granularity = int(args.granularity)
+    rb = model.moe_intermediate_size * model.hidden_size * 2
+    predicted = [predict_rank_bytes(num_layers=layers, num_experts=model.num_experts, ep_size=ranks,
+                                    num_slots=slots, row_bytes=[rb] * 3, granularity=granularity, rank=r,
+                                    slot_pools=args.slot_pools) for r in range(ranks)]
+    repl_slots = default_slots("replicated", epn)
+    replicated = layers * (model.num_experts + repl_slots) * 3 * rb
+
+    def progress(msg: str) -> None:
+        print(f"[measure] {msg}", file=sys.stderr, flush=True)
+
+    progress(f"{model.name}: {layers} layers, E={model.num_experts}, {ranks} ranks, B={slots}, "
+             f"granularity {granularity} B")
+    per_rank = run_ranks(_measure_rank, ranks, args=(layers, model.num_experts, model.hidden_size,
+                                                     model.moe_intermediate_size, slots, args.slot_pools,
+                                                     granularity), progress=progress)
+    rows = []
+    for r, res in enumerate(per_rank):
+        pred = predicted[r]["total_bytes"]
+        err = abs(res["measured_bytes"] - pred) / pred if pred else float(res["measured_bytes"] != 0)
+        rows.append({**res, "predicted_bytes": pred, "predicted_by_category": predicted[r],
+                     "relative_error": err, "replicated_bytes": replicated,
+                     "replicated_over_measured": replicated / res["measured_bytes"] if res["measured_bytes"] else None})
+    worst = max(r["relative_error"] for r in rows)
+    summary = {
+        "ok": worst <= 0.01,
+        "model": model.name, "ranks": ranks, "layers": layers, "num_slots": slots,
+        "slot_pools": args.slot_pools, "granularity": granularity,
+        "replicated_num_slots": repl_slots,
+        "measured_bytes_per_rank": [r["measured_bytes"] for r in rows],
+        "resident_bytes_per_rank": [r["resident_bytes"] for r in rows],
+        "predicted_bytes_per_rank": [r["predicted_bytes"] for r in rows],
+        "replicated_bytes_per_rank": replicated,
+        "max_relative_error": worst,
+        "replicated_over_moonep_ep": replicated / max(r["measured_bytes"] for r in rows),
+        "per_rank": rows,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{model.name}: {layers} MoE layers, E={model.num_experts}, R={ranks}, B={slots}; "
+              "bytes per rank measured by the OS (memfd sizes)")
+        print(f"  {'rank':>4} {'measured':>14} {'predicted':>14} {'err':>8} {'resident':>14} {'replicated':>14} {'ratio':>7}")
+        for r in rows:
+            print(f"  {r['rank']:>4} {r['measured_bytes']:>14,} {r['predicted_bytes']:>14,} "
+                  f"{r['relative_error']:>8.2%} {r['resident_bytes']:>14,} {replicated:>14,} "
+                  f"{r['replicated_over_measured']:>6.1f}x")
+        print(f"  replicated / moonep_ep (largest rank): {summary['replicated_over_moonep_ep']:.2f}x; "
+              f"{'OK' if summary['ok'] else 'MISMATCH'} (max error {worst:.3%})")
+    return 0 if summary["ok"] else 1

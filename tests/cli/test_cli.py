@@ -1,0 +1,55 @@
+"""The moonep-ep command as a user runs it (subprocesses, real output)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cli import moonep_ep, moonep_ep_json
+
+
+def test_check_json_reports_host_available_and_cuda_reason():
+    report = moonep_ep_json("check")
+    assert report["host"]["available"] and report["host"]["vmm"] and report["host"]["multicast"]
+    assert report["host"]["reasons"]["fabric"]
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_gpu = False
+    if not has_gpu:
+        assert report["cuda"]["available"] is False
+        assert report["cuda"]["reasons"]["driver"]  # says why, e.g. no libcuda
+    assert "importable" in report["moonep"] and "version" in report["vllm"]
+
+
+def test_check_text_exits_zero():
+    proc = moonep_ep("check")
+    assert proc.returncode == 0 and "host driver" in proc.stdout
+
+
+@pytest.mark.slow
+def test_selftest_four_ranks_host_json():
+    out = moonep_ep_json("selftest", "--ranks", "4", "--driver", "host")
+    assert out["ok"] is True and out["ranks"] == 4
+    assert out["leaked_fds"] == 0 and out["leaked_mappings"] == 0
+    gran = 2 << 20
+    chunk = 4 << 20
+    # Measured by the OS (memfd st_size): each rank only its own (unequal) chunk...
+    assert out["physical_bytes_per_rank"] == [chunk + (r % 2) * gran for r in range(4)]
+    # ...while every rank sees all four chunks.
+    assert out["visible_bytes_per_rank"] == [sum(out["physical_bytes_per_rank"])] * 4
+    assert out["multicast"]["used"] and out["multicast"]["members_updated"] == 4
+
+
+def test_selftest_rejects_bad_rank_count():
+    proc = moonep_ep("selftest", "--ranks", "0", "--driver", "host")
+    assert proc.returncode == 2 and "--ranks must be >= 1" in proc.stderr
+
+
+def test_selftest_cuda_without_gpu_says_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; the CUDA selftest runs in scripts/gpu_check.sh")
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda")
+    assert proc.returncode == 2 and "--driver host" in proc.stderr

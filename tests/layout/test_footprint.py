@@ -1,0 +1,406 @@
+"""``moonep-ep footprint``: model shapes, HF config parsing, per-scheme arithmetic, CLI, plot.
+
+Expected numbers are recomputed here from the formulas (not from the code under
+test) and, for page-aligned shapes, checked against the derived table in
+``/work/shared/reference/models_and_peers.md`` §2.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from moonep_ep.cli import footprint as cli
+from moonep_ep.errors import ConfigError
+from moonep_ep.layout.footprint import (GPU_CAPACITY_GB, SCHEMES, FootprintOptions, footprint_report,
+                                 scheme_bytes)
+from moonep_ep.models import (DEFAULT_MODELS, MODELS, expert_bytes, get_model, load_hf_config,
+                              lookup_model)
+
+MiB = 1 << 20
+GRAN = 2 * MiB
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moonep-ep")
+    sub = ap.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    return ap
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    args = _parser().parse_args(["footprint", *argv])
+    rc = args.run(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _run_json(capsys, *argv: str) -> dict:
+    rc, out, err = _run(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def _row(H: int, I: int, dtype_bytes: int = 2) -> int:
+    return H * I * dtype_bytes
+
+
+# ----------------------------------------------------------------------------- models
+
+def test_builtin_shapes_match_reference():
+    # (H, I, E, K, L) from models_and_peers.md §1.
+    expected = {
+        "kimi-k3": (3584, 3072, 896, 16, 92),
+        "kimi-k2": (7168, 2048, 384, 8, 60),
+        "deepseek-v3": (7168, 2048, 256, 8, 58),
+        "qwen3-235b-a22b": (4096, 1536, 128, 8, 94),
+        "qwen3-30b-a3b": (2048, 768, 128, 8, 48),
+        "glm-4.5": (5120, 1536, 160, 8, 89),
+        "gpt-oss-120b": (2880, 2880, 128, 4, 36),
+        "olmoe-1b-7b": (2048, 1024, 64, 8, 16),
+        "mixtral-8x22b": (6144, 16384, 8, 2, 56),
+        "tiny": (512, 256, 16, 4, 4),
+    }
+    for name, (H, I, E, K, L) in expected.items():
+        m = MODELS[name]
+        assert (m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k,
+                m.num_moe_layers) == (H, I, E, K, L), name
+        assert m.dtype_bytes == 2
+        assert m.expert_bytes == expert_bytes(m) == 3 * H * I * 2
+        assert m.row_bytes == (H * I * 2,) * 3
+    assert "tiny" not in DEFAULT_MODELS
+    # Per-expert MB from models_and_peers.md §2.1.
+    assert MODELS["kimi-k3"].expert_bytes / 1e6 == pytest.approx(66.1, abs=0.05)
+    assert MODELS["kimi-k2"].expert_bytes / 1e6 == pytest.approx(88.1, abs=0.05)
+    assert MODELS["kimi-k2"].routed_bytes / 1e9 == pytest.approx(2029.4, abs=0.05)
+
+
+@pytest.mark.parametrize("alias,name", [
+    ("Kimi_K2", "kimi-k2"), ("KIMI-K3", "kimi-k3"), ("deepseek_v3", "deepseek-v3"),
+    ("DeepSeek-R1", "deepseek-v3"), ("Qwen3_30B_A3B", "qwen3-30b-a3b"),
+    ("qwen3-235b", "qwen3-235b-a22b"), ("GLM_4.6", "glm-4.5"), ("gpt_oss_120b", "gpt-oss-120b"),
+    ("OLMoE", "olmoe-1b-7b"), ("Mixtral_8x22B", "mixtral-8x22b"), ("TINY", "tiny"),
+])
+def test_aliases(alias, name):
+    assert lookup_model(alias) is MODELS[name]
+    assert get_model(alias) is MODELS[name]
+
+
+def test_unknown_model_names_the_choices():
+    with pytest.raises(ConfigError, match="kimi-k2.*config.json"):
+        get_model("no-such-model")
+
+
+# ----------------------------------------------------------------------------- HF config.json
+
+def _write(tmp_path, name: str, cfg: dict) -> str:
+    p = tmp_path / name
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps(cfg))
+    return str(p / "config.json")
+
+
+DEEPSEEK_STYLE = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+QWEN3_STYLE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
+}
+
+
+def test_hf_deepseek_style(tmp_path):
+    path = _write(tmp_path, "dsv3", DEEPSEEK_STYLE)
+    m = load_hf_config(path)
+    ref = MODELS["deepseek-v3"]
+    # moe_intermediate_size, not the dense intermediate_size; 61 - 3 dense = 58 MoE layers,
+    # the MTP layer is outside num_hidden_layers.
+    assert (m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k, m.num_moe_layers) == \
+        (ref.hidden_size, ref.moe_intermediate_size, ref.num_experts, ref.top_k, ref.num_moe_layers)
+    assert m.native_dtype == "fp8"
+    # a directory works too, and get_model falls back to paths
+    assert load_hf_config(tmp_path / "dsv3") == m
+    assert get_model(str(tmp_path / "dsv3")) == m
+
+
+def test_hf_kimi_k3_latent_width_in_text_config(tmp_path):
+    cfg = {"model_type": "kimi_k3", "text_config": {
+        "hidden_size": 7168, "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072,
+        "n_routed_experts": 896, "num_experts_per_tok": 16, "num_hidden_layers": 93,
+        "first_k_dense_replace": 1}}
+    m = load_hf_config(_write(tmp_path, "k3", cfg))
+    ref = MODELS["kimi-k3"]
+    assert (m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k, m.num_moe_layers) == \
+        (ref.hidden_size, ref.moe_intermediate_size, ref.num_experts, ref.top_k, ref.num_moe_layers)
+
+
+def test_hf_qwen3_style(tmp_path):
+    m = load_hf_config(_write(tmp_path, "qwen", QWEN3_STYLE))
+    ref = MODELS["qwen3-30b-a3b"]
+    assert (m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k, m.num_moe_layers) == \
+        (ref.hidden_size, ref.moe_intermediate_size, ref.num_experts, ref.top_k, ref.num_moe_layers)
+    # Qwen rule: layer i is MoE iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
+    sparse = dict(QWEN3_STYLE, decoder_sparse_step=2, mlp_only_layers=[1, 2, 3])
+    m2 = load_hf_config(_write(tmp_path, "qwen_sparse", sparse))
+    assert m2.num_moe_layers == sum(1 for i in range(48) if i not in (1, 2, 3) and (i + 1) % 2 == 0)
+
+
+def test_hf_mixtral_and_llama4_styles(tmp_path):
+    mixtral = {"model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384,
+               "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 56}
+    m = load_hf_config(_write(tmp_path, "mixtral", mixtral))
+    assert (m.moe_intermediate_size, m.num_experts, m.num_moe_layers) == (16384, 8, 56)
+    llama4 = {"model_type": "llama4", "text_config": {
+        "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+        "num_local_experts": 128, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+        "interleave_moe_layer_step": 2}}
+    m = load_hf_config(_write(tmp_path, "llama4", llama4))
+    assert (m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k, m.num_moe_layers) == \
+        (5120, 8192, 128, 1, 24)
+
+
+def test_hf_missing_keys_name_the_key_and_fix(tmp_path):
+    no_moe_inter = {k: v for k, v in DEEPSEEK_STYLE.items() if k != "moe_intermediate_size"}
+    with pytest.raises(ConfigError, match=r"missing key moe_intermediate_size.*Fix:"):
+        load_hf_config(_write(tmp_path, "a", no_moe_inter))
+    no_topk = {k: v for k, v in QWEN3_STYLE.items() if k != "num_experts_per_tok"}
+    with pytest.raises(ConfigError, match=r"missing key num_experts_per_tok.*Fix:"):
+        load_hf_config(_write(tmp_path, "b", no_topk))
+    dense = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32}
+    with pytest.raises(ConfigError, match=r"n_routed_experts.*Fix:"):
+        load_hf_config(_write(tmp_path, "c", dense))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_hf_config(tmp_path / "absent.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_hf_config(tmp_path / "bad.json")
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def _moonep_expected(model, ep: int, B: int) -> int:
+    """Data bytes of one rank under moonep_ep: own rows of every layer + B shared slot rows."""
+    epn = model.num_experts // ep
+    return (model.num_moe_layers * epn + B) * model.expert_bytes
+
+
+def test_cli_qwen3_30b_ep4_json(capsys):
+    report = _run_json(capsys, "--model", "qwen3-30b-a3b", "--ep", "4")
+    entry = report["models"]["qwen3-30b-a3b"]["ep"]["4"]
+    assert entry["supported"] and entry["epn"] == 32
+    s = entry["schemes"]
+    assert set(s) == set(SCHEMES) == {"replicated", "per_layer_slots", "eplb", "moonep_ep"}
+    H, I, E, L = 2048, 768, 128, 48
+    row = _row(H, I)
+    assert row == 3 * MiB                      # page-aligned: no padding expected
+    epn = E // 4
+    expected = {
+        "replicated": L * (E + 4) * 3 * row,                  # vLLM 0.33.0, B = 4 per layer
+        "per_layer_slots": L * (epn + epn) * 3 * row,         # SGLang, B = epn per layer
+        "eplb": L * math.ceil((E + 4) / 4) * 3 * row,         # N = R = 4 redundant
+        "moonep_ep": (L * epn + epn) * 3 * row,               # one shared pool of epn slots
+    }
+    for scheme, want in expected.items():
+        d = s[scheme]
+        assert isinstance(d["bytes"], int) and d["bytes"] == want, scheme
+        assert d["gb"] == pytest.approx(want / 1e9)
+        assert d["bytes"] == d["expert_bytes"] + d["slot_bytes"]
+        assert set(d["fits"]) == set(GPU_CAPACITY_GB)
+    assert s["moonep_ep"]["padding_bytes"] == 0
+    assert s["replicated"]["bytes"] > s["per_layer_slots"]["bytes"] > s["eplb"]["bytes"] \
+        > s["moonep_ep"]["bytes"]
+    assert entry["ratio_replicated_over_moonep_ep"] == pytest.approx(
+        expected["replicated"] / expected["moonep_ep"])
+    # 59.8 GB replicated + 20 GB reserve does not fit an 80 GB H100 — only just.
+    assert s["replicated"]["gb"] == pytest.approx(59.79, abs=0.01)
+    assert s["replicated"]["fits"]["H100"] is True
+    assert s["moonep_ep"]["smallest_gpu"] == "H100"
+
+
+def test_cli_kimi_k2_ep64_json(capsys):
+    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64")
+    entry = report["models"]["kimi-k2"]["ep"]["64"]
+    s = entry["schemes"]
+    H, I, E, L, R = 7168, 2048, 384, 60, 64
+    row = _row(H, I)
+    assert row == 28 * MiB
+    epn = E // R
+    assert s["replicated"]["bytes"] == L * (E + 4) * 3 * I * H * 2 == 2_050_511_339_520
+    assert s["per_layer_slots"]["bytes"] == L * 2 * epn * 3 * row
+    assert s["eplb"]["bytes"] == L * (epn + 1) * 3 * row
+    assert s["moonep_ep"]["bytes"] == _moonep_expected(MODELS["kimi-k2"], R, epn)
+    assert s["moonep_ep"]["slot_bytes"] == epn * 3 * row
+    assert s["moonep_ep"]["gb"] < 40
+    assert s["replicated"]["bytes"] > s["per_layer_slots"]["bytes"] > s["moonep_ep"]["bytes"]
+    assert s["eplb"]["bytes"] > s["moonep_ep"]["bytes"]       # epn (6) < L (60)
+    assert not any(s["replicated"]["fits"].values())
+    assert all(s["moonep_ep"]["fits"].values())
+    assert s["per_layer_slots"]["fits"]["H100"] is False       # 63.4 + 20 > 80
+    assert entry["ratio_replicated_over_moonep_ep"] > 60
+
+
+# models_and_peers.md §2.2 (BF16, GB): (a) replicated; (c) per-layer slots, (d) shared pool,
+# (e) EPLB N=R at EP8/16/32/64. Only page-aligned shapes: the table ignores padding.
+REFERENCE_GB = {
+    "kimi-k3": (5469.8, (1361.4, 680.7, 340.3, 170.2), (688.1, 344.0, 172.0, 86.0),
+                (686.8, 346.4, 176.2, 91.2)),
+    "kimi-k2": (2050.5, (507.3, 253.7, 126.8, 63.4), (257.9, 128.9, 64.5, 32.2),
+                (259.0, 132.1, 68.7, 37.0)),
+    "deepseek-v3": (1328.3, (327.0, 163.5, 81.7, 40.9), (166.3, 83.1, 41.6, 20.8),
+                    (168.6, 86.8, 46.0, 25.5)),
+    "qwen3-235b-a22b": (468.4, (113.5, 56.8, 28.4, 14.2), (57.4, 28.7, 14.3, 7.17),
+                        (60.3, 31.9, 17.7, 10.6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_GB))
+def test_matches_reference_table(name):
+    repl, per_layer, shared, eplb = REFERENCE_GB[name]
+    report = footprint_report([MODELS[name]], [8, 16, 32, 64])
+    for i, ep in enumerate(("8", "16", "32", "64")):
+        s = report["models"][name]["ep"][ep]["schemes"]
+        tol = dict(rel=2e-3, abs=0.06)
+        assert s["replicated"]["gb"] == pytest.approx(repl, **tol)
+        assert s["per_layer_slots"]["gb"] == pytest.approx(per_layer[i], **tol)
+        assert s["moonep_ep"]["gb"] == pytest.approx(shared[i], **tol)
+        assert s["eplb"]["gb"] == pytest.approx(eplb[i], **tol)
+
+
+def test_eplb_fixed_32_redundant_matches_reference_variant(capsys):
+    # models_and_peers.md §2.2 variant: N = 32 at EP8 = +4 experts/rank/layer: K2 274.8, DSV3 183.9 GB.
+    report = _run_json(capsys, "--model", "kimi-k2,deepseek-v3", "--ep", "8",
+                       "--eplb-redundant", "32")
+    k2 = report["models"]["kimi-k2"]["ep"]["8"]["schemes"]["eplb"]
+    ds = report["models"]["deepseek-v3"]["ep"]["8"]["schemes"]["eplb"]
+    assert k2["experts_per_rank_per_layer"] == (384 + 32) // 8
+    assert k2["gb"] == pytest.approx(274.8, abs=0.06)
+    assert ds["gb"] == pytest.approx(183.9, abs=0.06)
+
+
+def test_explicit_slots_and_pools_and_padding():
+    tiny = MODELS["tiny"]
+    row = _row(512, 256)                                      # 256 KiB: not page-sized
+    opts = FootprintOptions(num_slots=3, slot_pools=2)
+    d = scheme_bytes(tiny, 4, "moonep_ep", opts)
+    pool = math.ceil(3 * row / GRAN) * GRAN                   # one pool per projection, page-rounded
+    assert d["num_slots"] == 3
+    assert d["slot_bytes"] == 2 * 3 * pool
+    assert d["bytes"] == d["expert_bytes"] + d["slot_bytes"]
+    # the largest rank holds at least the mean data (own rows + two pools of 3 slot rows)
+    assert d["bytes"] >= (tiny.num_moe_layers * 4 + 2 * 3) * 3 * row
+    assert d["padding_bytes"] > 0
+    r = scheme_bytes(tiny, 4, "replicated", opts)
+    assert r["bytes"] == tiny.num_moe_layers * (16 + 3) * 3 * row
+    with pytest.raises(ConfigError, match="not a multiple"):
+        scheme_bytes(tiny, 5, "moonep_ep")
+
+
+def test_reserve_changes_fits(capsys):
+    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64", "--reserve-gb", "50")
+    ours = report["models"]["kimi-k2"]["ep"]["64"]["schemes"]["moonep_ep"]
+    assert ours["fits"]["H100"] is False and ours["fits"]["H200"] is True   # 32.2 + 50 > 80
+    assert ours["smallest_gpu"] == "H200"
+    assert report["assumptions"]["reserve_gb"] == 50
+
+
+def test_unsupported_ep_is_reported_not_raised(capsys):
+    report = _run_json(capsys, "--model", "glm-4.5", "--ep", "32,64")
+    assert report["models"]["glm-4.5"]["ep"]["32"]["supported"] is True
+    e64 = report["models"]["glm-4.5"]["ep"]["64"]
+    assert e64["supported"] is False and e64["schemes"] is None
+    assert "160" in e64["reason"]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_table_output_default_models(capsys):
+    rc, out, _ = _run(capsys, "--ep", "8,64")
+    assert rc == 0
+    for name in DEFAULT_MODELS:
+        assert f"\n{name}: " in out
+    assert "\ntiny: " not in out
+    for scheme in SCHEMES:
+        assert scheme in out
+    assert "n/a" in out                                         # mixtral at EP64
+
+
+def test_cli_config_path(tmp_path, capsys):
+    path = _write(tmp_path, "qwen", QWEN3_STYLE)
+    report = _run_json(capsys, "--config", path, "--ep", "4")
+    (name, mf), = report["models"].items()
+    ours = mf["ep"]["4"]["schemes"]["moonep_ep"]["bytes"]
+    assert ours == (48 * 32 + 32) * 3 * _row(2048, 768)
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    rc, out, err = _run(capsys, "--model", "nope", "--json")
+    assert rc == 2 and out == "" and "unknown model" in err
+    bad = _write(tmp_path, "bad", {k: v for k, v in DEEPSEEK_STYLE.items()
+                                   if k != "moe_intermediate_size"})
+    rc, _, err = _run(capsys, "--config", bad)
+    assert rc == 2 and "moe_intermediate_size" in err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["footprint", "--ep", "8,x"])
+
+
+def test_parser_options():
+    args = _parser().parse_args(["footprint", "--model", "kimi-k2", "--model", "tiny,olmoe",
+                                 "--granularity", "64KiB", "--slots", "auto",
+                                 "--eplb-redundant", "32", "--measure", "--ranks", "4",
+                                 "--layers", "2"])
+    assert args.model == ["kimi-k2", "tiny,olmoe"]
+    assert args.granularity == 64 * 1024 and args.slots is None and args.eplb_redundant == 32
+    assert args.measure and args.ranks == 4 and args.layers == 2
+    assert args.run is cli.run
+    assert cli.parse_size("2097152") == cli.parse_size("2MiB") == cli.parse_size("2M") == GRAN
+
+
+def test_measure_is_delegated(monkeypatch):
+    seen = {}
+
+    def fake_measure(args):
+        seen["args"] = args
+        return 7
+
+    fake = types.ModuleType("moonep_ep.tools.measure")
+    fake.measure_footprint = fake_measure
+    monkeypatch.setitem(sys.modules, "moonep_ep.tools.measure", fake)
+    args = _parser().parse_args(["footprint", "--measure", "--ranks", "2", "--layers", "3"])
+    assert cli.run(args) == 7
+    assert seen["args"].ranks == 2 and seen["args"].layers == 3
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    out = tmp_path / "footprint.png"
+    rc, stdout, _ = _run(capsys, "--model", "kimi-k2,qwen3-30b-a3b,mixtral-8x22b", "--plot",
+                         str(out))
+    assert rc == 0 and str(out) in stdout
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
+
+
+def test_wired_into_moonep_ep_command():
+    """The real entry point (``moonep_ep.cli.main``) runs the subcommand in a fresh process."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "footprint", "--model",
+                           "kimi-k2", "--ep", "64", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)["models"]["kimi-k2"]["ep"]["64"]["schemes"]
+    assert s["moonep_ep"]["bytes"] == _moonep_expected(MODELS["kimi-k2"], 64, 6)

@@ -1,0 +1,492 @@
+"""Tests of the MoonEP Gen A dispatch planner (contract §4).
+
+1. The contract's worked example (§4.10), every field it gives.
+2. Hand-checked corner cases (slot tie-breaking with B < #remote, a donor
+   that overshoots and becomes a receiver).
+3. Hypothesis properties over random, skewed routing: the §4.9 guarantees.
+4. Bad inputs: ConfigError messages name the value and the fix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moonep_ep.errors import ConfigError
+from moonep_ep.ops.planner import DispatchPlan, entry_dst, nvs_rows, plan_dispatch
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def counts_of(topks: list[list[int]], E: int) -> list[list[int]]:
+    return [torch.bincount(torch.tensor(t, dtype=torch.int64), minlength=E).tolist() for t in topks]
+
+
+def decode(dst: torch.Tensor, NvS: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest rank, loff) of every entry, duplicates included."""
+    raw = torch.where(dst >= 0, dst, -dst - 1).to(torch.int64)
+    return raw // NvS, raw % NvS
+
+
+# ---------------------------------------------------------------------------
+# 1. worked example (§4.10)
+
+EX_TOPK = [[0, 1, 0, 1, 0, 2, 1, 0], [0, 1, 1, 0, 0, 3, 0, 1]]
+
+
+@pytest.fixture
+def example_plan() -> DispatchPlan:
+    return plan_dispatch(counts_of(EX_TOPK, 4), S=4, K=2, E=4, R=2, B=2, token_padding=4)
+
+
+def test_worked_example_globals(example_plan: DispatchPlan) -> None:
+    p = example_plan
+    assert (p.epn, p.N, p.NvS, p.nvs_s, p.total_num_tokens) == (2, 8, 20, 20, 8)
+    assert p.NvS == nvs_rows(4, 2, 4, 2, 4) == 8 + 3 * 2 * 2
+    assert p.tokens_per_expert.sum(0).tolist() == [8, 6, 1, 1]  # C
+    assert p.tokens_per_expert.sum(0).view(2, 2).sum(1).tolist() == [14, 2]  # G_tok; balance = G_tok - cap = [6, -6]
+    assert p.cap.tolist() == [8, 8]
+    assert p.z.tolist() == [[0, 6], [0, 0]]
+    assert p.alloc.tolist() == [[2, 6], [6, 0], [0, 1], [0, 1]]
+    assert p.experts_to_copy.tolist() == [[-1, -1], [0, -1]]
+    assert p.copy_owner.tolist() == [[-1, -1], [0, -1]]
+    assert p.remote_stats.tolist() == [[0, 1], [1, 0]]
+
+
+def test_worked_example_gen_a_layout(example_plan: DispatchPlan) -> None:
+    p = example_plan
+    assert p.cu_seqlens.tolist() == [[4, 12, 12, 12, 12, 12], [0, 0, 4, 8, 16, 16]]
+    assert [[tuple(x) for x in row] for row in p.zero_fill_ranges.tolist()] == [
+        [(2, 2), (10, 2), (0, 0), (0, 0), (0, 0), (0, 0)],
+        [(0, 0), (0, 0), (1, 3), (5, 3), (14, 2), (0, 0)],
+    ]
+
+
+def test_worked_example_gen_b_segments(example_plan: DispatchPlan) -> None:
+    # The planner is Gen A; Gen B differs only in group order (local experts,
+    # then slots by ascending id). Re-deriving the Gen B numbers from alloc
+    # checks the same counts and padding.
+    p, tp = example_plan, example_plan.token_padding
+    cu_b, zf_b = [], []
+    for d in range(p.R):
+        remote = sorted(int(e) for e in p.experts_to_copy[d] if e >= 0)
+        groups = list(range(d * p.epn, (d + 1) * p.epn)) + remote + [-1] * (p.epn - len(remote))
+        start, cu, zf = 0, [], []
+        for e in groups:
+            cnt = int(p.alloc[e, d]) if e >= 0 else 0
+            padded = -(-cnt // tp) * tp
+            zf.append((start + cnt, padded - cnt) if padded > cnt else (0, 0))
+            start += padded
+            cu.append(start)
+        cu_b.append(cu)
+        zf_b.append(zf)
+    assert cu_b == [[4, 12, 12, 12], [4, 8, 16, 16]]
+    assert zf_b == [[(2, 2), (10, 2), (0, 0), (0, 0)], [(1, 3), (5, 3), (14, 2), (0, 0)]]
+
+
+def test_worked_example_dst(example_plan: DispatchPlan) -> None:
+    p = example_plan
+    dst0 = entry_dst(p, 0, torch.tensor(EX_TOPK[0]).view(4, 2))
+    dst1 = entry_dst(p, 1, EX_TOPK[1])  # flat list accepted too
+    assert dst0.dtype == torch.int32 and dst0.shape == (8,)
+    assert dst0.tolist() == [0, -5, 1, -6, 28, -21, 6, 29]
+    assert dst1.tolist() == [30, 7, 8, 31, 32, -25, 33, 9]
+    raw = lambda v: [x if x >= 0 else -x - 1 for x in v.tolist()]  # noqa: E731
+    assert raw(dst0) == [0, 4, 1, 5, 28, 20, 6, 29]
+    assert raw(dst1) == [30, 7, 8, 31, 32, 24, 33, 9]
+
+
+def test_worked_example_routes(example_plan: DispatchPlan) -> None:
+    p = example_plan
+    # Expert 0: rank 0's 4 entries = global [0,4): 2 home rows on rank 0 then
+    # rows 8,9 of rank 1's slot segment; rank 1's 4 entries follow at row 10.
+    assert p.route_count[:, 0, :].tolist() == [[2, 2], [0, 4]]
+    assert p.route_row[:, 0, :].tolist() == [[0, 8], [-1, 10]]
+    assert p.expert_off.tolist() == [[0, 4, -1, -1], [8, -1, 0, 4]]
+
+
+# ---------------------------------------------------------------------------
+# 2. hand-checked corner cases
+
+
+def test_gen_a_slot_ties_and_unslotted_remote() -> None:
+    # Group 0 (experts 0..3) holds all 16 entries; rank 1 takes 8 of them:
+    # 4 of expert 0 and 4 of expert 1 (fullest expert first, ties -> smaller j).
+    T = [[2, 2, 2, 2, 0, 0, 0, 0]] * 2
+    p2 = plan_dispatch(T, S=8, K=1, E=8, R=2, B=2, token_padding=1)
+    assert p2.alloc[:, 1].tolist() == [4, 4, 0, 0, 0, 0, 0, 0]
+    # Equal counts: the larger id takes the first slot.
+    assert p2.experts_to_copy.tolist() == [[-1, -1], [1, 0]]
+    p1 = plan_dispatch(T, S=8, K=1, E=8, R=2, B=1, token_padding=1)
+    assert p1.experts_to_copy.tolist() == [[-1], [1]]
+    assert p1.remote_stats.tolist() == [[0, 1], [2, 0]]  # 2 remote experts, 1 slotted
+    # Unslotted expert 0 is computed in its own group g = 0 (reading full[0]).
+    assert p1.cu_seqlens[1].tolist() == [4, 4, 4, 4, 4, 4, 4, 4, 8]
+    assert p1.expert_off[1].tolist()[:2] == [0, 4]
+
+
+def test_overshooting_donor_becomes_receiver() -> None:
+    # R=3, epn=1: G_tok=[7,7,1], cap=5 each, balance [2,2,-4]. Donor 0 fills
+    # rank 2 (overshoots to -2), then donor 1 fills rank 0.
+    T = [[3, 2, 0], [2, 3, 0], [2, 2, 1]]
+    p = plan_dispatch(T, S=5, K=1, E=3, R=3, token_padding=1)
+    assert p.z.tolist() == [[0, 0, 4], [2, 0, 0], [0, 0, 0]]
+    assert p.alloc.tolist() == [[3, 0, 4], [2, 5, 0], [0, 0, 1]]
+    assert p.cap.tolist() == [5, 5, 5]
+    assert p.experts_to_copy.tolist() == [[1], [-1], [0]]
+
+
+def test_receiver_ties_pick_smallest_rank() -> None:
+    # R=4, epn=1: balance [1, 1, -1, -1]. Donor 0 fills the first of the tied
+    # receivers (rank 2), then donor 1 fills rank 3.
+    T = [[3, 0, 0, 0], [1, 2, 0, 0], [0, 2, 1, 0], [0, 0, 1, 2]]
+    p = plan_dispatch(T, S=3, K=1, E=4, R=4, token_padding=1)
+    assert p.z.tolist() == [[0, 0, 1, 0], [0, 0, 0, 1], [0] * 4, [0] * 4]
+    assert p.alloc.tolist() == [[3, 0, 1, 0], [0, 3, 0, 1], [0, 0, 2, 0], [0, 0, 0, 2]]
+
+
+def test_donor_ties_pick_smallest_rank() -> None:
+    # R=3, epn=1: balance [1, 1, -2]. Donor 0 (first max) fills rank 2 and
+    # overshoots; donor 1 then fills rank 0.
+    T = [[3, 0, 0], [1, 2, 0], [0, 2, 1]]
+    p = plan_dispatch(T, S=3, K=1, E=3, R=3, token_padding=1)
+    assert p.z.tolist() == [[0, 0, 2], [1, 0, 0], [0, 0, 0]]
+    assert p.alloc.tolist() == [[2, 0, 2], [1, 3, 0], [0, 0, 1]]
+
+
+def test_split_serves_tied_quotas_smallest_rank_first() -> None:
+    # Group 0 = experts 0, 1 with 5 and 4 entries; ranks 1 and 2 each need 2
+    # (tied quotas). Rank 1 goes first and takes the fullest expert (0), which
+    # leaves expert 1 the fullest for rank 2.
+    T = [[3, 2, 0, 0, 0, 0], [2, 2, 1, 0, 0, 0], [0, 0, 2, 0, 1, 2]]
+    p = plan_dispatch(T, S=5, K=1, E=6, R=3, token_padding=1)
+    assert p.cap.tolist() == [5, 5, 5]
+    assert p.z.tolist() == [[0, 2, 2], [0, 0, 0], [0, 0, 0]]
+    assert p.alloc[:2].tolist() == [[3, 2, 0], [2, 0, 2]]
+    assert p.experts_to_copy.tolist() == [[-1, -1], [0, -1], [1, -1]]
+    # Entry order: expert 0's entries (source 0 first) fill rank 0 then rank 1.
+    assert p.route_count[:, 0, :].tolist() == [[3, 0, 0], [0, 2, 0], [0, 0, 0]]
+    assert p.route_count[:, 1, :].tolist() == [[2, 0, 0], [0, 0, 2], [0, 0, 0]]
+
+
+def test_no_migration_when_home_fits() -> None:
+    T = [[2, 2, 0, 0], [0, 0, 3, 1]]
+    p = plan_dispatch(T, S=2, K=2, E=4, R=2, token_padding=8)
+    assert int(p.z.abs().sum()) == 0
+    assert p.alloc.tolist() == [[2, 0], [2, 0], [0, 3], [0, 1]]
+    assert (p.experts_to_copy == -1).all()
+    assert p.cu_seqlens.tolist() == [[8, 16, 16, 16, 16, 16], [0, 0, 8, 16, 16, 16]]
+
+
+# ---------------------------------------------------------------------------
+# 3. properties
+
+
+def expected_slots(alloc: list[list[int]], d: int, epn: int, B: int) -> tuple[list[int], list[int]]:
+    """Remote experts of destination d, and the Gen A slot choice (§4.5)."""
+    remote = [e for e in range(len(alloc)) if alloc[e][d] > 0 and e // epn != d]
+    return remote, sorted(remote, key=lambda e: (alloc[e][d], e), reverse=True)[:B]
+
+
+def check_plan(p: DispatchPlan, T: np.ndarray, total_given: int | None) -> None:
+    """Every §4.9 guarantee that only needs the counts."""
+    R, E, epn, B, tp, K = p.R, p.E, p.epn, p.B, p.token_padding, p.K
+    T = torch.as_tensor(T, dtype=torch.int64)
+    alloc = p.alloc.to(torch.int64)
+    C = T.sum(0)
+    total = int(T.sum())
+    s = T.sum(1) // K
+
+    # inputs kept as given
+    assert torch.equal(p.tokens_per_expert.to(torch.int64), T)
+    assert torch.equal(p.num_tokens.to(torch.int64), s)
+    assert torch.equal(p.tpe_cumsum.to(torch.int64), T.cumsum(0))
+    assert p.total_num_tokens == int(s.sum()) == (total_given if total_given is not None else R * int(s[0]))
+
+    # quotas: every rank receives exactly cap[d] rows
+    cap = [total // R + (1 if d < total % R else 0) for d in range(R)]
+    assert p.cap.tolist() == cap
+    if bool((s == p.S).all()):
+        assert cap == [p.S * K] * R
+    assert bool((alloc >= 0).all())
+    assert torch.equal(alloc.sum(1), C)  # conservation
+    assert alloc.sum(0).tolist() == cap  # capacity
+    assert torch.equal(p.alloc_cumsum.to(torch.int64), alloc.cumsum(1))
+
+    # donor structure: z matches alloc, one donor group per receiver
+    z = p.z.to(torch.int64)
+    assert bool((z >= 0).all()) and int(z.diagonal().abs().sum()) == 0
+    assert bool(((z > 0).sum(0) <= 1).all())
+    group_alloc = alloc.view(R, epn, R).sum(1)  # [h, d]
+    off_home = group_alloc - torch.diag(group_alloc.diagonal())
+    assert torch.equal(off_home, z)
+    G_tok = C.view(R, epn).sum(1)
+    if bool((G_tok <= torch.tensor(cap)).all()):
+        assert int(z.sum()) == 0
+
+    NvS, nvs_s = p.NvS, p.nvs_s
+    assert NvS == p.S * K + (tp - 1) * 2 * epn
+    assert nvs_s == -(-total // R) + (tp - 1) * 2 * epn and nvs_s <= NvS
+
+    # Per destination, on plain lists (tensor element access is slow).
+    A = alloc.tolist()
+    etc, owner = p.experts_to_copy.tolist(), p.copy_owner.tolist()
+    cu_all, zf_all, off_all = p.cu_seqlens.tolist(), p.zero_fill_ranges.tolist(), p.expert_off.tolist()
+    stats = p.remote_stats.tolist()
+    stats1 = [0] * R
+    for d in range(R):
+        remote_groups = {e // epn for e in range(E) if A[e][d] > 0 and e // epn != d}
+        assert len(remote_groups) <= 1  # at most one remote home group
+        assert sum(A[e][d] > 0 for e in range(E)) <= 2 * epn  # <= 2*epn segments
+
+        # experts_to_copy: Gen A slot order, valid prefix, <= B
+        remote, slots = expected_slots(A, d, epn, B)
+        assert etc[d] == slots + [-1] * (B - len(slots))
+        assert len(slots) <= min(B, epn)
+        assert all(0 <= e < E and e // epn != d for e in slots)
+        assert owner[d] == [e // epn for e in slots] + [-1] * (B - len(slots))
+        assert stats[d][0] == len(remote)
+        for e in slots:
+            stats1[e // epn] += 1
+
+        # cu_seqlens / zero_fill / expert_off: Gen A group order
+        group_expert = [(-1 if g in slots else g) for g in range(E)] + etc[d]
+        cu, zf = cu_all[d], zf_all[d]
+        start = real_rows = 0
+        placed = set()
+        for g, e in enumerate(group_expert):
+            cnt = A[e][d] if e >= 0 else 0
+            seg = cu[g] - start
+            assert seg >= 0 and seg % tp == 0  # non-decreasing, padded to tp
+            assert seg == -(-cnt // tp) * tp
+            assert zf[g] == ([start + cnt, seg - cnt] if seg > cnt else [0, 0])
+            if cnt > 0:
+                assert off_all[d][e] == start
+                placed.add(e)
+            real_rows += cnt
+            start = cu[g]
+        assert real_rows == cap[d]
+        assert cu[-1] <= nvs_s <= NvS
+        # experts absent from d have no offset
+        assert all(off_all[d][e] == -1 for e in range(E) if e not in placed)
+    assert [row[1] for row in stats] == stats1
+
+    # route tables: every (source, expert) entry assigned once, rows contiguous
+    rc = p.route_count.to(torch.int64)
+    rr = p.route_row.to(torch.int64)
+    assert bool((rc >= 0).all())
+    assert torch.equal(rc.sum(2), T)
+    assert torch.equal(rc.sum(0), alloc)  # [E, R]: destinations get exactly alloc
+    next_row = p.expert_off.to(torch.int64).t().clone()  # [E, R]
+    for src in range(R):
+        live = rc[src] > 0
+        assert torch.equal(rr[src][~live], torch.full_like(rr[src][~live], -1))
+        assert torch.equal(rr[src][live], next_row[live])
+        next_row = next_row + rc[src]
+
+
+@st.composite
+def layouts(draw, max_S: int):
+    R = draw(st.sampled_from([2, 4, 8]))
+    epn = draw(st.integers(1, 6))
+    K = draw(st.sampled_from([1, 2, 4, 8]))
+    tp = draw(st.sampled_from([1, 2, 3, 4, 8, 128]))
+    # Small B is over-weighted so that B < #remote (unslotted remote experts) occurs.
+    B = draw(st.one_of(st.none(), st.just(1), st.integers(1, epn + 1)))
+    S = draw(st.integers(1, max_S))
+    varlen = draw(st.booleans())
+    if varlen:
+        s = draw(st.lists(st.integers(1, S), min_size=R, max_size=R))
+    else:
+        s = [draw(st.integers(1, S))] * R
+    return R, epn * R, K, tp, B, S, s, varlen
+
+
+@SETTINGS
+@given(
+    layout=layouts(max_S=4096),
+    alpha=st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 4.0]),
+    per_rank_perm=st.booleans(),
+    mode=st.sampled_from(["zipf", "zipf", "zipf", "hot_group", "all_local", "all_remote", "single_expert"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_plan_properties_from_counts(layout, alpha, per_rank_perm, mode, seed) -> None:
+    R, E, K, tp, B, S, s, varlen = layout
+    epn = E // R
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(E)
+    T = np.zeros((R, E), dtype=np.int64)
+    for r in range(R):
+        n = s[r] * K
+        if mode == "single_expert":
+            T[r, 0] = n
+            continue
+        if mode == "all_local":
+            w = np.zeros(E)
+            w[r * epn:(r + 1) * epn] = 1.0
+        elif mode in ("all_remote", "hot_group"):
+            # hot_group: every rank spreads evenly over group 0, so receivers
+            # take several of its experts (exercises B < #remote).
+            h = (r + 1) % R if mode == "all_remote" else 0
+            w = np.zeros(E)
+            w[h * epn:(h + 1) * epn] = 1.0
+        else:  # Zipf-like: weight 1/(rank+1)^alpha over a random expert order
+            order = rng.permutation(E) if per_rank_perm else perm
+            w = np.empty(E)
+            w[order] = 1.0 / np.arange(1, E + 1) ** alpha
+        T[r] = rng.multinomial(n, w / w.sum())
+    total_given = sum(s) if varlen else None
+    # Input type must not matter: numpy int64 / torch int32 / nested lists.
+    p = plan_dispatch(T, S=S, K=K, E=E, R=R, B=B, token_padding=tp, total_num_tokens=total_given)
+    check_plan(p, T, total_given)
+    assert p.B == (epn if B is None else B)
+    # determinism
+    again = plan_dispatch(
+        torch.from_numpy(T).to(torch.int32), S=S, K=K, E=E, R=R, B=B, token_padding=tp, total_num_tokens=total_given
+    )
+    assert p.same_as(again)
+    assert p.same_as(plan_dispatch(T.tolist(), S=S, K=K, E=E, R=R, B=B, token_padding=tp, total_num_tokens=total_given))
+
+
+@st.composite
+def routed_topk(draw):
+    R, E, K, tp, B, S, s, varlen = draw(layouts(max_S=8))
+    epn = E // R
+    alpha = draw(st.sampled_from([0.0, 1.0, 2.0, 4.0]))
+    mode = draw(
+        st.sampled_from(["zipf", "zipf", "zipf", "hot_group", "all_local", "all_remote", "duplicate_topk", "single_expert"])
+    )
+    hot = draw(st.integers(0, E - 1))
+    topks = []
+    for r in range(R):
+        xs = draw(st.lists(st.integers(0, 2**16 - 1), min_size=s[r] * K, max_size=s[r] * K))
+        if mode == "zipf":
+            # u^alpha piles mass near 0, i.e. near expert `hot`: Zipf-like skew.
+            ids = [(hot + int(E * (x / 2**16) ** (1.0 + alpha))) % E for x in xs]
+        elif mode == "all_local":
+            ids = [r * epn + x % epn for x in xs]
+        elif mode == "all_remote":
+            ids = [((r + 1) % R) * epn + x % epn for x in xs]
+        elif mode == "hot_group":
+            ids = [(hot // epn) * epn + x % epn for x in xs]
+        elif mode == "duplicate_topk":
+            ids = [xs[t * K] % E for t in range(s[r]) for _ in range(K)]
+        else:
+            ids = [0] * len(xs)
+        topks.append(ids)
+    return R, E, K, tp, B, S, s, varlen, topks
+
+
+@SETTINGS
+@given(case=routed_topk())
+def test_entries_form_a_bijection_onto_real_rows(case) -> None:
+    R, E, K, tp, B, S, s, varlen, topks = case
+    T = np.array(counts_of(topks, E), dtype=np.int64)
+    total_given = sum(s) if varlen else None
+    p = plan_dispatch(T, S=S, K=K, E=E, R=R, B=B, token_padding=tp, total_num_tokens=total_given)
+    check_plan(p, T, total_given)
+    NvS = p.NvS
+
+    seen: dict[tuple[int, int], tuple[int, int, int]] = {}  # (d, loff) -> (expert, src, i)
+    for src in range(R):
+        topk = torch.tensor(topks[src], dtype=torch.int64).view(s[src], K)
+        dst = entry_dst(p, src, topk)
+        assert dst.dtype == torch.int32 and dst.shape == (s[src] * K,)
+        assert torch.equal(dst, entry_dst(p, src, topk))  # determinism
+        d, loff = decode(dst, NvS)
+        assert bool(((d >= 0) & (d < R)).all()) and bool(((loff >= 0) & (loff < NvS)).all())
+        dl, ll, vl = d.tolist(), loff.tolist(), dst.tolist()
+        for i in range(s[src] * K):
+            key = (dl[i], ll[i])
+            assert key not in seen  # every entry gets its own row
+            seen[key] = (topks[src][i], src, i)
+            # primary = first k of the token on that destination
+            t, k = divmod(i, K)
+            assert (vl[i] < 0) == (dl[i] in dl[t * K:i])
+        # route_count agrees with the per-entry destinations
+        per_ed = torch.bincount(topk.view(-1) * R + d, minlength=E * R).view(E, R)
+        assert torch.equal(per_ed, p.route_count[src].to(torch.int64))
+
+    # The entries cover exactly the real (non-padding) rows of every segment,
+    # each segment holding only its expert, in (source rank, flat index) order.
+    for dd in range(R):
+        for e in range(E):
+            cnt = int(p.alloc[e, dd])
+            if cnt == 0:
+                continue
+            off = int(p.expert_off[dd, e])
+            owners = [seen.get((dd, off + j)) for j in range(cnt)]
+            assert all(o is not None and o[0] == e for o in owners)
+            assert [o[1:] for o in owners] == sorted(o[1:] for o in owners)
+    assert len(seen) == int(T.sum())
+
+
+# ---------------------------------------------------------------------------
+# 4. bad inputs
+
+GOOD = dict(S=4, K=2, E=4, R=2, B=2, token_padding=4)
+GOOD_T = [[4, 3, 1, 0], [4, 3, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    "T, overrides, needles",
+    [
+        (GOOD_T, dict(E=6, R=4), ["E (routed experts) must be a multiple of R=4", "got 6", "E=8", "E=4"]),
+        ([[4, 3, -1, 2], [4, 3, 0, 1]], {}, ["tokens_per_expert[0][2] is negative", "got -1", "bincount"]),
+        ([[4, 3, 1, 1], [4, 3, 0, 1]], {}, ["rank 0 sums to a value that is not a multiple of K=2", "got 9", "s*K"]),
+        ([[6, 3, 1, 0], [4, 3, 0, 1]], dict(total_num_tokens=9), ["more than the capacity S=4", "got 5", "raise S"]),
+        ([[0, 0, 0, 0], [4, 3, 0, 1]], dict(total_num_tokens=4), ["rank 0 routes no tokens", "dummy"]),
+        ([[2, 0, 0, 0], [4, 3, 0, 1]], {}, ["different token counts", "got [1, 4]", "total_num_tokens=5"]),
+        (GOOD_T, dict(total_num_tokens=7), ["total_num_tokens differs", "got 7", "total_num_tokens=8"]),
+        (GOOD_T, dict(B=0), ["B (prefetch slots per rank) must be a positive int", "got 0", "None (= E/R = 2)"]),
+        (GOOD_T, dict(B=1.5), ["B (prefetch slots per rank) must be an integer", "got 1.5"]),
+        (GOOD_T, dict(token_padding=0), ["token_padding must be a positive int", "got 0", "e.g. 128"]),
+        (GOOD_T, dict(K=33), ["K (top-k) must be <= 32", "got 33", "use K <= 32"]),
+        (GOOD_T, dict(S=0), ["S (token capacity per rank) must be a positive int", "got 0"]),
+        (GOOD_T, dict(R=True), ["R (EP ranks) must be an integer", "got True"]),
+        ([[4, 3, 1], [4, 3, 0]], {}, ["wrong shape", "got (2, 3)", "[R, E] = [2, 4]"]),
+        ([[4.0, 3.0, 1.0, 0.0], [4.0, 3.0, 0.0, 1.0]], {}, ["integer dtype", "float64"]),
+        (torch.tensor(GOOD_T, dtype=torch.float32), {}, ["integer dtype", "torch.float32"]),
+        (GOOD_T, dict(S=2**21, K=8), ["exceeds 2^24-1", "lower S, K or token_padding"]),
+        (GOOD_T, dict(S=2**28, K=8), ["S*K must be < 2^31-1", f"got {2**31}"]),
+    ],
+)
+def test_bad_inputs(T, overrides, needles) -> None:
+    kwargs = {**GOOD, **overrides}
+    with pytest.raises(ConfigError) as info:
+        plan_dispatch(T, **kwargs)
+    msg = str(info.value)
+    assert "Fix:" in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert isinstance(info.value, ValueError)
+
+
+def test_error_names_rank() -> None:
+    with pytest.raises(ConfigError, match=r"^\[rank 3\] E \(routed experts\)"):
+        plan_dispatch(GOOD_T, **{**GOOD, "E": 5}, rank=3)
+
+
+@pytest.mark.parametrize(
+    "rank, topk, needles",
+    [
+        (0, [0, 1, 0, 1, 0, 2, 1, 1], ["bincount(topk)[0] differs", "tokens_per_expert[0][0]=4", "got 3"]),
+        (0, [0, 1, 0, 1, 0, 2, 1, 4], ["outside [0, 4)", "got 4"]),
+        (0, [[0, 1, 0, 1], [0, 2, 1, 0]], ["wrong shape", "got (2, 4)", "[4, 2]"]),
+        (2, EX_TOPK[0], ["source rank must be in [0, 2)", "got 2"]),
+        (1, [0.0] * 8, ["integer dtype"]),
+    ],
+)
+def test_entry_dst_bad_inputs(example_plan, rank, topk, needles) -> None:
+    with pytest.raises(ConfigError) as info:
+        entry_dst(example_plan, rank, topk)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_plan_is_frozen(example_plan: DispatchPlan) -> None:
+    with pytest.raises(AttributeError):
+        example_plan.B = 3  # type: ignore[misc]
