@@ -54,6 +54,10 @@ class EngineConfig:
     reload_model_dir: Optional[str] = None
     #: ``--reload``: a checkpoint whose experts have another shape; its reload must be refused.
     wrong_shape_model_dir: Optional[str] = None
+    #: More ``LLM`` keyword arguments for the DP run (e.g. ``gpu_memory_utilization``, a worker extension).
+    dp_llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Worker methods called with ``collective_rpc`` after generation; results under ``"probes"``.
+    probe_calls: list[str] = dataclasses.field(default_factory=list)
 
 
 def _free_port() -> int:
@@ -89,7 +93,8 @@ def _generate_body(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str,
 
         kwargs = _llm_kwargs(cfg)
         if dp is not None:
-            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", **reload_kwargs(cfg))
+            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", **reload_kwargs(cfg),
+                          **cfg.dp_llm_kwargs)
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()
@@ -105,6 +110,8 @@ def _generate_body(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str,
         payload: dict[str, Any] = {"generated": gen, "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2)}
         if dp is not None and cfg.reload_model_dir:
             payload["reload"] = run_reload_sequence(llm, cfg, prompts, params)
+        if dp is not None and cfg.probe_calls:
+            payload["probes"] = {name: llm.collective_rpc(name) for name in cfg.probe_calls}
         me = psutil.Process()
         payload["descendants"] = [p.pid for p in me.children(recursive=True)]
         results.put(("ok", dp["rank"] if dp else None, payload))

@@ -44,6 +44,24 @@ class MoonEPProbe:
                          "full_down_weight": layout.full_down_weight.data_ptr()}
         return out
 
+    def moonep_ep_memory(self) -> dict[str, Any]:
+        """What vLLM measured for this worker (model memory, KV cache) next to the store's physical bytes."""
+        import torch
+        from vllm.distributed import get_ep_group
+
+        manager = getattr(get_ep_group().device_communicator, "all2all_manager", None)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        snapshot = getattr(self, "init_snapshot", None)
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (None, None)
+        return {"store_bytes": manager.store_bytes() if hasattr(manager, "store_bytes") else None,
+                "model_memory_usage": int(getattr(runner, "model_memory_usage", 0) or 0),
+                "total_consumed": getattr(self, "total_consumed", None),
+                "requested_memory": getattr(self, "requested_memory", None),
+                "available_kv_cache_memory_bytes": getattr(self, "available_kv_cache_memory_bytes", None),
+                "init_free_memory": getattr(snapshot, "free_memory", None),
+                "free_memory_now": free, "total_memory": total,
+                "gpu_memory_utilization": self.cache_config.gpu_memory_utilization}  # type: ignore[attr-defined]
+
 
 def reload_kwargs(cfg: Any) -> dict[str, Any]:
     """``LLM`` keyword arguments the reload sequence needs (the pointer probe)."""
