@@ -133,6 +133,29 @@ class FootprintOptions:
                               f"Fix: pass the GB to keep free per GPU")
 
 
+def rank_bytes_closed_form(*, num_layers: int, num_experts: int, ep_size: int, num_slots: int,
+                           row_bytes: list[int], granularity: int, rank: int, slot_pools: int = 1) -> dict[str, int]:
+    """Physical bytes ``rank`` allocates, from a closed form: the prediction that
+    ``footprint --measure`` compares the OS against, derived independently of the page
+    loop in ``plan.py`` (a test keeps the two equal).
+
+    Per (layer, projection) region of ``W = epn*row`` bytes per rank and lead pad
+    ``lead = -E*row mod g``, page ``j`` starts at data byte ``max(j*g - lead, 0)`` and
+    belongs to the rank owning that byte, so rank ``r`` allocates
+    ``ceil(((r+1)W + lead)/g) - ceil((rW + lead)/g)`` pages (rank 0: the first term
+    alone, page 0 included). Each slot pool is ``ceil(B*row/g)`` pages.
+    """
+    g, epn = granularity, num_experts // ep_size
+    expert = slots = 0
+    for rb in row_bytes:
+        W, lead = epn * rb, (-num_experts * rb) % g
+        upper = -(-((rank + 1) * W + lead) // g)
+        lower = 0 if rank == 0 else -(-(rank * W + lead) // g)
+        expert += num_layers * (upper - lower) * g
+        slots += slot_pools * -(-num_slots * rb // g) * g
+    return {"expert_bytes": expert, "slot_bytes": slots, "total_bytes": expert + slots}
+
+
 def default_slots(scheme: str, epn: int) -> int:
     """Each scheme's default slot count ``B`` (rows per projection).
 
