@@ -267,7 +267,7 @@ def push_matches_pull(ctx: Any, store: ShardedExpertStore, views: dict, E: int, 
 
 
 def worked_example(ctx: Any) -> dict:
-    """The contract's §4.10 example through the buffer (R=2, E=4, K=2, s=S=4, tp=4, B=2, H=128)."""
+    """moonep.md §4.10's example through the buffer (R=2, E=4, K=2, s=S=4, tp=4, B=2, H=128)."""
     topk = {0: [0, 1, 0, 1, 0, 2, 1, 0], 1: [0, 1, 1, 0, 0, 3, 0, 1]}[ctx.rank]
     ids = torch.tensor(topk, dtype=torch.int32).view(4, 2)
     x = (torch.arange(4 * 128, dtype=torch.float32).view(4, 128) / 64 + 100 * ctx.rank).to(torch.bfloat16)
@@ -462,7 +462,7 @@ def test_gen_b_push_equals_gen_a_pull(forward):
 def test_worked_example_through_the_buffer():
     r0, r1 = run_ranks(worked_example, 2, timeout_s=120)
     assert r0["NvS"] == r1["NvS"] == 20
-    assert r0["dst"] == [0, -5, 1, -6, 28, -21, 6, 29]          # contract §4.10, after dedup
+    assert r0["dst"] == [0, -5, 1, -6, 28, -21, 6, 29]          # moonep.md §4.10, after dedup
     assert r1["dst"] == [30, 7, 8, 31, 32, -25, 33, 9]
     assert r0["cu"] == [4, 12, 12, 12, 12, 12] and r1["cu"] == [0, 0, 4, 8, 16, 16]  # Gen A, B=2
     assert r0["zero_fill"] == [[2, 2], [10, 2], [0, 0], [0, 0], [0, 0], [0, 0]]
