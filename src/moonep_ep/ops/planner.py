@@ -64,8 +64,9 @@ from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
 __all__ = ["DispatchPlan", "plan_dispatch", "entry_dst", "nvs_rows"]
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class DispatchPlan:
+class DispatchPlan(DispatchShape):
     """Global MoonEP Gen A dispatch plan, identical on every rank.
 
     All tensors are ``torch.int32``, contiguous, on the CPU. Notation:
@@ -137,15 +138,6 @@ class DispatchPlan:
     E=1024``), which suits the reference buffer's rank counts.
     """
 
-    S: int
-    K: int
-    E: int
-    R: int
-    B: int
-    token_padding: int
-    epn: int
-    N: int
-    NvS: int
     total_num_tokens: int
     nvs_s: int
     tokens_per_expert: torch.Tensor
@@ -308,8 +300,7 @@ def plan_dispatch(
     expert_off64 = torch.tensor(tables["expert_off"], dtype=torch.int64)
     route_count, route_row = _entry_routes(T64, alloc64, expert_off64)
     return DispatchPlan(
-        S=shape.S, K=shape.K, E=shape.E, R=shape.R, B=shape.B, token_padding=shape.token_padding, epn=epn,
-        N=shape.N, NvS=shape.NvS, total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
+        **dataclasses.asdict(shape), total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
         tokens_per_expert=T64.to(torch.int32).contiguous(),
         num_tokens=i32(num_tokens),
         tpe_cumsum=T64.cumsum(0).to(torch.int32).contiguous(),

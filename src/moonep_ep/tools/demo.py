@@ -211,11 +211,7 @@ def demo_rank(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
             "layers": layers_out,
             "tokens_received": sum(x["tokens_received"] for x in layers_out),
             "tokens_received_per_layer": [x["tokens_received"] for x in layers_out],
-            "max_token_rel_err": max(x["max_token_rel_err"] for x in layers_out),
-            "tokens_over_tolerance": sum(x["tokens_over_tolerance"] for x in layers_out),
-            "max_entry_rel_err": max(x["max_entry_rel_err"] for x in layers_out),
-            "entries_over_tolerance": sum(x["entries_over_tolerance"] for x in layers_out),
-            "max_abs_err_vs_fp32": max(x["max_abs_err_vs_fp32"] for x in layers_out),
+            **_error_summary(layers_out),
             "slots_ok": all(x["slots_hold_right_experts"] for x in layers_out),
             "prefetch_remote_bytes": sum(x["prefetch_remote_bytes"] for x in layers_out),
             "physical": store.physical_bytes(),
@@ -238,6 +234,15 @@ def demo_rank(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
             buf.destroy()
             store.close()
     return report
+
+
+def _error_summary(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The correctness figures of several layers (or ranks) as one: worst errors, total failures."""
+    return {"max_token_rel_err": max(x["max_token_rel_err"] for x in parts),
+            "tokens_over_tolerance": sum(x["tokens_over_tolerance"] for x in parts),
+            "max_entry_rel_err": max(x["max_entry_rel_err"] for x in parts),
+            "entries_over_tolerance": sum(x["entries_over_tolerance"] for x in parts),
+            "max_abs_err_vs_fp32": max(x["max_abs_err_vs_fp32"] for x in parts)}
 
 
 def _check_entries(cfg: DemoConfig, entries: list, NvS: int, shapes: dict[str, tuple[int, int]]
@@ -379,12 +384,8 @@ def run_demo(cfg: DemoConfig, progress: Optional[Callable[[str], None]] = None) 
                       "rule": "per token: max|out - oracle| <= token_rel_tol * max|oracle|, and per (token, k) "
                               "expert row: max|row - oracle row| <= entry_rel_tol * max|oracle row|; oracles = "
                               "dense MoE rounded to bf16 where the MoonEP path rounds, weights regenerated"},
-        "max_token_rel_err": max(r["max_token_rel_err"] for r in per_rank),
+        **_error_summary(per_rank),
         "max_token_rel_err_per_rank": [r["max_token_rel_err"] for r in per_rank],
-        "tokens_over_tolerance": sum(r["tokens_over_tolerance"] for r in per_rank),
-        "max_entry_rel_err": max(r["max_entry_rel_err"] for r in per_rank),
-        "entries_over_tolerance": sum(r["entries_over_tolerance"] for r in per_rank),
-        "max_abs_err_vs_fp32": max(r["max_abs_err_vs_fp32"] for r in per_rank),
         "tokens_received": received,
         "tokens_received_per_layer": [r["tokens_received_per_layer"] for r in per_rank],
         "redundant_experts": [[[{"expert": p["expert"], "owner": p["owner"], "pages_held_by": p["pages_held_by"]}
