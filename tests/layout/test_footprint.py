@@ -394,6 +394,20 @@ def test_plot_writes_png(tmp_path, capsys):
     assert len(data) > 10_000
 
 
+def test_plot_has_one_panel_per_model_with_every_scheme_and_gpu_line(tmp_path):
+    import matplotlib.image
+
+    report = footprint_report([MODELS[n] for n in ("kimi-k2", "qwen3-30b-a3b")], [8, 16, 32, 64])
+    drawn = cli.write_plot(report, str(tmp_path / "p.png"))
+    assert [t.split()[0] for t in drawn["panels"]] == ["kimi-k2", "qwen3-30b-a3b"]
+    for labels in drawn["series"]:
+        assert set(cli._SCHEME_LABEL[s] for s in SCHEMES) <= set(labels)  # one bar series per scheme
+        assert [g for g in GPU_CAPACITY_GB if any(lab.startswith(f"{g} HBM") for lab in labels)] == \
+            list(GPU_CAPACITY_GB)
+    height, width = matplotlib.image.imread(str(tmp_path / "p.png")).shape[:2]
+    assert width > 600 and height > 300
+
+
 def test_wired_into_moonep_ep_command():
     """The real entry point (``moonep_ep.cli.main``) runs the subcommand in a fresh process."""
     import subprocess

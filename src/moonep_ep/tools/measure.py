@@ -61,7 +61,7 @@ def _measure_rank(ctx: Any, layers: int, experts: int, hidden: int, inter: int, 
 
 def measure_footprint(args: argparse.Namespace) -> int:
     from ..layout.footprint import default_slots, rank_bytes_closed_form
-    from .launch import run_ranks
+    from .launch import check_rank_count, run_ranks
     from ..models import get_model, load_hf_config
 
     names = [n for item in (args.model or []) for n in str(item).split(",") if n]
@@ -71,6 +71,8 @@ def measure_footprint(args: argparse.Namespace) -> int:
                           "Fix: pass one --model NAME (e.g. tiny) or one --config PATH")
     model = get_model(names[0]) if names else load_hf_config(configs[0])
     ranks = args.ranks or 4
+    for line in check_rank_count(ranks, "moonep-ep footprint --measure"):  # raises beyond MoonEP's limit
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     layers = args.layers or model.num_moe_layers
     if model.num_experts % ranks:
         raise ConfigError(f"{model.name}: {model.num_experts} experts do not split over --ranks {ranks}. "
