@@ -110,7 +110,7 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
     t0 = time.monotonic()
     out = run_json("vllm", ["-m", "moonep_ep.tools.load_check", "--ranks", "2", "--json"], timeout=280)
     elapsed = time.monotonic() - t0
-    assert out["ok"]
+    assert out["ok"] and out["failed"] == []
     for r in out["ranks"]:
         store, mem = r["store"], r["load_memory"]
         final, one_layer = store["physical_bytes"]["total_bytes"], store["one_layer_local_bytes"]
@@ -160,3 +160,56 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
         print(f"\n[kernel tier, load] peak {r['load_memory']['peak_expert_bytes']:,} B = store "
               f"{r['store']['physical_bytes']['total_bytes']:,} B (one layer {r['store']['one_layer_local_bytes']:,} B); "
               f"update peak {r['update_memory']['peak_expert_bytes']:,} B; {elapsed:.0f}s")
+
+
+def test_kernel_verdict_fails_when_any_check_fails():
+    """Positive control of the kernel tier's "ok": one failed check on one rank makes it false."""
+    from moonep_ep.tools.kernel_check import verdict
+
+    def passing(rank: int) -> dict:
+        layer = {"within_tolerance": True, "sharded_equals_replicated": True, "slot_contents_ok": True}
+        return {"rank": rank, "layers": [dict(layer), dict(layer)], "bad_rows": 0, "load_weight_bytes_sharded": 0,
+                "load_weight_bytes_replicated": 4096, "store": {"collective_rounds": {"handle_exchange": 1}},
+                "sharded_param_devices": ["meta"], "replicated_is_vllm_path": True,
+                "store_ready": True, "store_released": True,
+                "sharded_bytes_measured_os": 10, "sharded_bytes": 10, "replicated_bytes_measured": 20,
+                "remote_prefetched": rank}
+    assert verdict([passing(0), passing(1)]) == []
+    broken = [passing(0), passing(1)]
+    broken[1]["layers"][1]["sharded_equals_replicated"] = False
+    assert verdict(broken) == ["rank 1: sharded output equals vLLM's replicated layout"]
+    copied = [passing(0), passing(1)]
+    copied[0]["sharded_param_devices"] = ["cpu"]  # a local copy of the experts existed
+    assert verdict(copied) == ["rank 0: vLLM's expert parameters held no memory (meta)"]
+    assert verdict([passing(0), passing(0)]) == [
+        "no rank prefetched an expert from a remote owner (skewed routing should make them)"]
+
+
+def test_load_check_verdict_fails_when_any_check_fails():
+    """Positive control of load_check's "ok"."""
+    from moonep_ep.tools.load_check import verdict
+
+    def fwd(nan=False, slots=1):
+        return [{"within_tolerance": not nan, "has_nan": nan, "slots_used": slots}]
+
+    def passing(rank: int) -> dict:
+        return {"rank": rank, "param_devices": ["meta"], "load_collective_weight_bytes": 0,
+                "store": {"physical_bytes": {"total_bytes": 100}, "one_layer_local_bytes": 40,
+                          "collective_rounds": {"handle_exchange": 1}},
+                "load_memory": {"peak_expert_bytes": 100}, "update_memory": {"peak_expert_bytes": 130},
+                "rows_are_a": True, "forward_a": fwd(), "forward_after_poison": fwd(),
+                "forward_without_prefetch": fwd(nan=True), "pointers_unchanged_after_update": True,
+                "rows_are_b": True, "slots_poisoned_after_update": True, "forward_b": fwd(),
+                "wrong_shape_error": "rank(s) [0, 1]", "rows_are_b_after_wrong_shape": True,
+                "pointers_unchanged_after_wrong_shape": True, "forward_after_wrong_shape": fwd(),
+                "precheck_error": "reload refused", "precheck_same_shape": "no error",
+                "skipped_layer_error": "rank(s) [0, 1]", "late_store_rounds": 1, "late_forward": fwd(),
+                "first_model_forward_after_late": fwd(), "sleep_mode_error": "rank(s) [0, 1]", "stores_closed": True}
+    assert verdict([passing(0), passing(1)], layers=1) == []
+    copied = [passing(0), passing(1)]
+    copied[1]["load_memory"]["peak_expert_bytes"] = 140  # a local copy of one layer existed
+    assert verdict(copied, layers=1) == ["rank 1: load peak = the store (zero-copy)"]
+    blind = [passing(0), passing(1)]
+    for r in blind:
+        r["forward_without_prefetch"] = fwd(nan=False)  # disabling the prefetch changed nothing
+    assert verdict(blind, layers=1) == ["layer 0: disabling the prefetch did not poison the output"]

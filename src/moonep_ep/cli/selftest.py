@@ -34,11 +34,10 @@ def _resolve_driver(name: str, ranks: int) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.launch import RankFailure, run_ranks
+    from ..tools.launch import RankFailure, admit_ranks, run_ranks
     from ..tools.selftest import selftest_rank
 
-    if args.ranks < 1:
-        print(f"moonep-ep selftest: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
+    if not admit_ranks(args.ranks, "moonep-ep selftest"):
         return 2
     driver, backend = _resolve_driver(args.driver, args.ranks)
     if driver == "cuda":

@@ -254,6 +254,46 @@ def _same_shape_dir(case: KernelCase, rank: int) -> str:
     return _write_checkpoint(case, os.path.join(tempfile.gettempdir(), f"moonep-ep-lc-same-{os.getpid()}"), None)
 
 
+def verdict(results: list[dict[str, Any]], layers: int) -> list[str]:
+    """Every failed check of a load-check run, by rank ("ok" is true only when this is empty)."""
+    failed = []
+    for r in results:
+        store, mem, upd = r["store"], r["load_memory"], r["update_memory"]
+        final, one_layer = store["physical_bytes"]["total_bytes"], store["one_layer_local_bytes"]
+        fine = lambda key: all(l["within_tolerance"] and not l["has_nan"] for l in r[key])  # noqa: E731
+        checks = {
+            "expert parameters on meta (no local copy)": r["param_devices"] == ["meta"],
+            "load peak = the store (zero-copy)": mem.get("peak_expert_bytes") == final,
+            "no expert byte in a load collective": r["load_collective_weight_bytes"] == 0,
+            "one handle exchange for the model": store["collective_rounds"]["handle_exchange"] == 1,
+            "forward on A within tolerance": r["rows_are_a"] and fine("forward_a"),
+            "poisoned slots refilled by the next prefetch": fine("forward_after_poison"),
+            "update in place: same pointers, rows of B, slots poisoned": bool(
+                r["pointers_unchanged_after_update"] and r["rows_are_b"] and r["slots_poisoned_after_update"]),
+            "forward on B within tolerance": fine("forward_b"),
+            "update peak within the store + one layer": final <= upd.get("peak_expert_bytes", -1) <= final + one_layer,
+            "wrong-shape update refused on every rank": "rank(s) [0, 1]" in r["wrong_shape_error"],
+            "B still serves after the refusal": bool(r["rows_are_b_after_wrong_shape"]
+                                                     and r["pointers_unchanged_after_wrong_shape"]
+                                                     and fine("forward_after_wrong_shape")),
+            "disk pre-check refuses another shape, accepts the same": "reload refused" in r["precheck_error"]
+                                                                      and r["precheck_same_shape"] == "no error",
+            "missing rows named on every rank": "rank(s) [0, 1]" in r["skipped_layer_error"],
+            "a model built later: own store, both serve": bool(
+                r["late_store_rounds"] == 1 and fine("late_forward") and fine("first_model_forward_after_late")),
+            "sleep mode refused on every rank": "rank(s) [0, 1]" in r["sleep_mode_error"],
+            "stores closed": bool(r["stores_closed"]),
+        }
+        failed += [f"rank {r['rank']}: {name}" for name, ok in checks.items() if not ok]
+    for l in range(layers):  # the stale-slot control must bite exactly where a slot was used
+        used = any(r["forward_without_prefetch"][l]["slots_used"] for r in results)
+        if used != any(r["forward_without_prefetch"][l]["has_nan"] for r in results):
+            failed.append(f"layer {l}: disabling the prefetch {'did not' if used else 'did'} poison the output")
+    if not any(l["slots_used"] for r in results for l in r["forward_after_poison"]):
+        failed.append("no rank used a slot: the stale-slot check read nothing")
+    return failed
+
+
 def run(case: KernelCase) -> list[dict[str, Any]]:
     from moonep_ep.tools.launch import run_ranks
 
@@ -282,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as exc:
         print(json.dumps({"ok": False, "errors": exc.errors}) if args.json else str(exc))
         return 1
-    doc = {"ok": True, "case": case.__dict__, "ranks": results}
+    failed = verdict(results, case.layers)
+    doc = {"ok": not failed, "failed": failed, "case": case.__dict__, "ranks": results}
     print(json.dumps(doc, default=str) if args.json else json.dumps(doc, indent=1, default=str))
-    return 0
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

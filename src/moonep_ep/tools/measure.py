@@ -1,6 +1,8 @@
 """``moonep-ep footprint --measure``: allocate a (scaled-down) moonep_ep layout for real
 on the host driver across N ranks, and compare the bytes the OS reports with
-the page-plan prediction and with vLLM 0.33.0's replicated layout."""
+the closed-form prediction (``layout.footprint.rank_bytes_closed_form``, derived
+independently of the allocator's page plan) and with vLLM 0.33.0's replicated layout.
+Passes only when measured equals predicted on every rank."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..layout.plan import predict_rank_bytes
 
 #: Above this many bytes per rank the weights are allocated but not written
 #: (memfds are sparse: st_size counts, untouched pages cost no RAM).
@@ -59,8 +60,8 @@ def _measure_rank(ctx: Any, layers: int, experts: int, hidden: int, inter: int, 
 
 
 def measure_footprint(args: argparse.Namespace) -> int:
-    from ..layout.footprint import default_slots
-    from .launch import run_ranks
+    from ..layout.footprint import default_slots, rank_bytes_closed_form
+    from .launch import check_rank_count, run_ranks
     from ..models import get_model, load_hf_config
 
     names = [n for item in (args.model or []) for n in str(item).split(",") if n]
@@ -70,6 +71,8 @@ def measure_footprint(args: argparse.Namespace) -> int:
                           "Fix: pass one --model NAME (e.g. tiny) or one --config PATH")
     model = get_model(names[0]) if names else load_hf_config(configs[0])
     ranks = args.ranks or 4
+    for line in check_rank_count(ranks, "moonep-ep footprint --measure"):  # raises beyond MoonEP's limit
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     layers = args.layers or model.num_moe_layers
     if model.num_experts % ranks:
         raise ConfigError(f"{model.name}: {model.num_experts} experts do not split over --ranks {ranks}. "
@@ -78,7 +81,7 @@ def measure_footprint(args: argparse.Namespace) -> int:
     slots = epn if args.slots in ("auto", None) else int(args.slots)
     granularity = int(args.granularity)
     rb = model.moe_intermediate_size * model.hidden_size * 2
-    predicted = [predict_rank_bytes(num_layers=layers, num_experts=model.num_experts, ep_size=ranks,
+    predicted = [rank_bytes_closed_form(num_layers=layers, num_experts=model.num_experts, ep_size=ranks,
                                     num_slots=slots, row_bytes=[rb] * 3, granularity=granularity, rank=r,
                                     slot_pools=args.slot_pools) for r in range(ranks)]
     repl_slots = default_slots("replicated", epn)
@@ -101,7 +104,7 @@ def measure_footprint(args: argparse.Namespace) -> int:
                      "replicated_over_measured": replicated / res["measured_bytes"] if res["measured_bytes"] else None})
     worst = max(r["relative_error"] for r in rows)
     summary = {
-        "ok": worst <= 0.01,
+        "ok": all(r["measured_bytes"] == r["predicted_bytes"] for r in rows),
         "model": model.name, "ranks": ranks, "layers": layers, "num_slots": slots,
         "slot_pools": args.slot_pools, "granularity": granularity,
         "replicated_num_slots": repl_slots,

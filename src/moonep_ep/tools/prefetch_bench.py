@@ -174,8 +174,10 @@ def _backend(driver: str, ranks: int) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import RankFailure, run_ranks
+    from .launch import RankFailure, admit_ranks, run_ranks
 
+    if not admit_ranks(args.ranks, "moonep-ep bench prefetch"):
+        return 2
     if args.ranks < 2:
         print(f"moonep-ep bench prefetch: --ranks must be >= 2 (remote reads need a peer), got {args.ranks}",
               file=sys.stderr)
