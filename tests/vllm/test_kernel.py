@@ -132,7 +132,8 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
         upd = r["update_memory"]
         assert final < upd["peak_expert_bytes"] <= final + one_layer, upd
         # Wrong shapes: one message on every rank; nothing written; B still serves.
-        assert "rank(s) [0, 1]" in r["wrong_shape_error"] and "differs from the served (128, 256)" in r["wrong_shape_error"]
+        assert "rank(s) [0, 1]" in r["wrong_shape_error"]
+        assert "differs from the served (128, 256)" in r["wrong_shape_error"]
         assert "the previous expert weights still serve" in r["wrong_shape_error"]
         assert r["rows_are_b_after_wrong_shape"] and r["pointers_unchanged_after_wrong_shape"]
         assert all(l["within_tolerance"] for l in r["forward_after_wrong_shape"])
@@ -158,7 +159,8 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
     with capsys.disabled():
         r = out["ranks"][0]
         print(f"\n[kernel tier, load] peak {r['load_memory']['peak_expert_bytes']:,} B = store "
-              f"{r['store']['physical_bytes']['total_bytes']:,} B (one layer {r['store']['one_layer_local_bytes']:,} B); "
+              f"{r['store']['physical_bytes']['total_bytes']:,} B "
+              f"(one layer {r['store']['one_layer_local_bytes']:,} B); "
               f"update peak {r['update_memory']['peak_expert_bytes']:,} B; {elapsed:.0f}s")
 
 

@@ -179,8 +179,9 @@ def _load_and_reload_lines(s: dict[str, Any]) -> list[str]:
                                               s.get("load_peak_within_final_plus_one_layer_by_rank", []))):
         lines.append(f"  {r:>4}  {_mib(peak):>14}  {_mib(final):>14}  {_mib(one):>16}  {ok}")
     if "reload_tokens_match_fresh_engine" in s:
-        lines += ["", f"in-place update A -> B: tokens equal a fresh engine on B: {s['reload_tokens_match_fresh_engine']};"
-                  f" pointers unchanged: {s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
+        lines += ["", "in-place update A -> B: tokens equal a fresh engine on B: "
+                      f"{s['reload_tokens_match_fresh_engine']}; pointers unchanged: "
+                      f"{s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
                   f"reload with another shape refused: {s['wrong_shape_reload_refused']}; B still serves (same "
                   f"tokens): {s['generation_after_wrong_shape_matches_b']}"]
         errs = [e for e in s.get("wrong_shape_reload_error_by_rank", []) if e]

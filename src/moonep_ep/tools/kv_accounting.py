@@ -38,7 +38,8 @@ def check(workers: list[dict[str, Any]]) -> dict[str, Any]:
             **w,
             "model_memory_includes_store": w["model_memory_usage"] >= store > 0,
             "profiling_counts_store": (w["total_consumed"] or 0) >= store,
-            "kv_cache_leaves_store": (w["available_kv_cache_memory_bytes"] or 0) <= (w["requested_memory"] or 0) - store,
+            "kv_cache_leaves_store":
+                (w["available_kv_cache_memory_bytes"] or 0) <= (w["requested_memory"] or 0) - store,
         })
     ok = bool(rows) and all(r["model_memory_includes_store"] and r["profiling_counts_store"]
                             and r["kv_cache_leaves_store"] for r in rows)

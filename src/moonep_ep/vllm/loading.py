@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import logging
 import os
 import threading
 import types
@@ -55,8 +54,6 @@ import torch
 
 from .. import envs
 from ..errors import ConfigError, config_error
-
-logger = logging.getLogger("vllm.moonep_ep")
 
 #: vLLM's shard ids of one expert's tensors -> the store's projections.
 PROJECTION_OF_SHARD = {"w1": "gate", "w3": "up", "w2": "down"}

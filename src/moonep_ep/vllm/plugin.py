@@ -98,6 +98,15 @@ def _mark(name: str) -> None:
     _state["patched"].append(name)
 
 
+def _install(owner: Any, name: str, wrapper: Any, original: Any, label: str) -> None:
+    """Put ``wrapper`` in place of ``owner.name`` (= ``original``), marked so a second install skips it."""
+    wrapper._moonep_ep_wrapped = True
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    setattr(owner, name, wrapper)
+    _mark(label)
+
+
 # -- the patches ---------------------------------------------------------------------------------
 
 def _patch_manager(module: ModuleType) -> None:
@@ -131,11 +140,8 @@ def _wrap_convert(module: ModuleType) -> None:
 
         return convert_moonep_layer(layer, moe_config, w13_weight, w2_weight)
 
-    convert_to_unquantized_kernel_format._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    convert_to_unquantized_kernel_format.__wrapped__ = original  # type: ignore[attr-defined]
-    convert_to_unquantized_kernel_format.__doc__ = original.__doc__
-    module.convert_to_unquantized_kernel_format = convert_to_unquantized_kernel_format
-    _mark(f"{module.__name__.rsplit('.', 1)[-1]}.convert_to_unquantized_kernel_format")
+    _install(module, "convert_to_unquantized_kernel_format", convert_to_unquantized_kernel_format, original,
+             f"{module.__name__.rsplit('.', 1)[-1]}.convert_to_unquantized_kernel_format")
 
 
 def _ep_size() -> int:
@@ -158,10 +164,8 @@ def _wrap_gather(module: ModuleType) -> None:
         STATS.count_vllm_gather(w13_local, w2_local)
         return orig(w13_local, w2_local, *args, **kwargs)
 
-    gather_moonep_weight_layout._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    gather_moonep_weight_layout.__wrapped__ = orig  # type: ignore[attr-defined]
-    gather_moonep_weight_layout.__doc__ = orig.__doc__
-    module.gather_moonep_weight_layout = gather_moonep_weight_layout
+    _install(module, "gather_moonep_weight_layout", gather_moonep_weight_layout, orig,
+             "prepare_finalize.moonep.gather_moonep_weight_layout")
     make = module.make_moonep_weight_layout
 
     def make_moonep_weight_layout(w13_weight: Any, w2_weight: Any, *args: Any, **kwargs: Any) -> Any:
@@ -172,10 +176,8 @@ def _wrap_gather(module: ModuleType) -> None:
         STATS.record_replicated_layout((w13_weight, w2_weight), layout)
         return layout
 
-    make_moonep_weight_layout._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    make_moonep_weight_layout.__wrapped__ = make  # type: ignore[attr-defined]
-    module.make_moonep_weight_layout = make_moonep_weight_layout
-    _mark("prepare_finalize.moonep.gather_moonep_weight_layout")
+    _install(module, "make_moonep_weight_layout", make_moonep_weight_layout, make,
+             "prepare_finalize.moonep.make_moonep_weight_layout")
 
 
 def _patch_create_weights(module: ModuleType) -> None:
@@ -199,11 +201,7 @@ def _patch_create_weights(module: ModuleType) -> None:
             for name in ("w13_weight", "w2_weight"):
                 STATS.watch_expert_tensor(getattr(layer, name, None), "vLLM local parameters")
 
-    create_weights._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    create_weights.__wrapped__ = orig  # type: ignore[attr-defined]
-    create_weights.__doc__ = orig.__doc__
-    cls.create_weights = create_weights
-    _mark("UnquantizedFusedMoEMethod.create_weights")
+    _install(cls, "create_weights", create_weights, orig, "UnquantizedFusedMoEMethod.create_weights")
 
 
 def _patch_initialize_model(module: ModuleType) -> None:
@@ -219,11 +217,7 @@ def _patch_initialize_model(module: ModuleType) -> None:
             bind_model(model, _sharded_manager().new_model_store)
         return model
 
-    initialize_model._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    initialize_model.__wrapped__ = orig  # type: ignore[attr-defined]
-    initialize_model.__doc__ = orig.__doc__
-    module.initialize_model = initialize_model
-    _mark("base_loader.initialize_model")
+    _install(module, "initialize_model", initialize_model, orig, "base_loader.initialize_model")
 
 
 def _sharded_manager() -> Any:
@@ -273,11 +267,7 @@ def _patch_model_memory(module: ModuleType) -> None:
                         added / 2**30)
         return out
 
-    load_model._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    load_model.__wrapped__ = orig  # type: ignore[attr-defined]
-    load_model.__doc__ = orig.__doc__
-    cls.load_model = load_model
-    _mark(f"{module.__name__.rsplit('.', 1)[-1]}.GPUModelRunner.load_model")
+    _install(cls, "load_model", load_model, orig, f"{module.__name__.rsplit('.', 1)[-1]}.GPUModelRunner.load_model")
 
 
 def _store_bytes() -> int:

@@ -190,7 +190,8 @@ class ModelExpertStore:
         if self.closed:
             return f"[rank {r}] {what}: the MoonEP expert store is closed. Fix: rebuild the engine"
         if projection not in self.shapes or not 0 <= layer < len(self.layer_names):
-            return f"[rank {r}] {what}: no such layer/projection in the store. Fix: load the model the store was built for"
+            return (f"[rank {r}] {what}: no such layer/projection in the store. Fix: load the model the store "
+                    "was built for")
         if not 0 <= local < self.experts_per_rank:
             return (f"[rank {r}] {what}: local expert index out of range [0, {self.experts_per_rank}). "
                     "Fix: write only this rank's experts")
