@@ -120,7 +120,11 @@ def bind_model(model: torch.nn.Module, make_store: Callable[[list[Any]], Any]) -
     from .stats import STATS
 
     STATS.start_load_recording()
-    store = make_store(layers)
+    try:
+        store = make_store(layers)
+    except BaseException:
+        STATS.stop_load_recording()  # the recorder patches torch.distributed: never leave it behind
+        raise
     for idx, layer in enumerate(layers):
         setattr(layer, BINDING_ATTR, (store, idx))
     stores = list(getattr(model, MODEL_STORES_ATTR, []) or []) + [store]
