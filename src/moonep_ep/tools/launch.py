@@ -6,6 +6,12 @@ CUDA init and would hide the handle exchange), join a gloo (CPU) or NCCL (GPU)
 group through a fresh ``file://`` rendezvous in a private temporary directory,
 and report ``(rank, result)`` or their traceback to the parent. The parent
 ends every rank it started, by pid, on every path.
+
+:class:`ProcessSet` is the process management under :func:`run_ranks` and
+under the vLLM engine harness (``tools/engine_harness.py``): spawn, one
+result queue, a deadline, detection of a child that died without a result,
+the descendants each child started (engine cores, workers; read from
+``/proc``, no psutil), and ending exactly the processes recorded.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Optional
 
 from .. import envs
 
@@ -103,12 +110,178 @@ class RankContext:
     device: str
 
 
+# -- processes ---------------------------------------------------------------------------------
+
+def _proc_stat(pid: int) -> Optional[tuple[int, int]]:
+    """``(parent pid, start time in clock ticks)`` of a live ``pid`` from ``/proc/<pid>/stat``;
+    None when it is gone or a zombie (exited, not yet reaped: nothing left to end)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields resume after the last ")".
+    fields = text[text.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, grandchildren, ...), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        stat = _proc_stat(int(name))
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class ProcessSet:
+    """Spawned children, the descendants they started, and the queue they report on.
+
+    A child reports ``(key, status, payload)`` on :attr:`results`: status
+    ``"ok"`` or ``"error"`` is its final message, anything else is progress.
+    Every process is recorded with its start time, so :meth:`end` signals
+    only processes this set started (a recycled pid is left alone).
+    """
+
+    def __init__(self, track_descendants: bool = False):
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.procs: dict[Hashable, Any] = {}
+        self.track_descendants = track_descendants
+        #: pid -> start time of every process recorded (children and their descendants).
+        self.recorded: dict[int, int] = {}
+
+    def start(self, key: Hashable, target: Callable[..., Any], args: tuple, name: str,
+              env: Optional[dict[str, str]] = None) -> Any:
+        """Spawn ``target(*args)`` with ``env`` added to the environment it inherits."""
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
+        try:
+            proc = self.ctx.Process(target=target, args=args, name=name)
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.procs[key] = proc
+        self._record(proc.pid)
+        return proc
+
+    def _record(self, pid: int) -> None:
+        stat = _proc_stat(pid)
+        if stat is not None:
+            self.recorded.setdefault(pid, stat[1])
+
+    def adopt(self, pids: list[int]) -> None:
+        """Record processes a child reported as its descendants (they outlive it when it exits first)."""
+        for pid in pids:
+            self._record(pid)
+
+    def scan(self) -> None:
+        """Record the current descendants of every child."""
+        for proc in self.procs.values():
+            for pid in descendants(proc.pid):
+                self._record(pid)
+
+    def collect(self, expected: list[Hashable], timeout_s: float, *, grace_s: float = 2.0,
+                stop_on_death: bool = False, peer_grace_s: float = 10.0,
+                on_message: Optional[Callable[[Hashable, str, Any], None]] = None,
+                on_tick: Optional[Callable[[], None]] = None) -> tuple[dict[Hashable, Any], dict[Hashable, str]]:
+        """Wait for a final message from every key in ``expected``: ``(results, errors)``.
+
+        A child that exited without a final message gets an error once
+        ``grace_s`` passed (its last message may still be in the queue). With
+        ``stop_on_death`` the wait ends ``peer_grace_s`` after the first error
+        (an engine peer of a failed rank would only wait for it; the grace lets
+        a peer that fails the same way report too). Keys without a result at
+        the deadline get a timeout error."""
+        out: dict[Hashable, Any] = {}
+        errors: dict[Hashable, str] = {}
+        dead_since: dict[Hashable, float] = {}
+        first_error: Optional[float] = None
+        deadline = time.monotonic() + timeout_s
+        while len(out) + len(errors) < len(expected):
+            if self.track_descendants:
+                self.scan()
+            if on_tick is not None:
+                on_tick()
+            try:
+                key, status, payload = self.results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                for key in expected:
+                    proc = self.procs.get(key)
+                    if key in out or key in errors or proc is None or proc.exitcode is None:
+                        continue
+                    if now - dead_since.setdefault(key, now) >= grace_s:
+                        errors[key] = f"process {proc.name} exited with code {proc.exitcode} without a result"
+                if errors and first_error is None:
+                    first_error = now
+                gave_up = stop_on_death and first_error is not None and now - first_error >= peer_grace_s
+                if gave_up or now > deadline:
+                    for key in expected:
+                        if key not in out and key not in errors and not gave_up:
+                            errors[key] = f"no result within {timeout_s:.0f}s"
+                    break
+                continue
+            if status == "ok":
+                out[key] = payload
+            elif status == "error":
+                errors[key] = payload
+            if on_message is not None:
+                on_message(key, status, payload)
+        return out, errors
+
+    def end(self, join_s: float = 0.0, term_s: float = 5.0) -> None:
+        """Let the children exit for ``join_s``, then SIGTERM every recorded process still
+        alive, SIGKILL what is left after ``term_s``; close the queue."""
+        if self.track_descendants:
+            self.scan()
+        for proc in self.procs.values():
+            proc.join(timeout=join_s)
+        alive = self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + term_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if self._is_recorded(pid)]
+        self._signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.join(timeout=5)
+        self.results.close()
+
+    def _is_recorded(self, pid: int) -> bool:
+        stat = _proc_stat(pid)
+        return stat is not None and stat[1] == self.recorded.get(pid)
+
+    def _signal(self, sig: int) -> list[int]:
+        sent = []
+        for pid in sorted(self.recorded):
+            if pid != os.getpid() and self._is_recorded(pid):
+                try:
+                    os.kill(pid, sig)
+                    sent.append(pid)
+                except OSError:
+                    continue
+        return sent
+
+
 def _rank_main(fn_ref: str, rank: int, world: int, backend: str, use_cuda: bool,
-               init_file: str, timeout_s: float, results: Any, args: tuple, env: dict[str, str]) -> None:
+               init_file: str, timeout_s: float, results: Any, args: tuple) -> None:
     # ``fn`` travels by name and is imported here, after "started" is reported: importing
     # its module (torch) is the slow part of a start, and the parent reports progress on it.
     results.put((rank, "started", None))
-    os.environ.update(env)
     try:
         import importlib
 
@@ -162,74 +335,42 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
     if use_cuda is None:
         use_cuda = backend == "nccl"
     fn_ref = f"{fn.__module__}:{fn.__qualname__}"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     workdir = tempfile.mkdtemp(prefix="moonep-ep-run-")
     init_file = os.path.join(workdir, "pg_init")
     group_timeout = group_timeout_s or min(timeout_s, envs.MOONEP_EP_TIMEOUT_S)
-    procs = []
-    out: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    ranks = ProcessSet()
+    started: set[int] = set()
+    up: set[int] = set()
+    t_start = time.monotonic()
+    next_report = [t_start + PROGRESS_INTERVAL_S]
+
+    def on_message(rank: Any, status: str, payload: Any) -> None:
+        if status in ("started", "up"):
+            (started if status == "started" else up).add(rank)
+        if progress and status == "up" and len(up) == world_size and world_size > 1:
+            progress(f"all {world_size} ranks up after {time.monotonic() - t_start:.1f}s")
+        if progress and status == "ok":
+            progress(f"rank {rank} done")
+
+    def on_tick() -> None:
+        if progress and len(up) < world_size and time.monotonic() >= next_report[0]:
+            progress(f"ranks up: {len(up)}/{world_size} ready ({len(started)}/{world_size} processes running, "
+                     f"importing torch) after {time.monotonic() - t_start:.0f}s")
+            next_report[0] += PROGRESS_INTERVAL_S
+
+    out: dict[Any, Any] = {}
+    errors: dict[Any, str] = {}
     try:
         for rank in range(world_size):
-            proc = ctx.Process(target=_rank_main, name=f"moonep-ep-rank{rank}",
-                               args=(fn_ref, rank, world_size, backend, use_cuda, init_file, group_timeout, results,
-                                     args, dict(env or {})))
-            proc.start()
-            procs.append(proc)
-        t_start = time.monotonic()
+            ranks.start(rank, _rank_main, (fn_ref, rank, world_size, backend, use_cuda, init_file, group_timeout,
+                                           ranks.results, args), name=f"moonep-ep-rank{rank}", env=env)
         if progress:
-            progress(f"started {world_size} ranks (pids {[p.pid for p in procs]}), backend {backend}")
-        deadline = t_start + timeout_s
-        started: set[int] = set()
-        up: set[int] = set()
-        next_report = t_start + PROGRESS_INTERVAL_S
-        while len(out) + len(errors) < world_size:
-            if progress and len(up) < world_size and time.monotonic() >= next_report:
-                progress(f"ranks up: {len(up)}/{world_size} ready ({len(started)}/{world_size} processes running, "
-                         f"importing torch) after {time.monotonic() - t_start:.0f}s")
-                next_report += PROGRESS_INTERVAL_S
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                for rank, proc in enumerate(procs):
-                    if rank not in out and rank not in errors and proc.exitcode not in (None, 0):
-                        # Give a dying rank a moment to flush its traceback into the queue.
-                        try:
-                            r, status, payload = results.get(timeout=1.0)
-                            while status in ("started", "up"):
-                                (started if status == "started" else up).add(r)
-                                r, status, payload = results.get(timeout=1.0)
-                            (out if status == "ok" else errors)[r] = payload
-                        except queue.Empty:
-                            errors[rank] = f"process exited with code {proc.exitcode} without a result"
-                if time.monotonic() > deadline:
-                    for rank in range(world_size):
-                        if rank not in out and rank not in errors:
-                            errors[rank] = f"no result within {timeout_s:.0f}s"
-                continue
-            if status == "started":
-                started.add(rank)
-                continue
-            if status == "up":
-                up.add(rank)
-                if progress and len(up) == world_size and world_size > 1:
-                    progress(f"all {world_size} ranks up after {time.monotonic() - t_start:.1f}s")
-                continue
-            if status == "ok":
-                out[rank] = payload
-                if progress:
-                    progress(f"rank {rank} done ({len(out)}/{world_size})")
-            else:
-                errors[rank] = payload
-        for proc in procs:
-            proc.join(timeout=10)
+            progress(f"started {world_size} ranks (pids {[p.pid for p in ranks.procs.values()]}), backend {backend}")
+        out, errors = ranks.collect(list(range(world_size)), timeout_s, grace_s=1.0, on_message=on_message,
+                                    on_tick=on_tick)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        results.close()
+        # Ranks that reported exit by themselves; a hung or failed set is ended at once.
+        ranks.end(join_s=1.0 if errors or len(out) < world_size else 10.0)
         shutil.rmtree(workdir, ignore_errors=True)
     if errors:
         raise RankFailure(errors, out)

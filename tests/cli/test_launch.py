@@ -1,0 +1,93 @@
+"""``tools/launch.ProcessSet``: the process management under ``run_ranks`` and the vLLM engine harness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from moonep_ep.tools.launch import ProcessSet, _proc_stat, descendants
+
+
+def spawn_grandchild_and_report(key, results):
+    """Starts a long-lived grandchild, reports its pid, and exits: the grandchild outlives its parent."""
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    results.put((key, "progress", grandchild.pid))
+    results.put((key, "ok", {"descendants": descendants(os.getpid())}))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def die_without_result(key, results):
+    os._exit(3)
+
+
+def report_error(key, results):
+    results.put((key, "error", "boom"))
+    results.close()
+    results.join_thread()
+
+
+def hang(key, results):
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    return _proc_stat(pid) is not None
+
+
+def test_descendants_that_outlive_their_parent_are_ended_by_id():
+    procs = ProcessSet(track_descendants=True)
+    seen = {}
+    procs.start("a", spawn_grandchild_and_report, ("a", procs.results), name="grandparent")
+
+    def on_message(key, status, payload):
+        if status == "progress":
+            seen["grandchild"] = payload
+        if status == "ok":
+            procs.adopt(payload["descendants"])
+
+    out, errors = procs.collect(["a"], 60, on_message=on_message)
+    assert errors == {} and "a" in out
+    grandchild = seen["grandchild"]
+    assert grandchild in procs.recorded and _alive(grandchild)
+    procs.end()
+    assert not _alive(grandchild)
+
+
+def test_a_child_that_dies_without_a_result_is_reported_with_its_exit_code():
+    procs = ProcessSet()
+    procs.start(0, die_without_result, (0, procs.results), name="dies")
+    out, errors = procs.collect([0], 60, grace_s=0.5)
+    procs.end()
+    assert out == {} and "exited with code 3 without a result" in errors[0]
+
+
+def test_stop_on_death_does_not_wait_for_a_peer_that_would_hang():
+    procs = ProcessSet()
+    procs.start(0, report_error, (0, procs.results), name="fails")
+    procs.start(1, hang, (1, procs.results), name="hangs")
+    t0 = time.monotonic()
+    out, errors = procs.collect([0, 1], 60, stop_on_death=True, peer_grace_s=1.0)
+    assert errors == {0: "boom"} and time.monotonic() - t0 < 10
+    hung = procs.procs[1].pid
+    procs.end(term_s=2)
+    assert not _alive(hung)
+
+
+def test_timeouts_name_every_missing_key_and_unrelated_processes_are_never_signalled():
+    outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        procs = ProcessSet()
+        procs.start(0, hang, (0, procs.results), name="hangs")
+        # A recorded pid whose start time does not match (a recycled pid) must be left alone.
+        procs.recorded[outsider.pid] = _proc_stat(outsider.pid)[1] + 1
+        out, errors = procs.collect([0], 1.0)
+        assert errors == {0: "no result within 1s"}
+        procs.end(term_s=2)
+        assert not _alive(procs.procs[0].pid) and outsider.poll() is None
+    finally:
+        outsider.kill()
+        outsider.wait()
