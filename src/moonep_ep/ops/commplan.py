@@ -101,6 +101,8 @@ class PrefetchStats:
     bytes_by_owner: dict[int, int] = dataclasses.field(default_factory=dict)
     #: Gen A: the part of ``bytes`` read from rows another rank owns.
     remote_bytes: int = 0
+    #: Gen A: bytes each copy read, by source expert (global id).
+    bytes_by_expert: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_copies(cls, generation: str, copies: int, bytes_by_expert: dict[int, int], seconds: Optional[float],
@@ -109,4 +111,4 @@ class PrefetchStats:
         for expert, nbytes in bytes_by_expert.items():
             by_owner[expert // epn] = by_owner.get(expert // epn, 0) + nbytes
         return cls(generation, copies, sum(by_owner.values()), seconds, slots, by_owner,
-                   sum(n for owner, n in by_owner.items() if owner != rank))
+                   sum(n for owner, n in by_owner.items() if owner != rank), dict(bytes_by_expert))
