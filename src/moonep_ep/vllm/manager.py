@@ -75,8 +75,9 @@ class InstrumentedBuffer:
         if stats_dir() is not None and plan is not None:
             rank = self._manager.rank
             epn = self._manager.experts_per_rank()
+            STATS.record_prefetch(plan, rank, epn, copied=getattr(self._inner, "last_prefetch", None),
+                                  real_tokens=_real_tokens_across_dp())
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
-            STATS.record_prefetch(row, epn, rank)
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
         return out
 
@@ -85,6 +86,20 @@ class InstrumentedBuffer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _real_tokens_across_dp() -> list[int] | None:
+    """Every DP rank's real token count this step (vLLM's forward context; the prepare step pads each
+    rank's batch to the buffer's capacity), or None outside a forward."""
+    try:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().dp_metadata
+    except (AssertionError, ImportError):
+        return None
+    if meta is None:
+        return None
+    return [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
 
 
 class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):

@@ -277,11 +277,23 @@ class ModelExpertStore:
             "slots": self.num_slots, "hidden": self.hidden, "intermediate": self.intermediate,
             "ep_rank": self.rank, "ep_size": self.world_size, "experts_per_rank": self.experts_per_rank,
             "driver": getattr(self.driver, "name", type(self.driver).__name__), "granularity": s.granularity,
-            "physical_bytes": s.physical_bytes(), "replicated_bytes": s.replicated_bytes(),
+            "physical_bytes": s.physical_bytes(), "os_bytes": self.os_bytes(),
+            "replicated_bytes": s.replicated_bytes(),
             "one_layer_local_bytes": self.one_layer_local_bytes,
             "collective_rounds": dict(s.symm.comm.rounds), "mappings": s.mapping_count,
             "allocate_seconds": round(self.allocate_seconds, 4), "ready": self.ready, "passes": list(self.settled),
         }
+
+    def os_bytes(self) -> dict[str, Any] | None:
+        """This rank's store bytes as the OS reports them (host driver: the sizes and resident blocks of the
+        memfds this rank created, ``fstat``); None on CUDA, where the driver's handles are the record."""
+        if getattr(self.driver, "name", None) != "host":
+            return None
+        from ..memory.accounting import snapshot
+
+        snap = snapshot(self.rank)
+        return {"total_bytes": snap.own_bytes, "resident_bytes": snap.own_resident_bytes,
+                "by_tag": snap.own_bytes_by_tag, "method": "fstat of this rank's memfds (/proc/self/fd)"}
 
     def close(self) -> None:
         """Collective (the symmetric memory's teardown). Views already handed out stay valid."""

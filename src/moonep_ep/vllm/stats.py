@@ -16,7 +16,15 @@ finds the last complete object). Contents:
   :class:`moonep_ep.ops.instrument.CollectiveRecorder`), and calls of
   vLLM's all-gathering ``gather_moonep_weight_layout``;
 * ``forward``: prefetch calls, slots filled, and how many of those came from
-  a remote owner (``owner(e) = e // epn != ep_rank``), by owner;
+  a remote owner (``owner(e) = e // epn != ep_rank``), by owner; per
+  ``(owner, expert)``: fills, fills that serve only vLLM's capacity-padding
+  rows (``ops/padding.py``; ``padding_only``), entries from real tokens, the
+  bytes the copies read (counted at the copy by the reference buffer:
+  ``PrefetchStats.bytes_by_expert``), fills a plan of the real entries alone
+  would not make (``absent_without_padding``) and, apart, the fills that
+  plan makes (``without_padding_by_owner_expert``) — recorded only where the
+  plan is the reference buffer's (``global_plan``) and vLLM's forward context
+  gives every DP rank's real token count, else ``unclassified_fills``;
 * ``load_memory`` / ``update_memory``: the peak of this rank's expert bytes
   while the model loads (until the initial pass settled) and during later
   weight updates, sampled at every expert ``weight_loader`` call, when the
@@ -39,7 +47,7 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from .. import envs
 
@@ -58,7 +66,9 @@ class Stats:
             "load": {"layers_converted": 0, "collectives": {}, "collective_weight_bytes": 0,
                      "vllm_gather_calls": 0, "expert_tensors_loaded": 0},
             "forward": {"prefetch_calls": 0, "slots_filled": 0, "remote_prefetched": 0, "local_prefetched": 0,
-                        "remote_by_owner": {}, "remote_experts": []},
+                        "remote_by_owner": {}, "remote_experts": [], "fills_by_owner_expert": {},
+                        "without_padding_by_owner_expert": {}, "unclassified_fills": 0, "bytes_at_copy": 0,
+                        "remote_bytes_at_copy": 0, "copies_counted": 0},
         }
         self._recorder: Any = None
         self._remote_set: set[int] = set()
@@ -116,23 +126,70 @@ class Stats:
         recorder.__exit__(None, None, None)
         self.add_collectives(recorder.by_op())
 
-    def record_prefetch(self, experts_row: list[int], epn: int, ep_rank: int) -> None:
+    def record_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any = None,
+                        real_tokens: Optional[list[int]] = None) -> None:
+        """One ``prefetch_weight`` call of this rank: its slot fills, classified (see ``forward`` above).
+
+        ``copied``: the buffer's :class:`~moonep_ep.ops.commplan.PrefetchStats`
+        (bytes counted at the copy), None for a buffer that does not count.
+        ``real_tokens``: every DP rank's real token count this step."""
+        from ..ops.padding import classify_slot_fills, padding_entries, real_entries, replan_without_padding
+
+        global_plan = getattr(plan, "global_plan", None)
+        real, replanned, classification_error = None, None, None
+        if global_plan is not None and real_tokens is not None:
+            try:
+                pads = padding_entries(global_plan, real_tokens)
+                real = real_entries(global_plan, pads)
+                replanned = replan_without_padding(global_plan, pads)
+            except ValueError as exc:  # counts that do not fit the plan: report, never break a forward
+                real, replanned, classification_error = None, None, str(exc)
+        if global_plan is not None:
+            fills = [(f.expert, f) for f in classify_slot_fills(global_plan, ep_rank, real)]
+        else:  # a plan without the global tables (the real library): the experts only
+            fills = [(int(e), None) for e in plan.experts_to_copy[ep_rank].tolist() if e >= 0]
+        classified = real is not None
+        replanned_row = set(replanned.experts_to_copy[ep_rank].tolist()) if replanned is not None else None
+        by_expert = dict(getattr(copied, "bytes_by_expert", None) or {}) if copied is not None else None
         with _lock:
             fwd = self.data["forward"]
             fwd["prefetch_calls"] += 1
-            for e in experts_row:
-                if e < 0:
-                    continue
+            for expert, fill in fills:
+                owner = expert // epn
                 fwd["slots_filled"] += 1
-                owner = e // epn
+                entry = fwd["fills_by_owner_expert"].setdefault(str(owner), {}).setdefault(
+                    str(expert), {"fills": 0, "padding_only": 0, "real_entries": 0, "bytes_at_copy": 0,
+                                  "absent_without_padding": 0})
+                entry["fills"] += 1
+                if replanned_row is not None and expert not in replanned_row:
+                    entry["absent_without_padding"] += 1
+                if classified and fill is not None:
+                    entry["padding_only"] += int(fill.padding_only)
+                    entry["real_entries"] += fill.real_entries
+                else:
+                    fwd["unclassified_fills"] += 1
+                if by_expert is not None:
+                    nbytes = int(by_expert.get(expert, 0))
+                    entry["bytes_at_copy"] += nbytes
+                    fwd["bytes_at_copy"] += nbytes
+                    if owner != ep_rank:
+                        fwd["remote_bytes_at_copy"] += nbytes
                 if owner != ep_rank:
                     fwd["remote_prefetched"] += 1
-                    key = str(owner)
-                    fwd["remote_by_owner"][key] = fwd["remote_by_owner"].get(key, 0) + 1
-                    self._remote_set.add(e)
+                    fwd["remote_by_owner"][str(owner)] = fwd["remote_by_owner"].get(str(owner), 0) + 1
+                    self._remote_set.add(expert)
                 else:
                     fwd["local_prefetched"] += 1
+            if by_expert is not None:
+                fwd["copies_counted"] += 1
+            if replanned_row is not None:
+                for expert in sorted(replanned_row):
+                    if expert >= 0:
+                        per_owner = fwd["without_padding_by_owner_expert"].setdefault(str(expert // epn), {})
+                        per_owner[str(expert)] = per_owner.get(str(expert), 0) + 1
             fwd["remote_experts"] = sorted(self._remote_set)
+            if classification_error and "classification_error" not in fwd:
+                fwd["classification_error"] = classification_error
         self.flush()
 
     def watch_expert_tensor(self, tensor: Any, label: str) -> None:
