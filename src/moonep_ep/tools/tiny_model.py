@@ -7,10 +7,13 @@ names, next to ``config.json``, ``generation_config.json`` and a
 vocabulary ``<pad> <s> </s> <unk> w4 … w{V-1}`` split on whitespace).
 Prompts are therefore strings such as ``"w5 w6 w7 w8"``.
 
-Default shape (the demo's): hidden 512, moe_intermediate 256, 8 experts,
-top-2, 2 layers, vocab 1024, 4 heads (2 KV heads, head_dim 128). About 18 MB
-on disk, built in a couple of seconds. ``hidden`` and ``intermediate`` may be
-set to non-multiples of 128 to exercise MoonEP's tile check.
+Default shape: hidden 512, moe_intermediate 256, 8 experts, top-2, 2
+layers, vocab 1024, 4 heads (2 KV heads, head_dim 128). About 18 MB on disk,
+built in a couple of seconds. ``hidden`` and ``intermediate`` may be set to
+non-multiples of 128 to exercise MoonEP's tile check.
+
+:func:`write_checkpoint` and :func:`write_wordlevel_tokenizer` are shared
+with the tiny DeepSeek-V3 builder (``tiny_deepseek_v3.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["TinyMoEConfig", "build_tiny_qwen3_moe", "demo_prompts", "default_model_dir"]
+__all__ = ["TinyMoEConfig", "build_tiny_qwen3_moe", "demo_prompts", "default_model_dir", "write_checkpoint",
+           "write_wordlevel_tokenizer", "mixed_prompt_ids"]
 
 
 def default_model_dir(config: "TinyMoEConfig | None" = None) -> str:
@@ -119,11 +123,12 @@ def _weights(c: TinyMoEConfig) -> dict[str, Any]:
     return w
 
 
-def _tokenizer(c: TinyMoEConfig, out_dir: str) -> None:
+def write_wordlevel_tokenizer(out_dir: str, vocab_size: int, max_positions: int) -> None:
+    """The offline tokenizer: ``<pad> <s> </s> <unk> w4 … w{V-1}``, word ``wN`` = token id ``N``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for i in range(4, c.vocab):
+    for i in range(4, vocab_size):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -133,34 +138,42 @@ def _tokenizer(c: TinyMoEConfig, out_dir: str) -> None:
         json.dump({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-            "model_max_length": c.max_positions, "add_bos_token": False, "add_eos_token": False,
+            "model_max_length": max_positions, "add_bos_token": False, "add_eos_token": False,
             "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
         }, f, indent=1)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}, f)
 
 
-def build_tiny_qwen3_moe(out_dir: str, config: TinyMoEConfig | None = None) -> str:
-    """Write the checkpoint into ``out_dir`` (created) and return it. Idempotent per config."""
+def write_checkpoint(out_dir: str, stamp: dict[str, Any], hf_config: dict[str, Any],
+                     weights: Callable[[], dict[str, Any]], vocab_size: int, max_positions: int) -> str:
+    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (from ``weights()``) and the
+    tokenizer into ``out_dir``, unless its stamp file already records ``stamp``. Returns ``out_dir``."""
     from safetensors.torch import save_file
 
-    c = config or TinyMoEConfig()
     os.makedirs(out_dir, exist_ok=True)
-    stamp = os.path.join(out_dir, "moonep_ep_tiny.json")
-    want = dataclasses.asdict(c)
-    if os.path.exists(stamp):
-        with open(stamp) as f:
+    stamp_path = os.path.join(out_dir, "moonep_ep_tiny.json")
+    want = json.loads(json.dumps(stamp))  # tuples -> lists, as the stamp file holds them
+    if os.path.exists(stamp_path):
+        with open(stamp_path) as f:
             if json.load(f) == want and os.path.exists(os.path.join(out_dir, "model.safetensors")):
                 return out_dir
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(_hf_config(c), f, indent=1)
+        json.dump(hf_config, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, f)
-    save_file(_weights(c), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    _tokenizer(c, out_dir)
-    with open(stamp, "w") as f:
+    save_file(weights(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    write_wordlevel_tokenizer(out_dir, vocab_size, max_positions)
+    with open(stamp_path, "w") as f:
         json.dump(want, f)
     return out_dir
+
+
+def build_tiny_qwen3_moe(out_dir: str, config: TinyMoEConfig | None = None) -> str:
+    """Write the checkpoint into ``out_dir`` (created) and return it. Idempotent per config."""
+    c = config or TinyMoEConfig()
+    return write_checkpoint(out_dir, dataclasses.asdict(c), _hf_config(c), lambda: _weights(c), c.vocab,
+                            c.max_positions)
 
 
 def demo_prompts(n: int = 6, vocab: int = 1024) -> list[str]:
@@ -172,3 +185,14 @@ def demo_prompts(n: int = 6, vocab: int = 1024) -> list[str]:
     if n:
         prompts.append(" ".join(f"w{4 + (j * 7) % (vocab - 4)}" for j in range(200)))
     return prompts[:n]
+
+
+def mixed_prompt_ids(n: int = 6, vocab: int = 1024) -> list[list[int]]:
+    """:func:`demo_prompts` as token ids (word ``wN`` is id ``N``), for any vocabulary of at least 128."""
+    out = []
+    for i in range(max(n - 1, 0)):
+        start = 4 + (37 * i) % (vocab - 64)
+        out.append([start + j * (i + 1) % 50 for j in range(4 + 3 * i)])
+    if n:
+        out.append([4 + (j * 7) % (vocab - 4) for j in range(200)])
+    return out[:n]

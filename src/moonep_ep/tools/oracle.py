@@ -1,0 +1,184 @@
+"""The oracle outside vLLM: HuggingFace transformers' forward of the same checkpoint, teacher-forced.
+
+For every sequence an engine generated (greedy), the oracle runs one forward
+over ``prompt + generated`` — the engine's **own** tokens, so after a
+divergence each engine is judged on the path it took — and reads, at every
+generated position ``j``, its log-softmax: its argmax, its top two, and the
+log-prob of the engine's token. The engine reported its own log-prob of that
+token (vLLM's ``logprobs``), so ``Δ = engine − oracle`` is measured there.
+
+The rule (:class:`OracleRule`; why these numbers: ``docs/design/vllm.md``):
+
+1. **divergence gap** — where the engine's token is not the oracle's argmax,
+   the oracle's log-prob of its argmax minus its log-prob of the engine's
+   token is at most ``divergence_gap`` nats. This implies that the oracle's
+   top two are within the same bound there (the engine's token is at best its
+   second choice), which is the form the requirement states;
+2. over all generated positions of a run, the median ``|Δ|`` is at most
+   ``p50_max``, the 90th percentile at most ``p90_max``, and every ``|Δ|``
+   at most ``abs_max``.
+
+``max_abs_logprob_diff_at_matching_tokens`` (the largest ``|Δ|`` where the
+engine's token equals the oracle's argmax) is reported for every run.
+
+The verdict uses the fp32 oracle (``reference_dtype``); the bf16 oracle is
+reported beside it as the yardstick of what bf16 arithmetic alone does.
+
+Pure rule code (:func:`judge`, :func:`position_record`) needs no
+transformers; :class:`TeacherForcedOracle` imports it (the vLLM
+environments have it) and torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+__all__ = ["OracleRule", "RULE", "judge", "position_record", "TeacherForcedOracle", "judge_runs", "oracle_version"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleRule:
+    reference_dtype: str = "float32"
+    divergence_gap: float = 1.5   # nats, at a position where the greedy token is not the oracle's argmax
+    p50_max: float = 0.02         # median |Δ log-prob| over every generated position of a run
+    p90_max: float = 0.06         # 90th percentile of the same
+    abs_max: float = 2.0          # every |Δ log-prob|
+
+
+RULE = OracleRule()
+
+
+def position_record(token: int, oracle_lp_token: float, top1: tuple[int, float], top2: tuple[int, float],
+                    engine_lp: Optional[float]) -> dict[str, Any]:
+    """One generated position, as the rule reads it."""
+    match = token == top1[0]
+    delta = None if engine_lp is None or math.isinf(engine_lp) else engine_lp - oracle_lp_token
+    return {"token": token, "oracle_argmax": top1[0], "match": match,
+            "oracle_top2_gap": top1[1] - top2[1],
+            "gap_to_engine_token": 0.0 if match else top1[1] - oracle_lp_token,
+            "oracle_logprob": oracle_lp_token, "engine_logprob": engine_lp, "delta": delta}
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> Optional[float]:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
+
+
+def judge(sequences: Sequence[Sequence[Mapping[str, Any]]], rule: OracleRule = RULE) -> dict[str, Any]:
+    """The rule's verdict over one run: ``sequences[i]`` = the position records of sequence ``i``."""
+    positions = [p for seq in sequences for p in seq]
+    deltas = sorted(abs(p["delta"]) for p in positions if p["delta"] is not None)
+    matching = [abs(p["delta"]) for p in positions if p["match"] and p["delta"] is not None]
+    mismatches = [(i, j, p) for i, seq in enumerate(sequences) for j, p in enumerate(seq) if not p["match"]]
+    worst_gap = max((p["gap_to_engine_token"] for _, _, p in mismatches), default=0.0)
+    p50, p90 = _quantile(deltas, 0.5), _quantile(deltas, 0.9)
+    failed = []
+    if worst_gap > rule.divergence_gap:
+        failed.append("divergence_gap")
+    if len(deltas) < len(positions):
+        failed.append("engine_logprobs_missing")
+    if p50 is None or p50 > rule.p50_max:
+        failed.append("p50")
+    if p90 is None or p90 > rule.p90_max:
+        failed.append("p90")
+    if deltas and deltas[-1] > rule.abs_max:
+        failed.append("abs_max")
+    return {
+        "ok": bool(positions) and not failed,
+        "failed": failed,
+        "sequences": len(sequences),
+        "positions": len(positions),
+        "matching_positions": len(positions) - len(mismatches),
+        "divergences": len(mismatches),
+        "max_abs_logprob_diff_at_matching_tokens": round(max(matching), 5) if matching else None,
+        "max_gap_at_divergence": round(worst_gap, 5),
+        "max_top2_gap_at_divergence": round(max((p["oracle_top2_gap"] for _, _, p in mismatches), default=0.0), 5),
+        "abs_logprob_diff": {"p50": _round(p50), "p90": _round(p90), "max": _round(deltas[-1] if deltas else None),
+                             "over_0.1": sum(d > 0.1 for d in deltas)},
+        "divergence_positions": [{"sequence": i, "position": j, "token": p["token"], "oracle_argmax": p["oracle_argmax"],
+                                  "gap": round(p["gap_to_engine_token"], 5)} for i, j, p in mismatches],
+    }
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 5)
+
+
+def oracle_version() -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__}"
+
+
+class TeacherForcedOracle:
+    """HF ``AutoModelForCausalLM`` of one checkpoint in one dtype (native classes, no remote code, offline)."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32"):
+        self.model_dir, self.dtype = model_dir, dtype
+        self._model: Any = None
+        self._cache: dict[tuple[int, ...], Any] = {}
+
+    def _load(self) -> Any:
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self._model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager",
+                trust_remote_code=False, local_files_only=True).eval()
+        return self._model
+
+    def logprobs(self, prompt: Sequence[int], generated: Sequence[int]) -> Any:
+        """``[len(generated), V]`` fp32 log-softmax at each generated position (cached per sequence)."""
+        import torch
+
+        key = (len(prompt), *prompt, *generated)
+        if key not in self._cache:
+            ids = torch.tensor([list(prompt) + list(generated)], dtype=torch.long)
+            with torch.no_grad():
+                logits = self._load()(input_ids=ids, use_cache=False).logits[0]
+            first = len(prompt) - 1
+            self._cache[key] = torch.log_softmax(logits[first:first + len(generated)].float(), dim=-1)
+        return self._cache[key]
+
+    def records(self, prompt: Sequence[int], generated: Sequence[int],
+                engine_logprobs: Sequence[Optional[float]]) -> list[dict[str, Any]]:
+        import torch
+
+        lp = self.logprobs(prompt, generated)
+        top = torch.topk(lp, 2, dim=-1)
+        out = []
+        for j, token in enumerate(generated):
+            engine = engine_logprobs[j] if j < len(engine_logprobs) else None
+            out.append(position_record(int(token), float(lp[j, token]),
+                                       (int(top.indices[j, 0]), float(top.values[j, 0])),
+                                       (int(top.indices[j, 1]), float(top.values[j, 1])), engine))
+        return out
+
+
+def judge_runs(model_dir: str, runs: Mapping[str, Iterable[Mapping[str, Any]]],
+               dtypes: Sequence[str] = ("float32", "bfloat16"), rule: OracleRule = RULE,
+               oracles: Optional[dict[str, TeacherForcedOracle]] = None) -> dict[str, dict[str, Any]]:
+    """``{run: {dtype: verdict}}`` for every run's sequences (dicts with ``prompt_token_ids``,
+    ``token_ids`` and ``logprobs``: the engine's log-prob of each of its tokens).
+
+    ``verdict["ok"]`` of the reference dtype is the run's verdict; the other
+    dtypes carry the same figures for comparison (their ``ok`` is informational)."""
+    oracles = oracles if oracles is not None else {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, sequences in runs.items():
+        seqs = list(sequences)
+        out[name] = {}
+        for dtype in dtypes:
+            oracle = oracles.setdefault(dtype, TeacherForcedOracle(model_dir, dtype))
+            records = [oracle.records(s["prompt_token_ids"], s["token_ids"], s.get("logprobs") or [])
+                       for s in seqs]
+            verdict = judge(records, rule)
+            verdict["dtype"] = dtype
+            out[name][dtype] = verdict
+    return out
