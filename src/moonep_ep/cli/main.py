@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bench": "bench",
     "demo": "demo",
     "vllm-demo": "vllm_demo",
+    "serve": "serve",
 }
 
 

