@@ -29,10 +29,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 OVERRIDES = {"make test": "make -n test"}
 
-#: README line -> (test file that runs it verbatim, the text that must appear there).
+#: README line -> (test file that runs it verbatim, the text that must appear there). The vllm-demo line
+#: is what `make demo` runs: the engine test runs `make demo` and checks that make ran that command.
 RUN_ELSEWHERE = {
-    "moonep-ep vllm-demo --json": ("tests/vllm/test_engine.py", '"vllm-demo", "--json"'),
-    "make demo": ("tests/vllm/test_engine.py", '"make", "demo"'),
+    "make demo": ("tests/vllm/test_engine.py", '["make", "demo"]'),
+    "moonep-ep vllm-demo --reload --json": ("tests/vllm/test_engine.py",
+                                            'DEMO_COMMAND = "moonep-ep vllm-demo --reload --json"'),
+    "make serve": ("tests/vllm/test_serve.py", '"--", "make", "serve"]'),
 }
 
 
@@ -54,7 +57,7 @@ COMMANDS = readme_commands()
 
 def test_the_readme_has_the_commands_this_test_knows():
     names = [c for c, _ in COMMANDS]
-    assert names[:2] == ["make demo", "make test"]  # the README opens with the two set-up commands
+    assert names[:3] == ["make demo", "make serve", "make test"]  # the README opens with the set-up commands
     assert sum(c.startswith("moonep-ep ") for c in names) >= 8
     assert len(set(names)) == len(names)
     for command in RUN_ELSEWHERE:

