@@ -41,9 +41,10 @@ def _allocate_map_close(driver: Any, multicast: bool) -> dict[str, Any]:
 def cuda_fabric_fallback(ctx: Any, fail_rank: int, fail_call: str, times: int) -> dict[str, Any]:
     """Fabric refused (NOT_PERMITTED) on one rank: every rank falls back to POSIX fds."""
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.testing.cuda_fake import RecordingCudaApi
+    from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
-    api = RecordingCudaApi(granularity=GRAN, multicast=False, fabric=True, device_count=ctx.world_size)
+    # A node where fabric works (IMEX domain), so only the injected refusal stops it.
+    api = EmulatedCudaApi(f"H100x{ctx.world_size},imex=domain,multicast=0", visible=None, record=True)
     if ctx.rank == fail_rank:
         api.fail(fail_call, "CUDA_ERROR_NOT_PERMITTED", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
@@ -203,11 +204,11 @@ def exchange_security(ctx: Any) -> dict[str, Any]:
 
 
 def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
-    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (recording fake)."""
+    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (CUDA driver emulator)."""
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.testing.cuda_fake import RecordingCudaApi
+    from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
-    api = RecordingCudaApi(granularity=GRAN, multicast=True, fabric=False, device_count=ctx.world_size)
+    api = EmulatedCudaApi(f"H100x{ctx.world_size},fabric=0", visible=None, record=True)
     if ctx.rank == 1:
         api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
@@ -283,6 +284,7 @@ def bad_input(ctx: Any, case: str) -> dict[str, Any]:
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.cuda_emulated
 def test_fabric_refused_on_one_rank_falls_back_to_posix_fds_on_every_rank():
     results = run_ranks(cuda_fabric_fallback, 2, args=(1, "cuMemCreate", 1))
     for rank, res in enumerate(results):
@@ -294,6 +296,7 @@ def test_fabric_refused_on_one_rank_falls_back_to_posix_fds_on_every_rank():
         assert all(v == 0 for v in res["live"].values()), res["live"]
 
 
+@pytest.mark.cuda_emulated
 def test_fabric_refused_for_good_fails_every_rank_without_leaks():
     # NOT_PERMITTED on the fd export too: nothing left to fall back to.
     results = run_ranks(cuda_fabric_fallback, 2, args=(0, "cuMemExportToShareableHandle", 5))
@@ -330,6 +333,7 @@ def test_fd_exchange_rejects_foreign_sender_sweeps_stale_dirs_and_hands_out_seal
     assert r0["stale_swept"] and r0["live_kept"]         # dead run's directory gone, live run's kept
 
 
+@pytest.mark.cuda_emulated
 def test_cuda_multicast_bind_not_ready_is_retried_then_fails_collectively():
     ok = run_ranks(cuda_bind_retry, 2, args=(2,))
     for res in ok:
