@@ -226,7 +226,7 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
-    from moonep_ep.memory.accounting import snapshot
+    from moonep_ep.memory.accounting import own_physical_bytes
     from moonep_ep.ops.instrument import CollectiveRecorder
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
     from moonep_ep.vllm.stats import STATS
@@ -239,7 +239,7 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     moe_cfg = _moe_config(case, rank)
     names = [f"model.layers.{l}.mlp.experts" for l in range(case.layers)]
     vcfg.compilation_config.static_all_moe_layers[:] = names
-    mem_before = snapshot(rank)
+    mem_before = own_physical_bytes(rank)  # memfds, or the CUDA emulator's device memory
 
     # -- conversion: sharded (plugin) and replicated (vLLM's all-gather) ------------------------
     sharded, replicated, weak = [], [], []
@@ -345,8 +345,9 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["layers"] = results
     out["remote_prefetched"] = STATS.data["forward"]["remote_prefetched"]
     # -- bytes per rank -----------------------------------------------------------------------------
-    mem = snapshot(rank)
-    out["sharded_bytes_measured_os"] = mem.own_bytes - mem_before.own_bytes
+    out["sharded_bytes_measured_os"] = own_physical_bytes(rank) - mem_before
+    out["store_driver"] = store.driver.name
+    out["store_driver_emulated"] = bool(getattr(store.driver, "emulated", False))
     out["sharded_bytes"] = store.store.physical_bytes()["total_bytes"]
     out["replicated_bytes_measured"] = sum(
         t.untyped_storage().nbytes() for layer in replicated for t in
