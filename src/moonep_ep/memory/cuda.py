@@ -419,13 +419,16 @@ class CudaDriver(MemoryDriver):
                  detail=f"addr={addr:#x}, size={size}, device=cuda:{self.device}")
 
     def synchronize(self) -> None:
-        """Wait for all work on the device (``torch.cuda.synchronize`` or ``cuCtxSynchronize``)."""
-        if torch.cuda.is_available() and not self.emulated:
-            torch.cuda.synchronize(self.device)
-        else:
-            self._cu("cuCtxSynchronize")
+        """``cuCtxSynchronize`` of the primary context: every stream torch uses on the device
+        (what ``torch.cuda.synchronize`` does), issued through the driver so the emulator runs it."""
+        self._cu("cuCtxSynchronize")
 
-    # -- tensors -----------------------------------------------------------------------
+    # -- tensors: the seam between emulated and real device memory ------------------------
+    def _stream(self) -> int:
+        """The stream torch issues work on (a launch orders behind the copy that filled its source);
+        the emulator runs every call to completion, so it has only stream 0."""
+        return 0 if self.emulated else torch.cuda.current_stream(self.device).cuda_stream
+
     def as_tensor(self, addr: int, nbytes: int, owner: object) -> torch.Tensor:
         """Zero-copy ``torch.uint8`` tensor of shape ``(nbytes,)`` on :attr:`torch_device`.
 
@@ -532,8 +535,7 @@ class CudaDriver(MemoryDriver):
         ``uint8`` on :attr:`torch_device`, 16-byte multiple; ordered on the current stream."""
         if self._kernel is None:
             self._kernel = multimem.MultimemKernel.load(self)
-        stream = 0 if self.emulated else torch.cuda.current_stream(self.device).cuda_stream
-        self._kernel.store(self, int(mc_addr), src, stream)
+        self._kernel.store(self, int(mc_addr), src, self._stream())
 
     # -- capabilities ------------------------------------------------------------------
     def capabilities(self) -> Capabilities:

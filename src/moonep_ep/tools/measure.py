@@ -36,6 +36,9 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
         before = driver_holdings(driver, ctx.rank).bytes_held
         store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=slots,
                                    slot_pools=slot_pools, driver=driver)
+        # CUDA commits physical memory at cuMemCreate; read the device figure now, before the
+        # loader's temporary tensors take device memory through torch's caching allocator.
+        device_bytes = driver_holdings(driver, ctx.rank).bytes_held - before if driver.name != "host" else None
         try:
             filled = store.physical_bytes()["total_bytes"] <= FILL_LIMIT_BYTES
             if filled:
@@ -59,7 +62,7 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
                 by_category = {"expert_bytes": os_view.own_bytes_by_tag.get("experts", 0),
                                "slot_bytes": os_view.own_bytes_by_tag.get("slots", 0)}
             else:  # the driver has no per-allocation names: the total only
-                measured, resident, by_category = driver_holdings(driver, ctx.rank).bytes_held - before, None, None
+                measured, resident, by_category = device_bytes, None, None
             return {
                 "rank": ctx.rank,
                 "driver": driver.name,

@@ -74,10 +74,10 @@ def _one_cycle(ctx: Any, driver, chunk_bytes: int) -> dict[str, Any]:
     if symm.has_multicast:
         symm.comm.barrier("selftest: before the multicast write")
         probe = _pattern(world, world, 4096, device)
-        if rank == 0:
-            symm.multicast_write(0, probe)
-        driver.synchronize()
-        symm.comm.barrier("selftest: multicast write done")
+        with symm.comm.step("selftest: multicast write"):  # rank 0's failure raises on every rank
+            if rank == 0:
+                symm.multicast_write(0, probe)
+            driver.synchronize()
         seen = sum(torch.equal(view[offsets[o]:offsets[o] + 4096], probe) for o in range(world))
         multicast["members_updated"] = int(seen)
         if seen != world:
