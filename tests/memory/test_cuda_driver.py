@@ -27,6 +27,7 @@ from moonep_ep.memory import dlpack
 from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType, MemoryDriver
 from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
+from tests.support.memory import bind_and_map_multicast
 
 MiB = 1 << 20
 GRAN = 2 * MiB
@@ -117,14 +118,7 @@ def multicast_scenario(drv: CudaDriver) -> dict:
     # Every member imports, the creator included (same provenance on all ranks).
     mc_imp = drv.multicast_import(fd, FD, size=size)
     os.close(fd)
-    drv.multicast_add_device(mc_imp)
-    mem = drv.create(size, FD)
-    drv.multicast_bind(mc_imp, 0, mem, 0, size)
-    uc_va = drv.reserve(size, size)
-    drv.map(uc_va, size, mem, 0)
-    drv.set_access(uc_va, size)
-    mc_va = drv.reserve(size, size)
-    drv.multicast_map(mc_va, size, mc_imp)
+    mem, uc_va, mc_va = bind_and_map_multicast(drv, mc_imp, size)
     probe = ((torch.arange(4096) * 7) % 251).to(torch.uint8)
     drv.multimem_store(mc_va + 4096, probe)  # lands in the bound memory at the same offset
     stored = drv.as_tensor(uc_va, size, owner=None)[4096:8192].clone()

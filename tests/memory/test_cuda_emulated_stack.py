@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from moonep_ep.errors import CollectiveError, DriverError, MoonEPError
+from moonep_ep.errors import MoonEPError
 from moonep_ep.memory.symmetric import SymmetricMemory
 from moonep_ep.tools.launch import run_ranks
-from tests.support.memory import emulated_cuda_driver, holdings, leaks, run_emulated_ranks
+from tests.support.memory import (allocate_map_and_close, emulated_cuda_driver, holdings, leaks,
+                                  run_emulated_ranks)
 
 MiB = 1 << 20
 pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]
@@ -42,20 +43,7 @@ def cuda_call_faults(ctx: Any, failing_rank: int) -> list[dict[str, Any]]:
         before = holdings(driver)
         if ctx.rank == failing_rank:
             driver.api.fail(call, "CUDA_ERROR_INVALID_VALUE", times=1, after=after)
-        out: dict[str, Any] = {"call": call, "after": after}
-        try:
-            symm = SymmetricMemory.allocate([2 * MiB, 2 * MiB], driver=driver, multicast=True)
-            try:
-                with symm.comm.step("map views"):
-                    a = symm.map_chunks(0)
-                    b = symm.map_chunks(1, "local_first")
-                a.close()
-                b.close()
-            finally:
-                symm.close()
-            out["raised"] = None
-        except CollectiveError as exc:
-            out.update(raised="CollectiveError", failures=sorted(exc.failures), message=str(exc)[:600])
+        out: dict[str, Any] = {"call": call, "after": after, **allocate_map_and_close(driver, 2 * MiB)}
         out["leaks"] = leaks(driver, before)
         driver.close()
         out["contexts_left"] = driver.api.live()["contexts"]

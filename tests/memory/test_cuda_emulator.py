@@ -29,6 +29,7 @@ from moonep_ep.memory.driver import HandleType
 from moonep_ep.testing.cuda_emulator import (PROFILES, EmulatedCudaApi, NodeSpec, NodeSpecError, UnknownCall,
                                              UnsupportedKernel, visible_gpus)
 from moonep_ep.tools.launch import run_ranks
+from tests.support.memory import bind_and_map_multicast
 
 MiB = 1 << 20
 FD, FABRIC = HandleType.POSIX_FD, HandleType.FABRIC
@@ -321,15 +322,7 @@ def test_the_creator_must_keep_its_reference_until_peers_imported():
 
 def _multicast_range(drv: CudaDriver, size: int = 2 * MiB) -> tuple[int, int, int, int]:
     mc = drv.multicast_create(size, 1, FD)
-    drv.multicast_add_device(mc)
-    mem = drv.create(size, FD)
-    drv.multicast_bind(mc, 0, mem, 0, size)
-    uc = drv.reserve(size, size)
-    drv.map(uc, size, mem, 0)
-    drv.set_access(uc, size)
-    va = drv.reserve(size, size)
-    drv.multicast_map(va, size, mc)
-    return mc, mem, uc, va
+    return (mc, *bind_and_map_multicast(drv, mc, size))
 
 
 def test_multicast_addresses_take_multimem_only():

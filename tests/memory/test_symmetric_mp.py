@@ -14,7 +14,7 @@ from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
 from moonep_ep.memory.symmetric import Segment, SymmetricMemory
 from moonep_ep.tools.launch import RankFailure, run_ranks
-from tests.support.memory import GRAN, leaks
+from tests.support.memory import GRAN, allocate_map_and_close, leaks
 
 
 def _fill(owner: int, chunk: int, writer: int, n: int) -> torch.Tensor:
@@ -201,21 +201,7 @@ def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
                 driver = FaultyDriver(inner, point, nth=2 if point in ("create", "export", "map") else 1)
         outcome: dict[str, Any] = {}
         try:
-            symm = SymmetricMemory.allocate([GRAN, GRAN], driver=driver, multicast=True)
-            try:
-                with symm.comm.step("map views"):
-                    a = symm.map_chunks(0)
-                    b = symm.map_chunks(1, "local_first")
-                a.close()
-                b.close()
-            finally:
-                symm.close()
-            outcome["raised"] = None
-        except CollectiveError as exc:
-            outcome["raised"] = "CollectiveError"
-            outcome["failures"] = sorted(exc.failures)
-            outcome["step"] = exc.step
-            outcome["message"] = str(exc)[:400]
+            outcome = allocate_map_and_close(driver, GRAN)
         except Exception as exc:  # noqa: BLE001 - reported, the test fails on it
             outcome["raised"] = f"{type(exc).__name__}: {exc}"
         finally:

@@ -55,19 +55,52 @@ def run_emulated_ranks(fn, world: int, args: tuple = (), timeout_s: float = 180,
     """Run ``fn`` on ``world`` ranks the way the CLI does over the emulator: gloo, CPU tensors,
     and each rank's own ``CUDA_VISIBLE_DEVICES`` (so every rank's ordinal 0 is another GPU)."""
     import os
+    from unittest import mock
 
     from moonep_ep.tools.launch import plan_launch, run_ranks
 
-    saved = {k: os.environ.get(k) for k in EMULATOR_ENV}
-    os.environ.update(EMULATOR_ENV)
-    try:
+    with mock.patch.dict(os.environ, EMULATOR_ENV):
         plan = plan_launch("cuda", world)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     assert plan.emulated and plan.backend == "gloo", plan
     return run_ranks(fn, world, args=args, backend=plan.backend, env=EMULATOR_ENV, rank_envs=plan.rank_envs,
                      timeout_s=timeout_s, **kw)
+
+
+def allocate_map_and_close(driver, chunk_bytes: int) -> dict:
+    """Two chunks with multicast, mapped in rank and local-first order, torn down: the outcome
+    (``raised`` None, or "CollectiveError" with the failing ranks, the step and the message)."""
+    from moonep_ep.errors import CollectiveError
+    from moonep_ep.memory.symmetric import SymmetricMemory
+
+    outcome: dict = {}
+    try:
+        symm = SymmetricMemory.allocate([chunk_bytes, chunk_bytes], driver=driver, multicast=True)
+        try:
+            with symm.comm.step("map views"):
+                a = symm.map_chunks(0)
+                b = symm.map_chunks(1, "local_first")
+            a.close()
+            b.close()
+        finally:
+            symm.close()
+        outcome["raised"] = None
+    except CollectiveError as exc:
+        outcome.update(raised="CollectiveError", failures=sorted(exc.failures), step=exc.step,
+                       message=str(exc)[:600])
+    return outcome
+
+
+def bind_and_map_multicast(drv, mc, size: int) -> tuple[int, int, int]:
+    """One member's multicast set-up on a CudaDriver: join, bind fresh memory at offset 0, map that
+    memory read/write and the multicast object. Returns (memory handle, unicast VA, multicast VA)."""
+    from moonep_ep.memory.driver import HandleType
+
+    drv.multicast_add_device(mc)
+    mem = drv.create(size, HandleType.POSIX_FD)
+    drv.multicast_bind(mc, 0, mem, 0, size)
+    uc = drv.reserve(size, size)
+    drv.map(uc, size, mem, 0)
+    drv.set_access(uc, size)
+    va = drv.reserve(size, size)
+    drv.multicast_map(va, size, mc)
+    return mem, uc, va
