@@ -96,9 +96,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "run the CUDA driver's code over the emulator of cuda.bindings.driver (CPU machines; "
              "`--driver cuda` and `auto` then use it)"),
     Variable("MOONEP_EP_CUDA_EMULATOR_NODE", "str", None,
-             "the emulated machine, e.g. `H100x8` (default), `H200x4,imex=channel,cuda=12.8`: GPU model and count, "
-             "IMEX none|channel|domain, driver CUDA version, multicast=0|1, granularity overrides "
-             "(moonep_ep.testing.cuda_emulator.node)", scope="tests"),
+             "a spec, not a path: the emulated machine, e.g. `H100x8` (default), `H200x4,imex=channel,cuda=12.8`: "
+             "GPU model and count, IMEX none/channel/domain, driver CUDA version, multicast 0/1, granularity "
+             "overrides (moonep_ep.testing.cuda_emulator.node)", scope="tests"),
     # -- vLLM plugin ---------------------------------------------------------------------
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",

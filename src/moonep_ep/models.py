@@ -6,8 +6,8 @@ experts per MoE layer (``E``), top-k (``K``) and the number of MoE layers
 (``L``). One routed expert is three projections, gate ``[I, H]``, up
 ``[I, H]`` and down ``[H, I]``, i.e. ``3*H*I`` parameters.
 
-Shapes come from ``/work/shared/reference/models_and_peers.md`` §1, which
-cites each model's released config (source numbers in ``notes``). Sizes are
+Shapes come from each model's released config; docs/design/models.md §1
+names the source of every one. Sizes are
 computed for BF16 (``dtype_bytes = 2``), the dtype of the MoonEP BF16 expert
 path; ``native_dtype`` records what the checkpoint ships in, for information.
 """
@@ -109,7 +109,7 @@ def expert_bytes(config: MoEModelConfig, dtype_bytes: int | None = None) -> int:
     return config.expert_params * b
 
 
-_REF = "models_and_peers.md §1 source"
+_REF = "models.md §1, source"
 
 MODELS: dict[str, MoEModelConfig] = {m.name: m for m in [
     MoEModelConfig("kimi-k3", 3584, 3072, 896, 16, 92, native_dtype="mxfp4",
@@ -140,7 +140,7 @@ MODELS: dict[str, MoEModelConfig] = {m.name: m for m in [
                    notes=f"E=8: MoonEP needs E % EP == 0, so EP <= 8 ({_REF} 21)"),
     MoEModelConfig("tiny", 512, 256, 16, 4, 4, native_dtype="bf16",
                    notes="moonep_ep CPU demo model; H, I multiples of 128 (MoonEP tile), "
-                         "after hyper-accel/tiny-random-kimi-k2 (models_and_peers.md §1.2)"),
+                         "after hyper-accel/tiny-random-kimi-k2 (docs/design/models.md §1.2)"),
 ]}
 
 #: Models reported by default (``tiny`` is a demo shape, not a real model).

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from tests.support.cli import moonep_ep, moonep_ep_json
@@ -41,9 +44,37 @@ def test_selftest_four_ranks_host_json():
     assert out["multicast"]["used"] and out["multicast"]["members_updated"] == 4
 
 
-def test_selftest_rejects_bad_rank_count():
-    proc = moonep_ep("selftest", "--ranks", "0", "--driver", "host")
-    assert proc.returncode == 2 and "--ranks must be >= 1" in proc.stderr
+@pytest.mark.parametrize("command", [("selftest",), ("demo",), ("bench", "layout"), ("bench", "prefetch")])
+@pytest.mark.parametrize("ranks", ["0", "200"])
+def test_rank_counts_beyond_moonep_fail_at_once_with_the_limit_and_the_fix(command, ranks):
+    t0 = time.monotonic()
+    proc = moonep_ep(*command, "--ranks", ranks)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert f"--ranks {ranks} is outside MoonEP's supported range 1..128" in lines[0]
+    assert "Fix: pass --ranks between 1 and 128" in lines[0]
+    assert time.monotonic() - t0 < 20  # refused before any rank starts
+
+
+def test_more_ranks_than_cores_warn_and_report_progress(monkeypatch):
+    """Progress is reported every few seconds while ranks start; more ranks than cores warn."""
+    from moonep_ep.tools import launch
+
+    monkeypatch.setattr(launch, "PROGRESS_INTERVAL_S", 0.5)
+    cores = len(os.sched_getaffinity(0))
+    assert any(f"{cores + 1} ranks on {cores} core(s)" in w for w in launch.check_rank_count(cores + 1, "x"))
+    assert launch.check_rank_count(1, "x") == [] or "GiB is available" in launch.check_rank_count(1, "x")[0]
+    lines: list[str] = []
+    launch.run_ranks(_rank_sleeps, 2, progress=lines.append)
+    assert lines[0].startswith("started 2 ranks")
+    assert any(line.startswith("ranks up: ") and "processes running" in line for line in lines), lines
+    assert any(line.startswith("all 2 ranks up after") for line in lines), lines
+
+
+def _rank_sleeps(ctx) -> int:
+    time.sleep(1.0)
+    return ctx.rank
 
 
 def test_selftest_cuda_without_gpu_says_why():

@@ -2,7 +2,7 @@
 
 Expected numbers are recomputed here from the formulas (not from the code under
 test) and, for page-aligned shapes, checked against the derived table in
-``/work/shared/reference/models_and_peers.md`` §2.2.
+docs/design/models.md §2.2.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _row(H: int, I: int, dtype_bytes: int = 2) -> int:
 # ----------------------------------------------------------------------------- models
 
 def test_builtin_shapes_match_reference():
-    # (H, I, E, K, L) from models_and_peers.md §1.
+    # (H, I, E, K, L) from docs/design/models.md §1.
     expected = {
         "kimi-k3": (3584, 3072, 896, 16, 92),
         "kimi-k2": (7168, 2048, 384, 8, 60),
@@ -74,7 +74,7 @@ def test_builtin_shapes_match_reference():
         assert m.expert_bytes == expert_bytes(m) == 3 * H * I * 2
         assert m.row_bytes == (H * I * 2,) * 3
     assert "tiny" not in DEFAULT_MODELS
-    # Per-expert MB from models_and_peers.md §2.1.
+    # Per-expert MB: 3*H*I*2 bytes of the §1 shapes.
     assert MODELS["kimi-k3"].expert_bytes / 1e6 == pytest.approx(66.1, abs=0.05)
     assert MODELS["kimi-k2"].expert_bytes / 1e6 == pytest.approx(88.1, abs=0.05)
     assert MODELS["kimi-k2"].routed_bytes / 1e9 == pytest.approx(2029.4, abs=0.05)
@@ -253,7 +253,7 @@ def test_cli_kimi_k2_ep64_json(capsys):
     assert entry["ratio_replicated_over_moonep_ep"] > 60
 
 
-# models_and_peers.md §2.2 (BF16, GB): (a) replicated; (c) per-layer slots, (d) shared pool,
+# docs/design/models.md §2.2 (BF16, GB): (a) replicated; (c) per-layer slots, (d) shared pool,
 # (e) EPLB N=R at EP8/16/32/64. Only page-aligned shapes: the table ignores padding.
 REFERENCE_GB = {
     "kimi-k3": (5469.8, (1361.4, 680.7, 340.3, 170.2), (688.1, 344.0, 172.0, 86.0),
@@ -281,7 +281,7 @@ def test_matches_reference_table(name):
 
 
 def test_eplb_fixed_32_redundant_matches_reference_variant(capsys):
-    # models_and_peers.md §2.2 variant: N = 32 at EP8 = +4 experts/rank/layer: K2 274.8, DSV3 183.9 GB.
+    # docs/design/models.md §2.2 variant: N = 32 at EP8 = +4 experts/rank/layer: K2 274.8, DSV3 183.9 GB.
     report = _run_json(capsys, "--model", "kimi-k2,deepseek-v3", "--ep", "8",
                        "--eplb-redundant", "32")
     k2 = report["models"]["kimi-k2"]["ep"]["8"]["schemes"]["eplb"]
@@ -392,6 +392,20 @@ def test_plot_writes_png(tmp_path, capsys):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000
+
+
+def test_plot_has_one_panel_per_model_with_every_scheme_and_gpu_line(tmp_path):
+    import matplotlib.image
+
+    report = footprint_report([MODELS[n] for n in ("kimi-k2", "qwen3-30b-a3b")], [8, 16, 32, 64])
+    drawn = cli.write_plot(report, str(tmp_path / "p.png"))
+    assert [t.split()[0] for t in drawn["panels"]] == ["kimi-k2", "qwen3-30b-a3b"]
+    for labels in drawn["series"]:
+        assert set(cli._SCHEME_LABEL[s] for s in SCHEMES) <= set(labels)  # one bar series per scheme
+        assert [g for g in GPU_CAPACITY_GB if any(lab.startswith(f"{g} HBM") for lab in labels)] == \
+            list(GPU_CAPACITY_GB)
+    height, width = matplotlib.image.imread(str(tmp_path / "p.png")).shape[:2]
+    assert width > 600 and height > 300
 
 
 def test_wired_into_moonep_ep_command():

@@ -165,3 +165,28 @@ def test_unmapped_access_faults_in_a_child_process():
 def test_bad_granularity_is_a_clear_error():
     with pytest.raises(DriverError, match="MOONEP_EP_HOST_GRANULARITY"):
         HostDriver(granularity=1000)
+
+
+def test_leak_counters_report_a_leak_injected_on_purpose():
+    """Positive control of the OS-level leak check every multi-process test relies on
+    (tests.support.memory.leaks): a handle never released, an fd never closed and a
+    mapping never unmapped each show up, and disappear once undone."""
+    from tests.support.memory import leaks
+
+    drv = HostDriver(rank=0, granularity=GRAN)
+    before = snapshot(0)
+    assert leaks(drv, before) == {}
+    handle = drv.create(GRAN, HandleType.POSIX_FD, tag="leak")
+    fd = drv.export(handle, HandleType.POSIX_FD)
+    base = drv.reserve(GRAN, GRAN)
+    drv.map(base, GRAN, handle, 0)
+    found = leaks(drv, before)
+    assert found["created_handles"] == 1 and found["mappings"] == 1 and found["reservations"] == 1
+    assert found["open_memfds"] == 2          # the driver's own fd and the exported one
+    assert found["memfd_mappings"] == 1       # read from /proc/self/maps, not the driver's books
+    os.close(fd)
+    drv.release(handle)
+    assert leaks(drv, before)["memfd_mappings"] == 1  # the mapping keeps the memory, as on CUDA
+    drv.unmap(base, GRAN)
+    drv.free_reservation(base, GRAN)
+    assert leaks(drv, before) == {}

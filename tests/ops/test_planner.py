@@ -1,6 +1,6 @@
-"""Tests of the MoonEP Gen A dispatch planner (contract §4).
+"""Tests of the MoonEP Gen A dispatch planner (docs/design/moonep.md §4).
 
-1. The contract's worked example (§4.10), every field it gives.
+1. The worked example of moonep.md §4.10, every field it gives.
 2. Hand-checked corner cases (slot tie-breaking with B < #remote, a donor
    that overshoots and becomes a receiver).
 3. Hypothesis properties over random, skewed routing: the §4.9 guarantees.

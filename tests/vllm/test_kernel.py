@@ -91,3 +91,22 @@ def test_plugin_is_lazy_idempotent_and_leaves_other_backends_alone():
     assert out["second"] == out["first"]  # a second load changes nothing
     assert out["wrapped_in_oracle"] and out["wrapped_in_method"] and out["wrapped_once"]
     assert out["other_backend_untouched"]
+
+
+def test_kernel_verdict_fails_when_any_check_fails():
+    """Positive control of the kernel tier's "ok": one failed check on one rank makes it false."""
+    from moonep_ep.tools.kernel_check import verdict
+
+    def passing(rank: int) -> dict:
+        layer = {"within_tolerance": True, "sharded_equals_replicated": True, "slot_contents_ok": True}
+        return {"rank": rank, "layers": [dict(layer), dict(layer)], "bad_rows": 0, "load_weight_bytes_sharded": 0,
+                "load_weight_bytes_replicated": 4096, "store": {"collective_rounds": {"handle_exchange": 1}},
+                "original_params_freed": True, "store_ready": True, "store_released": True,
+                "sharded_bytes_measured_os": 10, "sharded_bytes": 10, "replicated_bytes_measured": 20,
+                "remote_prefetched": rank}
+    assert verdict([passing(0), passing(1)]) == []
+    broken = [passing(0), passing(1)]
+    broken[1]["layers"][1]["sharded_equals_replicated"] = False
+    assert verdict(broken) == ["rank 1: sharded output equals vLLM's replicated layout"]
+    assert verdict([passing(0), passing(0)]) == [
+        "no rank prefetched an expert from a remote owner (skewed routing should make them)"]

@@ -42,10 +42,14 @@ def run(args: argparse.Namespace) -> int:
     from ..tools.launch import RankFailure
     from ..tools.demo import format_report, resolve_config, run_demo
 
-    for name, value in (("--ranks", args.ranks), ("--tokens", args.tokens)):
-        if value < 1:
-            print(f"moonep-ep demo: {name} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+    from ..tools.launch import admit_ranks
+
+    if not admit_ranks(args.ranks, "moonep-ep demo"):
+        return 2
+    if args.tokens < 1:
+        print(f"moonep-ep demo: --tokens must be >= 1, got {args.tokens}. Fix: pass a positive token count",
+              file=sys.stderr)
+        return 2
     if args.layers is not None and args.layers < 1:
         print(f"moonep-ep demo: --layers must be >= 1, got {args.layers}", file=sys.stderr)
         return 2

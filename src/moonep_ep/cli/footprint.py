@@ -209,11 +209,12 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(report: dict[str, Any], path: str) -> None:
+def write_plot(report: dict[str, Any], path: str) -> dict[str, Any]:
     """Bar chart: one panel per model, bars = per-GPU GB per scheme for each EP size.
 
     Log y axis when values span more than ~30x; horizontal lines at each GPU's
-    HBM capacity; the moonep_ep bars carry their GB value.
+    HBM capacity; the moonep_ep bars carry their GB value. Returns what was
+    drawn: the panels' titles and each panel's series labels.
     """
     import math
 
@@ -279,7 +280,11 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     fig.legend([handles[k] for k in order], [labels[k] for k in order], loc="upper left",
                bbox_to_anchor=(1.0, 1 - 0.5 / fig_height), fontsize=8.5, frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    drawn = {"panels": [ax.get_title() for row in axes for ax in row if ax.axison],
+             "series": [[h.get_label() for h in ax.get_legend_handles_labels()[0]] for row in axes for ax in row
+                        if ax.axison]}
     plt.close(fig)
+    return drawn
 
 
 def run(args: argparse.Namespace) -> int:

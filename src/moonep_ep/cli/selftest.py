@@ -34,11 +34,10 @@ def _leaks_ok(r: dict[str, Any]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.launch import RankFailure, plan_launch, run_ranks
+    from ..tools.launch import RankFailure, admit_ranks, plan_launch, run_ranks
     from ..tools.selftest import selftest_rank
 
-    if args.ranks < 1:
-        print(f"moonep-ep selftest: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
+    if not admit_ranks(args.ranks, "moonep-ep selftest"):
         return 2
     plan = plan_launch(args.driver, args.ranks)
     driver = plan.driver

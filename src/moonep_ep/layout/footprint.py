@@ -24,7 +24,7 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     each rank holds ``ceil((E+N)/R)`` experts per layer, ``L*ceil((E+N)/R)*3*row``
     (the ceil is the most-loaded rank; vLLM requires ``(E+N) % R == 0``).
     Default ``N = R`` (one spare expert per rank per layer), the definition of
-    scheme (e) in models_and_peers.md §2.2; DeepSeek/SGLang/vLLM examples use
+    scheme (e) of docs/design/models.md §2; DeepSeek/SGLang/vLLM examples use
     ``N = 32`` (``--eplb-redundant 32``).
 ``moonep_ep``
     This project: each rank physically allocates only its own expert pages of
@@ -33,7 +33,7 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     from ``moonep_ep.layout.plan.predict_rank_bytes``, so they include the
     page padding of the real layout; the reported figure is the largest rank's.
     Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
-    fixes slots at ``epn``, enough for every remote expert, contract §2.7).
+    fixes slots at ``epn``, enough for every remote expert, moonep.md §2.7).
 
 The peer schemes are counted as raw data bytes (their allocator's rounding is
 not modelled), so the comparison is conservative against ``moonep_ep``.
@@ -72,23 +72,22 @@ __all__ = [
 #: Scheme keys, in report order.
 SCHEMES: tuple[str, ...] = ("replicated", "per_layer_slots", "eplb", "moonep_ep")
 
-#: Nominal HBM per GPU in GB (1e9 bytes), models_and_peers.md conventions:
-#: "H100 80, H200 141, B200 180, GB200 ~186, GB300/B300 288 GB".
+#: Nominal HBM per GPU in GB (1e9 bytes), docs/design/models.md §2.
 GPU_CAPACITY_GB: dict[str, float] = {"H100": 80.0, "H200": 141.0, "B200": 180.0,
                                      "GB200": 186.0, "GB300": 288.0}
 
-#: VMM page size assumed for the sharded layout (contract §10: 2 MiB assumed).
+#: VMM page size assumed for the sharded layout (2 MiB unless given; the real value is queried at run time).
 DEFAULT_GRANULARITY = 2 << 20
 
 #: GB per GPU kept free for everything but routed experts (KV cache, activations,
 #: non-expert weights, communication buffers). A floor, not an estimate: Kimi K3's
-#: replicated shared experts alone are ~22.6 GiB/rank (models_and_peers.md §1 src 5).
+#: replicated shared experts alone are ~22.6 GiB/rank (vLLM PR 50656; docs/design/models.md §2).
 DEFAULT_RESERVE_GB = 20.0
 
 DEFAULT_EP_SIZES: tuple[int, ...] = (8, 16, 32, 64)
 
 #: vLLM 0.33.0 passes ``num_prefetch_slots=4`` to MoonEP (``all2all_utils.py``,
-#: ``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS = 4``; vllm_integration.md §2.7-2.8).
+#: ``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS = 4``; docs/design/vllm.md).
 VLLM_DEFAULT_NUM_PREFETCH_SLOTS = 4
 
 
@@ -131,6 +130,29 @@ class FootprintOptions:
         if self.reserve_gb < 0:
             raise ConfigError(f"--reserve-gb must be >= 0: got {self.reserve_gb}. "
                               f"Fix: pass the GB to keep free per GPU")
+
+
+def rank_bytes_closed_form(*, num_layers: int, num_experts: int, ep_size: int, num_slots: int,
+                           row_bytes: list[int], granularity: int, rank: int, slot_pools: int = 1) -> dict[str, int]:
+    """Physical bytes ``rank`` allocates, from a closed form: the prediction that
+    ``footprint --measure`` compares the OS against, derived independently of the page
+    loop in ``plan.py`` (a test keeps the two equal).
+
+    Per (layer, projection) region of ``W = epn*row`` bytes per rank and lead pad
+    ``lead = -E*row mod g``, page ``j`` starts at data byte ``max(j*g - lead, 0)`` and
+    belongs to the rank owning that byte, so rank ``r`` allocates
+    ``ceil(((r+1)W + lead)/g) - ceil((rW + lead)/g)`` pages (rank 0: the first term
+    alone, page 0 included). Each slot pool is ``ceil(B*row/g)`` pages.
+    """
+    g, epn = granularity, num_experts // ep_size
+    expert = slots = 0
+    for rb in row_bytes:
+        W, lead = epn * rb, (-num_experts * rb) % g
+        upper = -(-((rank + 1) * W + lead) // g)
+        lower = 0 if rank == 0 else -(-(rank * W + lead) // g)
+        expert += num_layers * (upper - lower) * g
+        slots += slot_pools * -(-num_slots * rb // g) * g
+    return {"expert_bytes": expert, "slot_bytes": slots, "total_bytes": expert + slots}
 
 
 def default_slots(scheme: str, epn: int) -> int:

@@ -1,7 +1,7 @@
 """MoonEP dispatch planner (Gen A, ``[E+B]`` groups) as a pure function.
 
 ``plan_dispatch`` restates the planning algorithm of
-``shared/reference/moonep_contract.md`` §4 on the host: from every rank's
+MoonEP's planning algorithm (docs/design/moonep.md §4) on the host: from every rank's
 ``tokens_per_expert`` (all-gathered, ``[R, E]``) and the layout parameters it
 computes the global tables that MoonEP's rank 0 computes and multicasts
 (``alloc``, quotas, ``experts_to_copy``, ``cu_seqlens``, ``zero_fill_ranges``,
@@ -11,9 +11,9 @@ group and no device state, so every rank that feeds it the same gathered counts
 gets a bit-identical plan.
 
 ``entry_dst`` then maps one rank's top-k ids onto destination rows (the
-contract's per-rank ``dst``, §4.6–4.7, duplicates encoded as ``-raw-1``).
+per-rank ``dst`` of moonep.md §4.6–4.7, duplicates encoded as ``-raw-1``).
 
-Pipeline (contract sections)::
+Pipeline (moonep.md sections)::
 
     T[R,E] --4.1--> C, cap, balance --4.2--> z[R,R] --4.3--> alloc[E,R]
            --4.5--> experts_to_copy, cu_seqlens, zero_fill, expert_off
@@ -24,7 +24,7 @@ split quota / expert = first max; Gen A slots by (count, id) descending, first
 ``B`` kept; entries in (source rank, flat index) order fill destinations in
 ascending rank.
 
-Choices where the contract leaves room (each also noted where it applies):
+Choices where MoonEP's contract leaves room (each also noted where it applies):
 
 * **Global plan.** MoonEP's ``MoonEPCommPlan`` is per rank (``dst`` and the
   dedup tensors belong to one rank). This planner returns the whole-group
@@ -44,7 +44,7 @@ Choices where the contract leaves room (each also noted where it applies):
   uniform mode traps otherwise); when given it must equal ``sum_r s_r``.
 * **``nvs_s``** uses the Gen A formula (``recv_cap + extra``, not rounded up to
   ``token_padding``), matching ``NvS`` Gen A (``N + extra``, not rounded).
-* **``B > epn``** is accepted (the contract only requires a positive ``B``);
+* **``B > epn``** is accepted (MoonEP only requires a positive ``B``);
   slots past ``epn`` are always ``-1`` because a destination never holds more
   than ``epn`` remote experts (§4.4).
 * **``N``** is the capacity ``S*K`` (upstream meaning); the per-rank entry
@@ -64,8 +64,9 @@ from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
 __all__ = ["DispatchPlan", "plan_dispatch", "entry_dst", "nvs_rows"]
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class DispatchPlan:
+class DispatchPlan(DispatchShape):
     """Global MoonEP Gen A dispatch plan, identical on every rank.
 
     All tensors are ``torch.int32``, contiguous, on the CPU. Notation:
@@ -137,15 +138,6 @@ class DispatchPlan:
     E=1024``), which suits the reference buffer's rank counts.
     """
 
-    S: int
-    K: int
-    E: int
-    R: int
-    B: int
-    token_padding: int
-    epn: int
-    N: int
-    NvS: int
     total_num_tokens: int
     nvs_s: int
     tokens_per_expert: torch.Tensor
@@ -308,8 +300,7 @@ def plan_dispatch(
     expert_off64 = torch.tensor(tables["expert_off"], dtype=torch.int64)
     route_count, route_row = _entry_routes(T64, alloc64, expert_off64)
     return DispatchPlan(
-        S=shape.S, K=shape.K, E=shape.E, R=shape.R, B=shape.B, token_padding=shape.token_padding, epn=epn,
-        N=shape.N, NvS=shape.NvS, total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
+        **dataclasses.asdict(shape), total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
         tokens_per_expert=T64.to(torch.int32).contiguous(),
         num_tokens=i32(num_tokens),
         tpe_cumsum=T64.cumsum(0).to(torch.int32).contiguous(),
@@ -408,7 +399,7 @@ def _split_tokens(C: list[int], z: list[list[int]], R: int, epn: int) -> list[li
             if q[d] <= 0:
                 break
             j = max(range(epn), key=rem.__getitem__)
-            if rem[j] <= 0:  # unreachable (a donor never sends more than it has); kept as in the contract
+            if rem[j] <= 0:  # unreachable (a donor never sends more than it has); kept as in MoonEP
                 break
             take = min(rem[j], q[d])
             alloc[h * epn + j][d] += take
@@ -478,7 +469,7 @@ def _entry_routes(T: torch.Tensor, alloc: torch.Tensor, expert_off: torch.Tensor
 
 
 def entry_dst(plan: DispatchPlan, rank: int, topk: Any) -> torch.Tensor:
-    """Destination rows of one rank's top-k entries (contract §4.6–4.7).
+    """Destination rows of one rank's top-k entries (moonep.md §4.6–4.7).
 
     Args:
         plan: the plan built from the same gathered counts.

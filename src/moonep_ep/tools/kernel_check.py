@@ -279,7 +279,7 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["layout_type"] = type(layout0).__qualname__
     out["layout_is_vllm_class"] = isinstance(layout0, vllm_moonep.MoonEPExpertWeightLayout)
     out["w13_is_gate_view"] = sharded[0].w13_weight.data_ptr() == layout0.full_gate_weight.data_ptr()
-    E, B = case.experts, store.num_slots
+    E = case.experts
     out["view_shapes"] = [list(layout0.full_gate_weight.shape), list(layout0.full_up_weight.shape),
                           list(layout0.full_down_weight.shape)]
     # Row e of every view is the owner's expert, for all e (peer rows read through the mapping).
@@ -462,6 +462,29 @@ def run(case: KernelCase) -> list[dict[str, Any]]:
                      env={"VLLM_TARGET_DEVICE": "cpu", "MOONEP_EP_CPU": "1"})
 
 
+def verdict(results: list[dict[str, Any]]) -> list[str]:
+    """Every failed check of a kernel-tier run, by rank ("ok" is true only when this is empty)."""
+    failed = []
+    for r in results:
+        checks = {
+            "every layer within tolerance of the dense fp32 MoE": all(l["within_tolerance"] for l in r["layers"]),
+            "sharded output equals vLLM's replicated layout": all(l["sharded_equals_replicated"] for l in r["layers"]),
+            "every filled slot holds its expert": all(l["slot_contents_ok"] for l in r["layers"]),
+            "row e of every view is the owner's expert e": r["bad_rows"] == 0,
+            "no expert byte in a load collective (sharded)": r["load_weight_bytes_sharded"] == 0,
+            "the detector sees vLLM's all-gather (replicated)": r["load_weight_bytes_replicated"] > 0,
+            "one handle exchange for the whole model": r["store"]["collective_rounds"]["handle_exchange"] == 1,
+            "original local parameters freed": bool(r["original_params_freed"]),
+            "store ready before the forward and released after": bool(r["store_ready"] and r["store_released"]),
+            "OS-measured bytes equal the store's": r["sharded_bytes_measured_os"] == r["sharded_bytes"],
+            "fewer bytes than the replicated layout": r["sharded_bytes_measured_os"] < r["replicated_bytes_measured"],
+        }
+        failed += [f"rank {r['rank']}: {name}" for name, ok in checks.items() if not ok]
+    if not sum(r["remote_prefetched"] for r in results):
+        failed.append("no rank prefetched an expert from a remote owner (skewed routing should make them)")
+    return failed
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     lines = [f"per-rank expert bytes, {results[0]['store']['layers']} MoE layers, E={results[0]['store']['experts']}, "
              f"B={results[0]['store']['slots']}:",
@@ -495,8 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         except RankFailure as exc:
             print(json.dumps({"ok": False, "errors": exc.errors}))
             return 1
-        print(json.dumps({"ok": True, "messages": msgs}))
-        return 0
+        # Every case must have raised (on every rank) with a fix.
+        missing = [f"rank {r}: {case}" for r, m in enumerate(msgs) for case, text in
+                   (m.items() if isinstance(m, dict) else [(args.bad, m)]) if "Fix:" not in text]
+        print(json.dumps({"ok": not missing, "failed": missing, "messages": msgs}))
+        return 0 if not missing else 1
     case = KernelCase(ranks=args.ranks, experts=args.experts, layers=args.layers, skew=args.skew)
     try:
         results = run(case)
@@ -504,9 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "errors": exc.errors}) if args.json else str(exc))
         return 1
     print(format_table(results), file=sys.stderr if args.json else sys.stdout)
+    failed = verdict(results)
     if args.json:
-        print(json.dumps({"ok": True, "case": dataclasses.asdict(case), "ranks": results}, default=str))
-    return 0
+        print(json.dumps({"ok": not failed, "failed": failed, "case": dataclasses.asdict(case), "ranks": results},
+                         default=str))
+    elif failed:
+        print("FAILED:\n  " + "\n  ".join(failed))
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

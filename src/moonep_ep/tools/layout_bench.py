@@ -59,8 +59,10 @@ def _bench_rank(ctx: Any, layers: int, experts: int, gran: int) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import run_ranks
+    from .launch import admit_ranks, run_ranks
 
+    if not admit_ranks(args.ranks, "moonep-ep bench layout"):
+        return 2
     if args.experts % args.ranks:
         print(f"moonep-ep bench layout: --experts {args.experts} must be a multiple of --ranks {args.ranks}",
               file=sys.stderr)

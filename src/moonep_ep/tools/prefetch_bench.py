@@ -171,8 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import RankFailure, plan_launch, run_ranks
+    from .launch import RankFailure, admit_ranks, plan_launch, run_ranks
 
+    if not admit_ranks(args.ranks, "moonep-ep bench prefetch"):
+        return 2
     if args.ranks < 2:
         print(f"moonep-ep bench prefetch: --ranks must be >= 2 (remote reads need a peer), got {args.ranks}",
               file=sys.stderr)
