@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..layout.footprint import rank_bytes_closed_form
 
 #: Above this many bytes per rank the weights are allocated but not written
 #: (memfds are sparse: st_size counts, untouched pages cost no RAM).

@@ -155,7 +155,9 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
         if inject_leak != "context":
             driver.close()
         held_after = driver_holdings(driver, ctx.rank)
-    else:  # a real GPU: cuMemGetInfo needs the driver's context
+    else:  # a real GPU: cuMemGetInfo needs the driver's context; torch's cached blocks are not ours
+        gc.collect()
+        torch.cuda.empty_cache()
         held_after = driver_holdings(driver, ctx.rank)
         if inject_leak != "context":
             driver.close()
