@@ -418,3 +418,32 @@ def test_wired_into_moonep_ep_command():
     assert proc.returncode == 0, proc.stderr
     s = json.loads(proc.stdout)["models"]["kimi-k2"]["ep"]["64"]["schemes"]
     assert s["moonep_ep"]["bytes"] == _moonep_expected(MODELS["kimi-k2"], 64, 6)
+
+
+# ----------------------------------------------------------------------------- load peak
+
+def test_load_peak_per_scheme_kimi_k3_ep64(capsys):
+    """The issue's figure: Kimi K3 BF16 at EP64 is 86 GB final; copying in at the first layer peaked at ~2x."""
+    report = _run_json(capsys, "--model", "kimi-k3", "--ep", "64")
+    s = report["models"]["kimi-k3"]["ep"]["64"]["schemes"]
+    H, I, E, L, R = 3584, 3072, 896, 92, 64
+    per_expert, epn = 3 * H * I * 2, E // R
+    assert s["replicated"]["load_peak_bytes"] == (L * (E + 4) + E + epn) * per_expert
+    assert s["per_layer_slots"]["load_peak_bytes"] == s["per_layer_slots"]["bytes"] + epn * per_expert
+    assert s["eplb"]["load_peak_bytes"] == s["eplb"]["bytes"]
+    ours = s["moonep_ep"]
+    assert ours["load_peak_bytes"] == ours["bytes"] and ours["load_peak_gb"] == pytest.approx(86.0, abs=0.06)
+    assert ours["copy_in_load_peak_bytes"] == ours["bytes"] + L * epn * per_expert
+    assert ours["copy_in_load_peak_bytes"] / 1e9 == pytest.approx(171.1, abs=0.1)  # "about 172 GB transient"
+    assert ours["load_peak_fits"]["H200"] is True and ours["load_peak_smallest_gpu"] == "H200"
+    assert ours["copy_in_load_peak_bytes"] + 20e9 > 141e9  # the old sequence did not fit an H200
+    for scheme in SCHEMES:
+        assert s[scheme]["load_peak_bytes"] >= s[scheme]["bytes"] and s[scheme]["load_peak_formula"]
+
+
+def test_load_peak_table_is_printed(capsys):
+    rc, out, _ = _run(capsys, "--model", "kimi-k3", "--ep", "64")
+    assert rc == 0 and "load peak, GB per GPU" in out
+    peak_lines = out.split("load peak, GB per GPU", 1)[1].splitlines()
+    row = next(l for l in peak_lines if l.strip().startswith("64 "))
+    assert row.split()[-2:] == ["86.01", "[H200]"] and "5,529.9" in row

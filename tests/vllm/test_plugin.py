@@ -91,36 +91,84 @@ def test_hook_failure_is_logged_not_raised(tmp_path, monkeypatch, caplog):
     sys.modules.pop("moonep_ep_hook_probe2", None)
 
 
-def _fake_stats(rank, remote, freed=True, weight_bytes=0, gathers=0):
+def _fake_stats(rank, remote, weight_bytes=0, gathers=0, peak=None):
     row = 256 * 512 * 2
-    return {"ep_rank": rank, "buffer": "reference",
+    final = 12 * 3 * row
+    return {"ep_rank": rank, "buffer": "reference", "layout": "sharded",
             "store": {"layers": 2, "experts": 8, "slots": 4, "collective_rounds": {"handle_exchange": 1},
-                      "physical_bytes": {"total_bytes": 12 * 3 * row}, "replicated_bytes": 24 * 3 * row},
-            "load": {"layers_adopted": 2, "collectives": {}, "collective_weight_bytes": weight_bytes,
-                     "vllm_gather_calls": gathers, "original_storages_freed": freed},
+                      "physical_bytes": {"total_bytes": final}, "replicated_bytes": 24 * 3 * row,
+                      "one_layer_local_bytes": 4 * 3 * row},
+            "load": {"layers_converted": 2, "collectives": {}, "collective_weight_bytes": weight_bytes,
+                     "vllm_gather_calls": gathers},
+            "load_memory": {"peak_expert_bytes": final if peak is None else peak, "samples": 27},
             "forward": {"remote_prefetched": remote, "remote_experts": [0] if remote else [],
                         "prefetch_calls": 4, "slots_filled": remote}}
 
 
+def _gen(tokens):
+    return [{"index": i, "token_ids": t, "text": "x", "cumulative_logprob": -1.0} for i, t in tokens]
+
+
 def test_summary_requires_every_claim():
     cfg = EngineConfig(model_dir="m", prompts=["a", "b", "c"])
-    single = {"generated": [{"index": i, "token_ids": [i, 1], "text": "x", "cumulative_logprob": -1.0}
-                            for i in range(3)], "startup_s": 1}
-    dp = {0: {"generated": [{"index": 0, "token_ids": [0, 1], "text": "x", "cumulative_logprob": -1.0},
-                            {"index": 2, "token_ids": [2, 1], "text": "x", "cumulative_logprob": -1.0}]},
-          1: {"generated": [{"index": 1, "token_ids": [1, 1], "text": "x", "cumulative_logprob": -1.0}]}}
+    single = {"generated": _gen((i, [i, 1]) for i in range(3)), "startup_s": 1}
+    dp = {0: {"generated": _gen([(0, [0, 1]), (2, [2, 1])])}, 1: {"generated": _gen([(1, [1, 1])])}}
     good = summarize(cfg, single, dp, [_fake_stats(0, 0), _fake_stats(1, 3)], {})
     assert good["ok"] and good["tokens_match_single_process"] and good["remote_prefetched_experts"] == 3
     assert good["expert_bytes_per_rank"] == [12 * 3 * 262144] * 2
+    assert good["load_peak_expert_bytes_per_rank"] == [12 * 3 * 262144] * 2
+    assert good["one_layer_local_expert_bytes"] == 4 * 3 * 262144
     assert not summarize(cfg, single, dp, [_fake_stats(0, 0), _fake_stats(1, 0)], {})["ok"]  # no remote prefetch
     assert not summarize(cfg, single, dp, [_fake_stats(0, 0, weight_bytes=8), _fake_stats(1, 3)], {})["ok"]
     assert not summarize(cfg, single, dp, [_fake_stats(0, 0, gathers=1), _fake_stats(1, 3)], {})["ok"]
-    assert not summarize(cfg, single, dp, [_fake_stats(0, 0, freed=False), _fake_stats(1, 3)], {})["ok"]
+    over = summarize(cfg, single, dp, [_fake_stats(0, 0, peak=16 * 3 * 262144 + 1), _fake_stats(1, 3)], {})
+    assert not over["ok"] and over["load_peak_within_final_plus_one_layer_by_rank"] == [False, True]
     assert not summarize(cfg, single, dp, [_fake_stats(1, 3)], {})["ok"]  # a rank's stats missing
-    dp_bad = {0: dp[0], 1: {"generated": [{"index": 1, "token_ids": [1, 2], "text": "y",
-                                           "cumulative_logprob": -1.0}]}}
+    dp_bad = {0: dp[0], 1: {"generated": _gen([(1, [1, 2])])}}
     bad = summarize(cfg, single, dp_bad, [_fake_stats(0, 0), _fake_stats(1, 3)], {})
     assert not bad["ok"] and bad["mismatched_prompts"] == [1]
+
+
+def test_reload_summary_needs_a_changed_output_the_fresh_engine_and_a_refusal():
+    cfg = EngineConfig(model_dir="m", prompts=["a", "b"], reload_model_dir="b", wrong_shape_model_dir="w")
+    single = {"generated": _gen([(0, [1]), (1, [2])])}
+    single_b = {"generated": _gen([(0, [7]), (1, [8])])}
+    ptr = {"l0": {"w13_weight": 1}}
+
+    def dp(b0=(7,), after=(7,), error="refused", ptr_b=ptr, b1=(8,)):
+        seq = {"pointers_a": ptr, "pointers_b": ptr_b, "token_ids_b": [list(b0)], "wrong_shape_error": error,
+               "pointers_after_wrong_shape": ptr, "token_ids_after_wrong_shape": [list(after)], "reload_s": 0.1}
+        seq1 = dict(seq, token_ids_b=[list(b1)], token_ids_after_wrong_shape=[list(b1)], pointers_b=ptr)
+        return {0: {"generated": _gen([(0, [1])]), "reload": seq}, 1: {"generated": _gen([(1, [2])]), "reload": seq1}}
+
+    stats = [_fake_stats(0, 0), _fake_stats(1, 3)]
+    good = summarize(cfg, single, dp(), stats, {}, single_b=single_b)
+    assert good["ok"] and good["reload_tokens_match_fresh_engine"] and good["reload_changes_tokens"]
+    assert good["wrong_shape_reload_refused"] and good["generation_after_wrong_shape_matches_b"]
+    assert not summarize(cfg, single, dp(b0=(9,)), stats, {}, single_b=single_b)["ok"]       # B differs
+    assert not summarize(cfg, single, dp(error=None), stats, {}, single_b=single_b)["ok"]    # not refused
+    assert not summarize(cfg, single, dp(after=(1,)), stats, {}, single_b=single_b)["ok"]    # B stopped serving
+    assert not summarize(cfg, single, dp(ptr_b={"l0": {"w13_weight": 2}}), stats, {}, single_b=single_b)["ok"]
+    same_as_a = {"generated": _gen([(0, [1]), (1, [2])])}  # an update that changes nothing proves nothing
+    unchanged = summarize(cfg, single, dp(b0=(1,), after=(1,), b1=(2,)), stats, {}, single_b=same_as_a)
+    assert unchanged["reload_tokens_match_fresh_engine"] and not unchanged["reload_changes_tokens"]
+    assert not unchanged["ok"]
+
+
+def test_sleep_mode_is_refused_with_the_sharded_layout_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.loading import refuse_sleep_mode
+
+    sleepy = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True))
+    monkeypatch.delenv("MOONEP_EP_LAYOUT", raising=False)
+    with pytest.raises(ConfigError, match="enable-sleep-mode.*Fix:.*MOONEP_EP_LAYOUT=replicated"):
+        refuse_sleep_mode(sleepy)
+    refuse_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=False)))
+    refuse_sleep_mode(None)
+    monkeypatch.setenv("MOONEP_EP_LAYOUT", "replicated")
+    refuse_sleep_mode(sleepy)  # vLLM's own layout: vLLM's sleep mode applies
 
 
 @pytest.mark.parametrize("value", ["reference", "moonep", "auto", "bogus"])

@@ -3,7 +3,8 @@
 Prints, for each model and EP size, the bytes of routed experts one GPU holds
 under ``replicated`` (vLLM 0.33.0 MoonEP), ``per_layer_slots`` (SGLang-style),
 ``eplb`` (vLLM/SGLang redundant experts) and ``moonep_ep`` (this project), and
-which GPUs they fit on. The arithmetic lives in ``moonep_ep.layout.footprint``; this
+which GPUs they fit on; then each scheme's load peak (the transient while the
+model loads, derived from its load sequence). The arithmetic lives in ``moonep_ep.layout.footprint``; this
 module only parses options and formats. ``--measure`` hands over to
 ``moonep_ep.tools.measure.measure_footprint``, which allocates real memory.
 
@@ -206,7 +207,27 @@ def format_table(report: dict[str, Any]) -> str:
         unsupported = [e["reason"] for e in mf["ep"].values() if not e["supported"]]
         if unsupported:
             lines.append(f"  n/a: {unsupported[0]}")
+        lines += _load_peak_table(mf, cols)
     return "\n".join(lines)
+
+
+def _load_peak_table(mf: dict[str, Any], cols: list[str]) -> list[str]:
+    """The load peak (derived, see ``layout.footprint``) per scheme, same layout as the table above."""
+    rows = [["EP"] + [f"{c} load peak" for c in cols]]
+    for ep, entry in mf["ep"].items():
+        if not entry["supported"]:
+            continue
+        rows.append([ep] + [f"{_fmt_gb(entry['schemes'][c]['load_peak_gb'])} "
+                            f"[{entry['schemes'][c]['load_peak_smallest_gpu'] or '-'}]" for c in cols])
+    if len(rows) == 1:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  load peak, GB per GPU (derived from each scheme's load sequence; moonep_ep loads zero-copy):"]
+    for i, r in enumerate(rows):
+        out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
 
 
 def write_plot(report: dict[str, Any], path: str) -> dict[str, Any]:

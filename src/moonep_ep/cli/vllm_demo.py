@@ -41,6 +41,10 @@ def add_parser(subparsers: Any) -> None:
                    help="where to write the tiny model (default: a cache directory under the temp dir)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per engine run (default 420)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--reload", action="store_true",
+                   help="after serving checkpoint A, update the DP engines in place to checkpoint B (same shapes, "
+                        "other values) and compare with a fresh engine on B; then try a checkpoint of another "
+                        "shape, which must be refused while B keeps serving")
     p.set_defaults(run=run)
 
 
@@ -115,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
     build_tiny_qwen3_moe(model_dir)
     cfg = EngineConfig(model_dir=model_dir, prompts=demo_prompts(args.prompts), max_tokens=args.max_tokens,
                        data_parallel_size=args.dp, device=device, timeout_s=args.timeout)
+    if getattr(args, "reload", False):
+        from ..tools.tiny_model import TinyMoEConfig
+
+        b, wrong = TinyMoEConfig(seed=1), TinyMoEConfig(intermediate=128, seed=2)
+        progress("--reload: checkpoint B (same shapes, seed 1) and a checkpoint with moe_intermediate 128")
+        cfg.reload_model_dir = build_tiny_qwen3_moe(default_model_dir(b), b)
+        cfg.wrong_shape_model_dir = build_tiny_qwen3_moe(default_model_dir(wrong), wrong)
     try:
         summary = run_engine_tier(cfg, progress)
     except RuntimeError as exc:
@@ -154,5 +165,26 @@ def format_report(s: dict[str, Any]) -> str:
               "", f"  {'rank':>4}  {'sharded (experts+slots)':>24}  {'replicated [E+B]':>18}"]
     for r, (mine, rep) in enumerate(zip(s["expert_bytes_per_rank"], s["replicated_expert_bytes_per_rank"])):
         lines.append(f"  {r:>4}  {_mib(mine):>24}  {_mib(rep):>18}")
+    lines += _load_and_reload_lines(s)
     lines.append(f"\nok: {s['ok']}")
     return "\n".join(lines)
+
+
+def _load_and_reload_lines(s: dict[str, Any]) -> list[str]:
+    lines = ["", f"load peak of expert bytes ({s.get('layout')} layout; measured: {s.get('load_peak_method')}):",
+             f"  {'rank':>4}  {'peak':>14}  {'final':>14}  {'one layer local':>16}  peak <= final + one layer"]
+    one = s.get("one_layer_local_expert_bytes")
+    for r, (peak, final, ok) in enumerate(zip(s.get("load_peak_expert_bytes_per_rank", []),
+                                              s.get("final_expert_bytes_per_rank", []),
+                                              s.get("load_peak_within_final_plus_one_layer_by_rank", []))):
+        lines.append(f"  {r:>4}  {_mib(peak):>14}  {_mib(final):>14}  {_mib(one):>16}  {ok}")
+    if "reload_tokens_match_fresh_engine" in s:
+        lines += ["", "in-place update A -> B: tokens equal a fresh engine on B: "
+                      f"{s['reload_tokens_match_fresh_engine']}; pointers unchanged: "
+                      f"{s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
+                  f"reload with another shape refused: {s['wrong_shape_reload_refused']}; B still serves (same "
+                  f"tokens): {s['generation_after_wrong_shape_matches_b']}"]
+        errs = [e for e in s.get("wrong_shape_reload_error_by_rank", []) if e]
+        if errs:
+            lines.append(f"  message: {errs[0][:400]}")
+    return lines

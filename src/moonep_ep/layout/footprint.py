@@ -38,6 +38,29 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
 The peer schemes are counted as raw data bytes (their allocator's rounding is
 not modelled), so the comparison is conservative against ``moonep_ep``.
 
+**Load peak** (``load_peak_bytes``, derived, per scheme): the most routed-
+expert bytes one rank holds at once while the model loads, from each
+scheme's load sequence (``row`` = one expert, all projections):
+
+``replicated``
+    vLLM 0.33.0 loads every layer's ``E/R`` local experts into parameters,
+    then converts layer by layer: its all-gather output (``E`` rows) and the
+    new ``[E+B]`` copy exist while that layer's local parameters are alive.
+    The last layer is the worst: ``L*(E+B) + E + E/R`` rows.
+``per_layer_slots``
+    final + one layer's local experts, assuming the load-then-adopt step of
+    the public sharded variants (ATOM's ``adopt_weights``: parameters of
+    ``E/R`` rows are copied into the ``[E/R+B]`` block layer by layer).
+``eplb``
+    final: vLLM's loader writes each physical expert into its parameter.
+``moonep_ep``
+    final: the store is allocated before any weight is read and vLLM's
+    loader writes each rank's experts straight into its pages
+    (``moonep_ep.vllm.loading``). ``copy_in_load_peak_bytes`` keeps the
+    figure of the design it replaced (store allocated at the first layer
+    while every layer's local parameters were alive: final + ``L*E/R``
+    rows), for comparison.
+
 Every scheme needs ``E % R == 0`` (MoonEP's requirement, and vLLM's all-gather
 raises otherwise); such EP sizes are reported as unsupported.
 """
@@ -254,7 +277,30 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
     out["gb"] = out["bytes"] / 1e9
     out["fits"] = fits_on(out["bytes"], options.reserve_gb, options.gpus)
     out["smallest_gpu"] = smallest_gpu(out["fits"], options.gpus)
+    out.update(_load_peak(scheme, out["bytes"], L=L, E=E, B=B, epn=epn, per_expert=per_expert))
+    out["load_peak_gb"] = out["load_peak_bytes"] / 1e9
+    out["load_peak_fits"] = fits_on(out["load_peak_bytes"], options.reserve_gb, options.gpus)
+    out["load_peak_smallest_gpu"] = smallest_gpu(out["load_peak_fits"], options.gpus)
     return out
+
+
+def _load_peak(scheme: str, final: int, *, L: int, E: int, B: int, epn: int, per_expert: int) -> dict[str, Any]:
+    """Derived load peak of one scheme (see the module docstring); ``final`` is its steady-state bytes."""
+    if scheme == "replicated":
+        return {"load_peak_bytes": (L * (E + B) + E + epn) * per_expert,
+                "load_peak_formula": "(L*(E+B) + E + E/R)*3*I*H*dtype_bytes: the last layer's all-gather output "
+                                     "[E] and local parameters [E/R] alive while its [E+B] copy is built"}
+    if scheme == "per_layer_slots":
+        return {"load_peak_bytes": final + epn * per_expert,
+                "load_peak_formula": "final + (E/R)*3*I*H*dtype_bytes (assumed: parameters copied into the "
+                                     "[E/R+B] block layer by layer)"}
+    if scheme == "eplb":
+        return {"load_peak_bytes": final, "load_peak_formula": "final (loaded straight into the parameters)"}
+    return {"load_peak_bytes": final,
+            "load_peak_formula": "final (store allocated before loading; experts written straight into its pages)",
+            "copy_in_load_peak_bytes": final + L * epn * per_expert,
+            "copy_in_load_peak_formula": "final + L*(E/R)*3*I*H*dtype_bytes (the store allocated at the first "
+                                         "layer while every layer's local parameters were alive)"}
 
 
 def ep_footprint(model: MoEModelConfig, ep_size: int,

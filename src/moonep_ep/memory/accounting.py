@@ -142,3 +142,47 @@ def own_physical_bytes(rank: int | None) -> int:
 
         total += driver_module().device_bytes_in_use()
     return total
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of ``[address, address + nbytes)`` of this process backed by physical pages now.
+
+    ``mincore(2)``: a page counts once the kernel has backed it (written, or
+    read from a file). A fresh large ``torch.empty`` on the CPU is *not*
+    resident until written, so this measures what a buffer really costs, not
+    its size. Partial pages at either end count for their overlap only.
+    """
+    if nbytes <= 0:
+        return 0
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    end = address + nbytes
+    npages = -(-(end - start) // page)
+    vec = (ctypes.c_ubyte * npages)()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore({start:#x}, {npages * page}) failed: {os.strerror(err)}")
+    flags = bytes(vec)
+    total = sum(b & 1 for b in flags) * page
+    # The first and last pages may hold bytes outside the range: count only the overlap.
+    if flags[0] & 1:
+        total -= address - start
+    if flags[-1] & 1:
+        total -= start + npages * page - end
+    return total
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        _LIBC.mincore.restype = ctypes.c_int
+    return _LIBC

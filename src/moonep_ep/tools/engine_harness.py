@@ -50,6 +50,14 @@ class EngineConfig:
     seed: int = 0
     timeout_s: float = 420.0
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: ``--reload``: update the DP engines in place to this checkpoint (same shapes), see engine_reload.py.
+    reload_model_dir: Optional[str] = None
+    #: ``--reload``: a checkpoint whose experts have another shape; its reload must be refused.
+    wrong_shape_model_dir: Optional[str] = None
+    #: More ``LLM`` keyword arguments for the DP run (e.g. ``gpu_memory_utilization``, a worker extension).
+    dp_llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Worker methods called with ``collective_rpc`` after generation; results under ``"probes"``.
+    probe_calls: list[str] = dataclasses.field(default_factory=list)
 
 
 def _free_port() -> int:
@@ -81,9 +89,12 @@ def _generate_body(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str,
                                "VLLM_DP_MASTER_PORT": str(dp["port"])})
         from vllm import LLM, SamplingParams
 
+        from .engine_reload import reload_kwargs, run_reload_sequence
+
         kwargs = _llm_kwargs(cfg)
         if dp is not None:
-            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep")
+            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", **reload_kwargs(cfg),
+                          **cfg.dp_llm_kwargs)
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()
@@ -96,10 +107,14 @@ def _generate_body(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str,
             o = out.outputs[0]
             gen.append({"index": i, "token_ids": list(o.token_ids), "text": o.text,
                         "cumulative_logprob": o.cumulative_logprob})
+        payload: dict[str, Any] = {"generated": gen, "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2)}
+        if dp is not None and cfg.reload_model_dir:
+            payload["reload"] = run_reload_sequence(llm, cfg, prompts, params)
+        if dp is not None and cfg.probe_calls:
+            payload["probes"] = {name: llm.collective_rpc(name) for name in cfg.probe_calls}
         me = psutil.Process()
-        kids = [p.pid for p in me.children(recursive=True)]
-        results.put(("ok", dp["rank"] if dp else None, {"generated": gen, "startup_s": round(t1 - t0, 2),
-                                                        "generate_s": round(t2 - t1, 2), "descendants": kids}))
+        payload["descendants"] = [p.pid for p in me.children(recursive=True)]
+        results.put(("ok", dp["rank"] if dp else None, payload))
         status = 0
     except BaseException:  # noqa: BLE001 - reported to the harness, which fails the run
         results.put(("error", dp["rank"] if dp else None, traceback.format_exc()))
@@ -215,10 +230,16 @@ def run_engine_tier(cfg: EngineConfig, progress: Callable[[str], None] = lambda 
     t0 = time.perf_counter()
     progress("single-process reference run (vLLM's default MoE path)")
     single = _run_processes(cfg, [(list(range(n)), None)], _base_env(cfg), progress, "single")[None]
+    single_b = None
+    if cfg.reload_model_dir:
+        progress("single-process run on checkpoint B (the fresh engine the in-place update must match)")
+        cfg_b = dataclasses.replace(cfg, model_dir=cfg.reload_model_dir, reload_model_dir=None)
+        single_b = _run_processes(cfg_b, [(list(range(n)), None)], _base_env(cfg), progress, "single-b")[None]
     t1 = time.perf_counter()
     dp, stats = run_dp(cfg, progress)
     t2 = time.perf_counter()
-    return summarize(cfg, single, dp, stats, {"single_s": round(t1 - t0, 1), "dp_s": round(t2 - t1, 1)})
+    return summarize(cfg, single, dp, stats, {"single_s": round(t1 - t0, 1), "dp_s": round(t2 - t1, 1)},
+                     single_b=single_b)
 
 
 def _base_env(cfg: EngineConfig) -> dict[str, str]:
@@ -251,7 +272,7 @@ def run_dp(cfg: EngineConfig, progress: Callable[[str], None] = lambda m: None
 
 
 def summarize(cfg: EngineConfig, single: dict[str, Any], dp: dict[int, Any], stats: list[dict[str, Any]],
-              timings: dict[str, float]) -> dict[str, Any]:
+              timings: dict[str, float], single_b: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     ref = {g["index"]: g for g in single["generated"]}
     got: dict[int, Any] = {}
     for rank, payload in dp.items():
@@ -274,7 +295,6 @@ def summarize(cfg: EngineConfig, single: dict[str, Any], dp: dict[int, Any], sta
         "device": cfg.device,
         "data_parallel_size": R,
         "all2all_backend": "moonep",
-        "layout": "sharded",
         "buffer": sorted({s.get("buffer") for s in stats if s.get("buffer")}),
         "prompts": len(cfg.prompts),
         "max_tokens": cfg.max_tokens,
@@ -296,23 +316,38 @@ def summarize(cfg: EngineConfig, single: dict[str, Any], dp: dict[int, Any], sta
         "load_collectives_by_rank": [l.get("collectives") for l in loads],
         "expert_weight_bytes_in_load_collectives": sum(int(l.get("collective_weight_bytes", 0)) for l in loads),
         "vllm_all_gather_layout_calls": sum(int((s.get("load") or {}).get("vllm_gather_calls", 0)) for s in stats),
-        "layers_adopted_by_rank": [l.get("layers_adopted") for l in loads],
-        "original_local_params_freed_by_rank": [l.get("original_storages_freed") for l in loads],
+        "layers_converted_by_rank": [l.get("layers_converted") for l in loads],
         "stats_ranks_found": sorted(k for k in by_rank if k is not None),
         "timings_s": {**timings, "single_startup": single.get("startup_s"),
                       "dp_startup": [dp[r].get("startup_s") for r in sorted(dp)]},
     }
+    from .engine_reload import load_memory_fields, reload_fields
+
+    summary.update(load_memory_fields(stats, ranks))
+    summary["layout"] = summary["layout_measured"][0] if len(summary["layout_measured"]) == 1 else "sharded"
     summary["ok"] = bool(
         summary["tokens_match_single_process"] and summary["remote_prefetched_experts"] > 0
         and summary["stats_ranks_found"] == ranks
         and summary["expert_weight_bytes_in_load_collectives"] == 0 and summary["vllm_all_gather_layout_calls"] == 0
-        and all(r == 1 for r in rounds) and all(f is True for f in summary["original_local_params_freed_by_rank"]))
+        and all(r == 1 for r in rounds) and all(summary["load_peak_within_final_plus_one_layer_by_rank"]))
+    if summary["layout"] == "replicated":  # vLLM's own path, for the side-by-side load peak
+        summary["ok"] = bool(summary["tokens_match_single_process"] and all(
+            isinstance(p, int) for p in summary["load_peak_expert_bytes_per_rank"]))
+    if cfg.reload_model_dir:
+        summary.update(reload_fields(dp, single, single_b, len(cfg.prompts)))
+        summary["ok"] = bool(summary["ok"] and summary["reload_tokens_match_fresh_engine"]
+                             and summary["reload_changes_tokens"]
+                             and all(summary["reload_pointers_unchanged_by_rank"])
+                             and summary["wrong_shape_reload_refused"]
+                             and all(summary["wrong_shape_pointers_unchanged_by_rank"])
+                             and summary["generation_after_wrong_shape_matches_b"])
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moonep_ep.tools.engine_harness``: the DP moonep run alone on a tiny model of the given shape
-    (for misconfiguration checks: the engine must stop with the plugin's message, not hang)."""
+    (for misconfiguration checks: the engine must stop with the plugin's message, not hang; and, with
+    ``MOONEP_EP_LAYOUT=replicated``, for vLLM's own load peak)."""
     import argparse
     import json
 
@@ -332,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dp, stats = run_dp(cfg, lambda m: print(f"[engine] {m}", file=sys.stderr, flush=True))
         out = {"ok": True, "seconds": round(time.perf_counter() - t0, 1), "stats": stats}
+        from .engine_reload import load_memory_fields
+
+        out.update(load_memory_fields(stats, list(range(cfg.data_parallel_size))))
     except RuntimeError as exc:
         out = {"ok": False, "seconds": round(time.perf_counter() - t0, 1), "error": str(exc)}
     print(json.dumps(out, default=str))

@@ -10,17 +10,16 @@ Every rank (a spawned process; ``VLLM_TARGET_DEVICE=cpu``, ``MOONEP_EP_CPU=1``):
 1. initializes vLLM's distributed state over the rank group (EP group = all
    ranks) and installs the plugin (:func:`moonep_ep.vllm.plugin.install`);
 2. builds the plugin's :class:`ShardedMoonEPAll2AllManager` for the EP group;
-3. for each of ``L`` MoE layers, creates its local experts
-   ``w13 [epn, 2I, H]``, ``w2 [epn, H, I]`` (deterministic per global expert)
-   as the parameters of a minimal layer module, and converts them with
-   vLLM's ``convert_to_unquantized_kernel_format(MOONEP, ...)`` — the
-   plugin's sharded branch — then ``replace_parameter`` as vLLM's
-   ``_setup_kernel`` does; a second set of layers with the same weights is
-   converted with ``MOONEP_EP_LAYOUT=replicated`` (vLLM's all-gather);
-   every collective of both conversions is recorded;
-4. builds ``maybe_make_prepare_finalize(...)`` (→ vLLM's
-   ``MoonEPPrepareAndFinalize`` over the manager's pool) and ``MoonEPExperts``
-   and runs ``FusedMoEKernel(pf, experts).apply(...)`` on skewed routing
+3. builds ``L`` of vLLM's own MoE layers (``RoutedExperts``, see
+   ``vllm_moe_model.py``) twice: once with the plugin's sharded layout
+   (expert parameters on ``meta``, the store bound before loading) and once
+   with ``MOONEP_EP_LAYOUT=replicated`` (vLLM's all-gather); loads each
+   rank's experts through vLLM's ``RoutedExperts.load_weights`` and runs
+   vLLM's ``process_weights_after_loading`` (conversion, ``replace_parameter``,
+   the kernel); every collective of both loads is recorded, with every
+   loaded expert tensor registered for the content check;
+4. runs each layer's ``FusedMoEKernel`` (vLLM's ``MoonEPPrepareAndFinalize``
+   over the manager's pool + ``MoonEPExperts``) on skewed routing
    (``logits += skew * bias`` with one bias shared by all ranks) for both
    layouts;
 5. compares with a dense fp32 torch MoE, checks both layouts give the same
@@ -138,65 +137,6 @@ def _moe_config(case: KernelCase, rank: int) -> Any:
                           in_dtype=torch.bfloat16, max_num_tokens=case.max_num_tokens)
 
 
-def _make_layer(case: KernelCase, name: str, layer: int, rank: int) -> Any:
-    import torch
-
-    R, E, I = case.ranks, case.experts, case.intermediate
-    epn = E // R
-    w13 = torch.empty(epn, 2 * I, case.hidden, dtype=torch.bfloat16)
-    w2 = torch.empty(epn, case.hidden, I, dtype=torch.bfloat16)
-    for j in range(epn):
-        gate, up, down = expert_weights(case, layer, rank * epn + j)
-        w13[j, :I], w13[j, I:], w2[j] = gate, up, down
-    emap = torch.full((E,), -1, dtype=torch.int32)
-    emap[rank * epn:(rank + 1) * epn] = torch.arange(epn, dtype=torch.int32)
-
-    return _Layer(name, w13, w2, emap)
-
-
-def _layer_class() -> Any:
-    import torch
-
-    class Layer(torch.nn.Module):
-        """The parts of vLLM's ``RoutedExperts`` the MOONEP conversion touches (no closure over the
-        weights: the test checks that the original parameter storage is freed)."""
-
-        def __init__(self, name: str, w13: Any, w2: Any, emap: Any) -> None:
-            super().__init__()
-            self.layer_name = name
-            self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
-            self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
-            self.register_buffer("_expert_map", emap, persistent=False)
-
-        @property
-        def expert_map(self) -> Any:
-            return self._expert_map
-
-    return Layer
-
-
-def _Layer(*args: Any) -> Any:
-    global _LAYER_CLS
-    if _LAYER_CLS is None:
-        _LAYER_CLS = _layer_class()
-    return _LAYER_CLS(*args)
-
-
-_LAYER_CLS: Any = None
-
-
-def _convert(moe_cfg: Any, layer: Any) -> None:
-    """What vLLM's ``UnquantizedFusedMoEMethod._setup_kernel`` does to a MOONEP layer's parameters."""
-    from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
-    from vllm.model_executor.utils import replace_parameter
-
-    w13_new, w2_new = oracle.convert_to_unquantized_kernel_format(
-        oracle.UnquantizedMoeBackend.MOONEP, moe_config=moe_cfg, w13_weight=layer.w13_weight,
-        w2_weight=layer.w2_weight, layer=layer)
-    replace_parameter(layer, "w13_weight", w13_new)
-    replace_parameter(layer, "w2_weight", w2_new)
-
-
 def kernel_rank(ctx: Any, case_dict: dict[str, Any]) -> dict[str, Any]:
     stats = tempfile.mkdtemp(prefix="moonep-ep-kstats-")
     try:
@@ -215,19 +155,15 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
 
     plugin.install()
     import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
 
-    vcfg = _setup_vllm(rank, world)
+    _setup_vllm(rank, world)
     from vllm.distributed import get_ep_group
-    from vllm.model_executor.layers.fused_moe import all2all_utils
-    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-    from vllm.model_executor.layers.fused_moe.experts import moonep_experts
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
     from moonep_ep.memory.accounting import own_physical_bytes
     from moonep_ep.ops.instrument import CollectiveRecorder
+    from moonep_ep.tools.vllm_moe_model import build, checkpoint
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
     from moonep_ep.vllm.stats import STATS
 
@@ -236,68 +172,58 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["ep_size"] = ep.world_size
     manager = ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)
     ep.device_communicator.all2all_manager = manager
-    moe_cfg = _moe_config(case, rank)
-    names = [f"model.layers.{l}.mlp.experts" for l in range(case.layers)]
-    vcfg.compilation_config.static_all_moe_layers[:] = names
     mem_before = own_physical_bytes(rank)  # memfds, or the CUDA emulator's device memory
 
-    # -- conversion: sharded (plugin) and replicated (vLLM's all-gather) ------------------------
-    sharded, replicated, weak = [], [], []
-    with CollectiveRecorder() as rec_sharded:
-        for l, name in enumerate(names):
-            layer = _make_layer(case, name, l, rank)
-            for p in (layer.w13_weight, layer.w2_weight):
-                rec_sharded.register(p.data)
-                weak.append(StorageWeakRef(p.data.untyped_storage()))
-            del p
-            _convert(moe_cfg, layer)
-            sharded.append(layer)
+    # -- load and convert: sharded (plugin) and replicated (vLLM's all-gather), vLLM's own layers ----
+    def load(model: Any, recorder: Any) -> None:
+        for _, _, t in checkpoint(case, case.seed, rank=rank):
+            recorder.register(t)  # a collective carrying these bytes is counted
+        with recorder:
+            model.load_weights(checkpoint(case, case.seed, rank=rank))
+            for layer in model.layers:
+                layer.quant_method.process_weights_after_loading(layer)
+
+    rec_sharded, rec_repl = CollectiveRecorder(), CollectiveRecorder()
+    sharded = build(case, rank)
+    out["sharded_param_devices"] = sorted({p.device.type for l in sharded.layers for p in (l.w13_weight, l.w2_weight)})
+    load(sharded, rec_sharded)
     os.environ["MOONEP_EP_LAYOUT"] = "replicated"
     try:
-        with CollectiveRecorder() as rec_repl:
-            for l in range(case.layers):
-                layer = _make_layer(case, f"replicated.{l}", l, rank)
-                rec_repl.register(layer.w13_weight.data)
-                rec_repl.register(layer.w2_weight.data)
-                _convert(moe_cfg, layer)
-                replicated.append(layer)
+        replicated = build(case, rank, prefix="replicated")
+        load(replicated, rec_repl)
     finally:
         os.environ.pop("MOONEP_EP_LAYOUT", None)
-    import gc
-
-    gc.collect()
     store = manager.expert_store
     out["store"] = store.describe()
     out["store_ready"] = store.ready
-    out["original_params_freed"] = all(w.expired() for w in weak)
+    out["replicated_is_vllm_path"] = all(getattr(l, "_moonep_ep_binding", None) is None for l in replicated.layers)
     out["load_weight_bytes_sharded"] = rec_sharded.weight_bytes
     out["load_collectives_sharded"] = rec_sharded.by_op()
     out["load_weight_bytes_replicated"] = rec_repl.weight_bytes
     out["load_collectives_replicated"] = rec_repl.by_op()
     out["vllm_gather_calls"] = STATS.data["load"]["vllm_gather_calls"]
-    layout0 = sharded[0]._moonep_weight_layout
+    layout0 = sharded.layers[0]._moonep_weight_layout
     out["layout_type"] = type(layout0).__qualname__
     out["layout_is_vllm_class"] = isinstance(layout0, vllm_moonep.MoonEPExpertWeightLayout)
-    out["w13_is_gate_view"] = sharded[0].w13_weight.data_ptr() == layout0.full_gate_weight.data_ptr()
+    out["w13_is_gate_view"] = sharded.layers[0].w13_weight.data_ptr() == layout0.full_gate_weight.data_ptr()
     E = case.experts
     out["view_shapes"] = [list(layout0.full_gate_weight.shape), list(layout0.full_up_weight.shape),
                           list(layout0.full_down_weight.shape)]
     # Row e of every view is the owner's expert, for all e (peer rows read through the mapping).
     bad_rows = 0
-    for l, layer in enumerate(sharded):
+    for l, layer in enumerate(sharded.layers):
         lay = layer._moonep_weight_layout
         for e in range(E):
             gate, up, down = expert_weights(case, l, e)
             bad_rows += int(not (torch.equal(lay.full_gate_weight[e], gate) and torch.equal(lay.full_up_weight[e], up)
                                  and torch.equal(lay.full_down_weight[e], down)))
     out["bad_rows"] = bad_rows
+    views = [layer._moonep_weight_layout for layer in sharded.layers]
     out["slot_pool_shared_by_layers"] = (
-        case.layers < 2 or sharded[0]._moonep_weight_layout.full_up_weight[E:].data_ptr()
-        != sharded[1]._moonep_weight_layout.full_up_weight[E:].data_ptr())  # distinct views …
-    # … of one physical pool: a write through layer 0's slot view is seen through layer 1's.
+        case.layers < 2 or views[0].full_up_weight[E:].data_ptr() != views[1].full_up_weight[E:].data_ptr())
+    # … distinct views of one physical pool: a write through layer 0's slot view is seen through layer 1's.
     if case.layers >= 2:
-        s0 = sharded[0]._moonep_weight_layout.full_down_weight[E]
-        s1 = sharded[1]._moonep_weight_layout.full_down_weight[E]
+        s0, s1 = views[0].full_down_weight[E], views[1].full_down_weight[E]
         s0.fill_(rank + 0.5)
         out["slot_pool_shared_by_layers"] = out["slot_pool_shared_by_layers"] and bool(s1.eq(rank + 0.5).all())
         s0.zero_()
@@ -309,21 +235,18 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
         x, ids, w = routing(case, l, rank)
         ref = dense_reference(case, l, x, ids, w)
         outs = {}
-        for kind, layer in (("sharded", sharded[l]), ("replicated", replicated[l])):
-            pf = all2all_utils.maybe_make_prepare_finalize(moe=moe_cfg, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
-                                                           allow_new_interface=True, all2all_manager=manager)
-            experts = moonep_experts.MoonEPExperts(moe_config=moe_cfg, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG)
-            experts.process_weights_after_loading(layer)
-            kernel = FusedMoEKernel(pf, experts)
+        for kind, layer in (("sharded", sharded.layers[l]), ("replicated", replicated.layers[l])):
+            kernel = layer.quant_method.moe_kernel
             y = kernel.apply(hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight, topk_ids=ids,
                              topk_weights=w, activation=MoEActivation.SILU, global_num_experts=E, expert_map=None,
                              apply_router_weight_on_input=False)
             outs[kind] = y
             if kind == "sharded":
+                pf = kernel.prepare_finalize
                 out.setdefault("pf_class", type(pf).__qualname__)
+                experts = kernel.fused_experts
                 out.setdefault("experts_class", f"{type(experts).__module__}.{type(experts).__qualname__}")
-                buf = pf._buffer
-                sources = list(buf.last_slots)
+                sources = list(pf._buffer.last_slots)
                 lay = layer._moonep_weight_layout
                 slot_ok = all(torch.equal(lay.full_gate_weight[E + b], expert_weights(case, l, e)[0])
                               and torch.equal(lay.full_down_weight[E + b], expert_weights(case, l, e)[2])
@@ -350,13 +273,13 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["store_driver_emulated"] = bool(getattr(store.driver, "emulated", False))
     out["sharded_bytes"] = store.store.physical_bytes()["total_bytes"]
     out["replicated_bytes_measured"] = sum(
-        t.untyped_storage().nbytes() for layer in replicated for t in
+        t.untyped_storage().nbytes() for layer in replicated.layers for t in
         (layer._moonep_weight_layout.full_gate_weight, layer._moonep_weight_layout.full_up_weight,
          layer._moonep_weight_layout.full_down_weight))
     out["replicated_bytes_formula"] = store.store.replicated_bytes()
     ep.barrier()
     manager.destroy()
-    out["store_released"] = manager.expert_store is None
+    out["store_released"] = manager.expert_store is None and store.closed
     return out
 
 
@@ -368,9 +291,8 @@ def bad_config_rank(ctx: Any, case: str) -> str:
     from moonep_ep.errors import MoonEPError
     from moonep_ep.vllm.sharded import ModelExpertStore
 
-    kwargs = dict(layer_names=["a", "b"], num_experts=8, hidden=256, intermediate=128, num_slots=4, group=None,
-                  device=torch.device("cpu"))
-    epn_ids = None
+    kwargs: dict[str, Any] = dict(layer_names=["a", "b"], num_experts=8, hidden=256, intermediate=128, num_slots=4,
+                                  group=None, device=torch.device("cpu"))
     if case == "experts_not_divisible":
         kwargs["num_experts"] = 6 if ctx.world_size == 4 else 7
     elif case == "hidden_not_128":
@@ -380,26 +302,21 @@ def bad_config_rank(ctx: Any, case: str) -> str:
     elif case == "ranks_disagree":
         kwargs["layer_names"] = ["a", "b", "c"][: 2 + (ctx.rank % 2)]
     elif case == "nonlinear_placement":
-        epn_ids = list(range(ctx.rank, 8, ctx.world_size))  # round robin
+        kwargs["local_expert_ids"] = [list(range(ctx.rank, 8, ctx.world_size))] * 2  # round robin
     elif case == "fp16":
         kwargs["dtype"] = torch.float16
+    elif case == "heterogeneous_layers":
+        kwargs["layer_shapes"] = {((4, 256, 256), (4, 256, 128)), ((4, 512, 256), (4, 256, 256))}
     try:
         store = ModelExpertStore(**kwargs)
     except MoonEPError as exc:
         return str(exc)
-    try:
-        epn = 8 // ctx.world_size
-        store.adopt("a", torch.zeros(epn, 256, 256, dtype=torch.bfloat16), torch.zeros(epn, 256, 128,
-                    dtype=torch.bfloat16), expert_ids=epn_ids)
-        return "no error"
-    except MoonEPError as exc:
-        return str(exc)
-    finally:
-        store.close()
+    store.close()
+    return "no error"
 
 
 BAD_CASES = ("experts_not_divisible", "hidden_not_128", "intermediate_not_128", "ranks_disagree",
-             "nonlinear_placement", "fp16")
+             "nonlinear_placement", "fp16", "heterogeneous_layers")
 
 
 def bad_configs_rank(ctx: Any) -> dict[str, str]:
@@ -474,7 +391,8 @@ def verdict(results: list[dict[str, Any]]) -> list[str]:
             "no expert byte in a load collective (sharded)": r["load_weight_bytes_sharded"] == 0,
             "the detector sees vLLM's all-gather (replicated)": r["load_weight_bytes_replicated"] > 0,
             "one handle exchange for the whole model": r["store"]["collective_rounds"]["handle_exchange"] == 1,
-            "original local parameters freed": bool(r["original_params_freed"]),
+            "vLLM's expert parameters held no memory (meta)": r["sharded_param_devices"] == ["meta"],
+            "the replicated layers took vLLM's all-gather path": bool(r["replicated_is_vllm_path"]),
             "store ready before the forward and released after": bool(r["store_ready"] and r["store_released"]),
             "OS-measured bytes equal the store's": r["sharded_bytes_measured_os"] == r["sharded_bytes"],
             "fewer bytes than the replicated layout": r["sharded_bytes_measured_os"] < r["replicated_bytes_measured"],

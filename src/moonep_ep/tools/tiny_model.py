@@ -29,6 +29,8 @@ def default_model_dir(config: "TinyMoEConfig | None" = None) -> str:
 
     c = config or TinyMoEConfig()
     tag = "" if c == TinyMoEConfig() else f"-h{c.hidden}-i{c.intermediate}-e{c.experts}-k{c.top_k}-l{c.layers}"
+    if c.seed != TinyMoEConfig().seed:  # another checkpoint of the same shape (weight updates)
+        tag += f"-s{c.seed}"
     return os.path.join(tempfile.gettempdir(), f"moonep-ep-tiny-qwen3-moe{tag}")
 
 

@@ -4,24 +4,24 @@ Imported only once vLLM's ``all2all`` module is (see ``plugin.py``).
 
 * :class:`ShardedMoonEPAll2AllManager` replaces
   ``vllm.distributed.device_communicators.all2all.MoonEPAll2AllManager``
-  (looked up by name when the communicator is built). It picks the Buffer
-  (``MOONEP_EP_BUFFER``), runs the system check, builds buffer pools that
-  serve that Buffer, and owns the model-wide expert store, released by
-  :meth:`destroy`.
+  (looked up by name when the communicator is built). It refuses sleep mode
+  with the sharded layout, picks the Buffer (``MOONEP_EP_BUFFER``), runs the
+  system check, builds buffer pools that serve that Buffer, and owns the
+  expert stores (one per model, allocated at the end of the model's
+  construction by ``loading.bind_model``), released by :meth:`destroy`.
 * :func:`convert_moonep_layer` replaces the MOONEP branch of
-  ``convert_to_unquantized_kernel_format``: instead of all-gathering every
-  rank's experts into a replicated ``[E+B]`` copy, it copies the local
-  experts into this rank's pages of the store and returns ``[E+B]`` views
-  whose rows ``[0, E)`` map the owners' memory and rows ``[E, E+B)`` the
-  shared slot pool. vLLM then rebinds ``w13_weight``/``w2_weight`` to the
-  gate/down views (which frees the original local parameters) and
-  ``MoonEPExperts`` picks up ``layer._moonep_weight_layout``.
+  ``convert_to_unquantized_kernel_format``: the layer's experts are already
+  in the store (vLLM's loader wrote them there), so it returns the layer's
+  ``[E+B]`` views — rows ``[0, E)`` map the owners' memory, rows ``[E, E+B)``
+  the shared slot pool — without a copy or a collective. vLLM then rebinds
+  ``w13_weight``/``w2_weight`` to the gate/down views and ``MoonEPExperts``
+  picks up ``layer._moonep_weight_layout``. On a weight update vLLM calls it
+  again and gets the same views: the new rows were written in place.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm
 from ..errors import ConfigError
 from ..memory.group import GroupComm
 from .buffers import select_buffer, system_check
+from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
 from .sharded import ModelExpertStore
 from .stats import STATS, stats_dir
 
@@ -68,13 +69,12 @@ class InstrumentedBuffer:
 
     def prefetch_weight(self, plan: Any = None, async_finish: bool = False, **weights: Any) -> Any:
         if not self._checked:
-            self._manager.check_ready_for_prefetch(weights.get("full_gate_weight"))
+            self._manager.check_ready_for_prefetch()
             self._checked = True
         out = self._inner.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
         if stats_dir() is not None and plan is not None:
-            store = self._manager.expert_store
             rank = self._manager.rank
-            epn = store.experts_per_rank if store is not None else self._manager.num_experts_hint
+            epn = self._manager.experts_per_rank()
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             STATS.record_prefetch(row, epn, rank)
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
@@ -112,7 +112,14 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         device_type = _device_type()
         # Lockstep: a rank missing a capability fails every rank with every rank's reason,
         # instead of leaving the others waiting in the EP group's next collective.
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            self.vllm_config = get_current_vllm_config_or_none()
+        except Exception:  # noqa: BLE001
+            self.vllm_config = None
         with GroupComm(cpu_group).step("MoonEP backend selection (moonep_ep system check)"):
+            refuse_sleep_mode(self.vllm_config)
             self.buffer_choice = select_buffer(device_type)
             if self.buffer_choice.kind == "moonep":
                 from vllm.utils.import_utils import check_moonep_system_support
@@ -123,14 +130,14 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         self._device_group = device_group
         self.handle_cache = Cache()
         self.device_type = device_type
-        self.expert_store: ModelExpertStore | None = None
+        #: One store per model built with the sharded layout (a draft model gets its own).
+        self.expert_stores: list[ModelExpertStore] = []
         self.num_experts_hint = 1
-        try:
-            from vllm.config import get_current_vllm_config_or_none
+        if stats_dir() is not None:
+            from .plugin import layout_mode
 
-            self.vllm_config = get_current_vllm_config_or_none()
-        except Exception:  # noqa: BLE001
-            self.vllm_config = None
+            STATS.set(ep_rank=self.rank, ep_size=self.world_size, buffer=self.buffer_choice.kind,
+                      device=device_type, layout=layout_mode())
         logger.info("moonep_ep: MoonEP all2all manager (sharded expert layout, %s buffer) on %d EP ranks",
                     self.buffer_choice.kind, self.world_size)
 
@@ -144,58 +151,54 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
         return self.handle_cache.get_or_create(buffer_kwargs, make_pool)
 
-    # -- the model-wide store ----------------------------------------------------------------
-    def moe_layer_names(self) -> list[str]:
-        from vllm.config import get_current_vllm_config_or_none
+    # -- the expert stores -------------------------------------------------------------------
+    @property
+    def expert_store(self) -> ModelExpertStore | None:
+        """The first model's store (None with the replicated layout or before the model is built)."""
+        return self.expert_stores[0] if self.expert_stores else None
 
-        for cfg in (get_current_vllm_config_or_none(), self.vllm_config):
-            names = list(getattr(getattr(cfg, "compilation_config", None), "static_all_moe_layers", []) or [])
-            if names:
-                return names
-        return []
-
-    def model_store(self, layer: Any, num_experts: int, w13_local: torch.Tensor) -> ModelExpertStore:
-        """The store, allocated (collectively) on the first MoonEP layer, for every MoE layer of the model."""
-        if self.expert_store is None:
-            names = self.moe_layer_names()
-            name = getattr(layer, "layer_name", None)
-            if name not in names:
-                raise ConfigError(
-                    f"[rank {self.rank}] moonep_ep: MoE layer {name!r} is not among the model's registered MoE "
-                    f"layers ({len(names)} found in compilation_config.static_all_moe_layers), so the model-wide "
-                    "store cannot be sized. Fix: build the model through vLLM's model loader")
-            _, two_i, hidden = w13_local.shape
-            self.expert_store = ModelExpertStore(
-                layer_names=names, num_experts=num_experts, hidden=hidden, intermediate=two_i // 2,
-                num_slots=vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS, group=self.cpu_group,
-                device=w13_local.device, dtype=w13_local.dtype)
-            STATS.set(ep_rank=self.rank, ep_size=self.world_size, buffer=self.buffer_choice.kind,
-                      device=str(w13_local.device), store=self.expert_store.describe())
-            logger.info("moonep_ep: sharded MoonEP expert store for %d MoE layers: %s on this rank vs %s "
-                        "replicated (one handle exchange for the whole model)", len(names),
-                        _gib(self.expert_store.store.physical_bytes()["total_bytes"]),
-                        _gib(self.expert_store.store.replicated_bytes()))
-        return self.expert_store
-
-    def check_ready_for_prefetch(self, full_gate_weight: Any) -> None:
+    def experts_per_rank(self) -> int:
         store = self.expert_store
-        if store is None:
-            return  # replicated layout (MOONEP_EP_LAYOUT=replicated): nothing to check
-        if not store.ready:
-            raise ConfigError(f"[rank {self.rank}] moonep_ep: MoonEP prefetch before every MoE layer was loaded "
-                              f"into the sharded store (missing: {store.missing_layers()[:4]}). Fix: load all "
-                              "MoE layers of the model before the first forward")
+        return store.experts_per_rank if store is not None else self.num_experts_hint
+
+    def new_model_store(self, layers: list[Any]) -> ModelExpertStore:
+        """Collective: the store for one model's MoonEP layers (``loading.bind_model`` calls it)."""
+        first = layers[0]
+        epn_local, two_i, hidden = first.w13_weight.shape
+        shapes = {(tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.w13_weight.dtype,
+                   layer.moe_config.num_experts) for layer in layers}
+        store = ModelExpertStore(
+            layer_names=[layer.layer_name for layer in layers], num_experts=first.moe_config.num_experts,
+            hidden=hidden, intermediate=two_i // 2, num_slots=vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS,
+            group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=first.w13_weight.dtype,
+            local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes)
+        self.expert_stores.append(store)
         if stats_dir() is not None:
-            STATS.check_freed()
+            STATS.set(store=store.describe())
+        logger.info("moonep_ep: sharded MoonEP expert store for %d MoE layers, allocated before any weight is "
+                    "read: %s on this rank vs %s replicated (one handle exchange for the whole model)",
+                    len(layers), _gib(store.store.physical_bytes()["total_bytes"]),
+                    _gib(store.store.replicated_bytes()))
+        return store
+
+    def store_bytes(self) -> int:
+        """Physical bytes of every store of this rank (from the driver's handles)."""
+        return sum(s.store.physical_bytes()["total_bytes"] for s in self.expert_stores if not s.closed)
+
+    def check_ready_for_prefetch(self) -> None:
+        not_ready = [s for s in self.expert_stores if not s.ready]
+        if not_ready:
+            raise ConfigError(f"[rank {self.rank}] moonep_ep: MoonEP prefetch before the model's expert weights "
+                              f"were loaded into the sharded store ({not_ready[0].layer_names[:2]}…). Fix: load "
+                              "the model's weights (vLLM's model loader) before the first forward")
+        if stats_dir() is not None:
             STATS.flush()
 
     def destroy(self) -> None:
         super().destroy()  # the buffer pools first: they may still reference the views
-        if self.expert_store is not None:
-            try:
-                self.expert_store.close()
-            finally:
-                self.expert_store = None
+        stores, self.expert_stores = self.expert_stores, []
+        for store in stores:
+            store.close()
 
 
 def _gib(n: int) -> str:
@@ -204,45 +207,31 @@ def _gib(n: int) -> str:
 
 def convert_moonep_layer(layer: Any, moe_config: Any, w13_weight: torch.Tensor,
                          w2_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MOONEP branch of ``convert_to_unquantized_kernel_format``, over the sharded store."""
-    from vllm.distributed import get_ep_group
+    """The MOONEP branch of ``convert_to_unquantized_kernel_format``, over the sharded store.
 
-    ep_group = get_ep_group()
-    comm = ep_group.device_communicator
-    manager = getattr(comm, "all2all_manager", None)
-    if not isinstance(manager, ShardedMoonEPAll2AllManager):
-        hint = ("on CPU set MOONEP_EP_CPU=1 so the CPU communicator builds it"
-                if _device_type() == "cpu" else "check that the moonep_ep plugin loaded in this worker")
-        raise ConfigError(f"moonep_ep: the MoonEP all2all manager of the EP group is "
-                          f"{type(manager).__name__}, not moonep_ep's, so the sharded layout has no owner. "
-                          f"Fix: {hint}")
-    recorder = None
-    if stats_dir() is not None:
-        from ..ops.instrument import CollectiveRecorder
-
-        I = w13_weight.shape[1] // 2
-        recorder = CollectiveRecorder(weights=[w13_weight, w13_weight[:, :I], w13_weight[:, I:], w2_weight])
-    t0 = time.perf_counter()
-    expert_ids = _local_expert_ids(layer)
-    if recorder is not None:
-        recorder.__enter__()
-    try:
-        store = manager.model_store(layer, moe_config.num_experts, w13_weight)
-        gate, up, down = store.adopt(layer.layer_name, w13_weight.data, w2_weight.data, expert_ids=expert_ids)
-    finally:
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
-    layout = vllm_moonep.MoonEPExpertWeightLayout(full_gate_weight=gate, full_up_weight=up, full_down_weight=down,
-                                                  num_prefetch_slots=store.num_slots)
-    layer._moonep_weight_layout = layout
-    if stats_dir() is not None:
-        if recorder is not None:
-            STATS.add_collectives(recorder.by_op())
-        STATS.watch_original(w13_weight.data, w2_weight.data)
-        load = STATS.data["load"]
-        load["layers_adopted"] += 1
-        load["seconds"] = round(load["seconds"] + time.perf_counter() - t0, 4)
-        STATS.set(store=store.describe())
+    The experts are already in the store: return the layer's ``[E+B]`` gate
+    and down views (and stash the layout with the up view), on the first load
+    and on every update alike. Local, no collective."""
+    binding = getattr(layer, BINDING_ATTR, None)
+    if binding is None:
+        raise ConfigError(f"moonep_ep: MoE layer {getattr(layer, 'layer_name', '?')} reached MoonEP's sharded "
+                          "conversion without a store: it was not built by vLLM's model loader with the plugin "
+                          "active (its expert parameters must be created by UnquantizedFusedMoEMethod."
+                          "create_weights and the model by BaseModelLoader.create_model). Fix: build the model "
+                          "through vLLM's model loader, or set MOONEP_EP_LAYOUT=replicated")
+    store, idx = binding
+    if not store.ready:
+        raise ConfigError(f"[rank {store.rank}] moonep_ep: MoE layer {layer.layer_name} is converted before the "
+                          "model's expert weights were loaded through its load_weights (e.g. load_format=dummy "
+                          "fills no store). Fix: load a real checkpoint with vLLM's default loader, or set "
+                          "MOONEP_EP_LAYOUT=replicated")
+    gate, up, down = store.views(idx)
+    if getattr(layer, "_moonep_weight_layout", None) is None:
+        layer._moonep_weight_layout = vllm_moonep.MoonEPExpertWeightLayout(
+            full_gate_weight=gate, full_up_weight=up, full_down_weight=down, num_prefetch_slots=store.num_slots)
+        if stats_dir() is not None:
+            STATS.data["load"]["layers_converted"] = STATS.data["load"].get("layers_converted", 0) + 1
+            STATS.set(store=store.describe())
     return gate, down
 
 

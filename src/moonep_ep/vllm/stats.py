@@ -9,13 +9,28 @@ finds the last complete object). Contents:
   bytes by category (measured from the driver's handles), the bytes vLLM
   0.33.0's replicated layout would hold, and the collective rounds the store
   took (``handle_exchange`` must be 1 for the whole model);
-* ``load``: layers adopted, every ``torch.distributed`` collective issued
-  while converting the MoE layers (by op: calls, bytes, expert-weight bytes,
-  detected by alias or content — :class:`moonep_ep.ops.instrument.CollectiveRecorder`),
-  calls of vLLM's all-gathering ``gather_moonep_weight_layout``, and whether
-  the original local ``w13``/``w2`` storages were freed;
+* ``load``: layers converted, every ``torch.distributed`` collective issued
+  from the store's allocation to the end of the initial weight pass (by op:
+  calls, bytes, expert-weight bytes, detected by alias or content against
+  every expert tensor the loader received —
+  :class:`moonep_ep.ops.instrument.CollectiveRecorder`), and calls of
+  vLLM's all-gathering ``gather_moonep_weight_layout``;
 * ``forward``: prefetch calls, slots filled, and how many of those came from
-  a remote owner (``owner(e) = e // epn != ep_rank``), by owner.
+  a remote owner (``owner(e) = e // epn != ep_rank``), by owner;
+* ``load_memory`` / ``update_memory``: the peak of this rank's expert bytes
+  while the model loads (until the initial pass settled) and during later
+  weight updates, sampled at every expert ``weight_loader`` call, when the
+  store is allocated and inside vLLM's all-gather (replicated layout). Each
+  sample is measured from the OS: on the host, the sizes of this rank's
+  memfds (``fstat``) plus the ``mincore``-resident bytes of every live expert
+  tensor (vLLM's expert parameters, its gathered copies, a materialized
+  layer during a reload); on CUDA, the device memory gone since the first
+  sample outside torch (``cuMemGetInfo`` delta minus torch's reserved delta:
+  the store) plus the bytes of the live expert tensors;
+* ``passes``: every settled weight pass (rows written, refusals, seconds);
+* ``replicated``: with ``MOONEP_EP_LAYOUT=replicated``, the bytes of vLLM's
+  gathered ``[E+B]`` tensors and of one layer's local parameters, measured
+  from their storages.
 """
 
 from __future__ import annotations
@@ -40,15 +55,15 @@ class Stats:
         self.data: dict[str, Any] = {
             "pid": os.getpid(), "ep_rank": None, "ep_size": None, "buffer": None, "device": None,
             "store": None,
-            "load": {"layers_adopted": 0, "collectives": {}, "collective_weight_bytes": 0,
-                     "vllm_gather_calls": 0, "original_storages": 0, "original_storages_freed": None,
-                     "original_bytes": 0, "seconds": 0.0},
+            "load": {"layers_converted": 0, "collectives": {}, "collective_weight_bytes": 0,
+                     "vllm_gather_calls": 0, "expert_tensors_loaded": 0},
             "forward": {"prefetch_calls": 0, "slots_filled": 0, "remote_prefetched": 0, "local_prefetched": 0,
                         "remote_by_owner": {}, "remote_experts": []},
         }
-        self._weak: list[Any] = []
+        self._recorder: Any = None
         self._remote_set: set[int] = set()
         self._last_write = 0.0
+        self.memory = ExpertMemorySampler()
 
     # -- updates ----------------------------------------------------------------------------
     def set(self, **fields: Any) -> None:
@@ -65,29 +80,41 @@ class Stats:
                     dst[k] += int(entry.get(k, 0))
             self.data["load"]["collective_weight_bytes"] = sum(e["weight_bytes"] for e in agg.values())
 
-    def count_vllm_gather(self) -> None:
+    def count_vllm_gather(self, w13_local: Any, w2_local: Any) -> None:
+        """vLLM's all-gather of one layer (replicated layout) starts, with its local parameters alive."""
         with _lock:
             self.data["load"]["vllm_gather_calls"] += 1
+            if stats_dir() is not None:
+                rep = self.data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
+                                                          "one_layer_local_bytes": None})
+                if rep["one_layer_local_bytes"] is None:
+                    rep["one_layer_local_bytes"] = sum(t.untyped_storage().nbytes() for t in (w13_local, w2_local))
+        self.watch_expert_tensor(w13_local, "vLLM local parameters")
+        self.watch_expert_tensor(w2_local, "vLLM local parameters")
         self.flush()
 
-    def watch_original(self, *tensors: Any) -> None:
-        """Remember the storages of the loaded local parameters, to check later that they were freed."""
-        from torch.multiprocessing.reductions import StorageWeakRef
+    # -- collectives during the load (sharded layout) ---------------------------------------
+    def start_load_recording(self) -> None:
+        """Record every collective from the store's allocation to the end of the initial pass."""
+        if stats_dir() is None or self._recorder is not None:
+            return
+        from ..ops.instrument import CollectiveRecorder
 
-        with _lock:
-            for t in tensors:
-                storage = t.untyped_storage()
-                self._weak.append(StorageWeakRef(storage))
-                self.data["load"]["original_storages"] += 1
-                self.data["load"]["original_bytes"] += storage.nbytes()
+        self._recorder = CollectiveRecorder()
+        self._recorder.__enter__()
 
-    def check_freed(self) -> bool | None:
-        with _lock:
-            if not self._weak:
-                return None
-            freed = all(w.expired() for w in self._weak)
-            self.data["load"]["original_storages_freed"] = freed
-            return freed
+    def register_loaded_weight(self, tensor: Any) -> None:
+        """An expert tensor the loader received: a collective carrying its bytes would be counted."""
+        if self._recorder is not None:
+            self._recorder.register(tensor)
+            self.data["load"]["expert_tensors_loaded"] += 1
+
+    def stop_load_recording(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
+        recorder.__exit__(None, None, None)
+        self.add_collectives(recorder.by_op())
 
     def record_prefetch(self, experts_row: list[int], epn: int, ep_rank: int) -> None:
         with _lock:
@@ -108,12 +135,58 @@ class Stats:
             fwd["remote_experts"] = sorted(self._remote_set)
         self.flush()
 
+    def watch_expert_tensor(self, tensor: Any, label: str) -> None:
+        """Count ``tensor``'s storage as expert memory while it lives (no-op with stats off)."""
+        if stats_dir() is not None:
+            self.memory.watch(tensor, label)
+
+    def sample_expert_memory(self, where: str) -> None:
+        """One peak sample (no-op with stats off); see ``load_memory`` in the module docstring."""
+        if stats_dir() is None:
+            return
+        phase = "update_memory" if self.memory.loaded else "load_memory"
+        sample = self.memory.sample(self.data.get("ep_rank"), self.data.get("device"), where)
+        with _lock:
+            peak = self.data.setdefault(phase, {"peak_expert_bytes": 0, "samples": 0,
+                                                "method": self.memory.method(self.data.get("device"))})
+            peak["samples"] += 1
+            if sample["total"] >= peak["peak_expert_bytes"]:
+                peak.update(peak_expert_bytes=sample["total"], peak_at=where, store_bytes_at_peak=sample["store"],
+                            tensor_bytes_at_peak=sample["tensors"], tensors_at_peak=sample["labels"])
+
+    def record_pass(self, store: Any) -> None:
+        """After a store's pass settled (or failed): its summary, and the end of the load phase."""
+        if store.ready:
+            self.memory.loaded = True
+        if stats_dir() is None:
+            return
+        with _lock:
+            self.data["passes"] = list(store.settled)
+            self.data["store"] = store.describe()
+        self.flush()
+
+    def record_replicated_layout(self, gathered: tuple[Any, ...], layout: Any) -> None:
+        """vLLM's all-gather built one layer's ``[E+B]`` copy: count its bytes, sample the peak inside."""
+        if stats_dir() is None:
+            return
+        for t in gathered:
+            self.watch_expert_tensor(t, "vLLM all_gather output")
+        tensors = (layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight)
+        for t in tensors:
+            self.watch_expert_tensor(t, "vLLM [E+B] layout")
+        self.sample_expert_memory("vLLM all-gather (replicated layout)")
+        with _lock:
+            rep = self.data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
+                                                      "one_layer_local_bytes": None})
+            rep["layers"] += 1
+            rep["layout_bytes"] += sum(t.untyped_storage().nbytes() for t in tensors)
+        self.flush()
+
     # -- output -----------------------------------------------------------------------------
     def flush(self) -> None:
         d = stats_dir()
         if d is None:
             return
-        self.check_freed()
         with _lock:
             rank = self.data.get("ep_rank")
             text = json.dumps(self.data, indent=1, default=str)
@@ -124,6 +197,59 @@ class Stats:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, os.path.join(d, name))
+
+
+class ExpertMemorySampler:
+    """This rank's expert bytes now, measured from the OS (see ``load_memory`` above)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[int, tuple[Any, int, int, str, str]] = {}  # storage ptr -> (weak, ptr, n, dev, label)
+        self._cuda_base: tuple[int, int] | None = None
+        self.loaded = False
+
+    def watch(self, tensor: Any, label: str) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if tensor is None or tensor.is_meta:
+            return  # a placeholder holds no memory
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        with _lock:
+            self._tensors[ptr] = (StorageWeakRef(storage), ptr, storage.nbytes(), tensor.device.type, label)
+
+    @staticmethod
+    def method(device: Any) -> str:
+        if str(device).startswith("cuda"):
+            return ("cuMemGetInfo delta minus torch reserved delta since the first sample (the store) + bytes of "
+                    "live expert tensors")
+        return "fstat sizes of this rank's memfds (the store) + mincore-resident bytes of live expert tensors"
+
+    def sample(self, rank: Any, device: Any, where: str) -> dict[str, Any]:
+        from ..memory.accounting import resident_bytes
+
+        tensors, labels = 0, {}
+        with _lock:
+            live = [v for v in self._tensors.values() if not v[0].expired()]
+            self._tensors = {v[1]: v for v in live}
+        for _, ptr, nbytes, dev, label in live:
+            n = resident_bytes(ptr, nbytes) if dev == "cpu" else nbytes
+            tensors += n
+            labels[label] = labels.get(label, 0) + n
+        store = self._store_bytes(rank, device)
+        return {"store": store, "tensors": tensors, "labels": labels, "total": store + tensors}
+
+    def _store_bytes(self, rank: Any, device: Any) -> int:
+        if str(device).startswith("cuda"):
+            import torch
+
+            free, _ = torch.cuda.mem_get_info()
+            reserved = torch.cuda.memory_reserved()
+            if self._cuda_base is None:
+                self._cuda_base = (free, reserved)
+            return max(0, (self._cuda_base[0] - free) - (reserved - self._cuda_base[1]))
+        from ..memory.accounting import snapshot
+
+        return snapshot(rank if isinstance(rank, int) else None).own_bytes
 
 
 STATS = Stats()

@@ -1,0 +1,158 @@
+"""The plugin's model-wide store, written in passes (no vLLM needed): 2 gloo ranks over the host driver.
+
+Each case runs on both ranks and asserts on what every rank saw: rows land
+in the owner's pages and read the same from every rank, a pass settles on
+every rank at once, refusals and missing rows raise on all ranks with every
+rank's message, an update whose shape or dtype differs writes nothing, and
+every settled pass leaves no expert copy in the slot pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moonep_ep.errors import CollectiveError
+from moonep_ep.tools.launch import run_ranks
+from moonep_ep.vllm.sharded import ModelExpertStore
+from tests.support.memory import GRAN
+
+pytestmark = pytest.mark.slow
+
+E, H, I, L, B = 8, 256, 128, 2, 4
+SHAPES = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+
+
+def _row(seed: int, layer: int, proj: str, expert: int, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100_003 + layer * 1009 + expert * 7 + len(proj))
+    return torch.randn(*SHAPES[proj], generator=g).to(dtype)
+
+
+def _store(rank: int) -> ModelExpertStore:
+    from moonep_ep.memory.host import HostDriver
+
+    return ModelExpertStore(layer_names=[f"l{i}" for i in range(L)], num_experts=E, hidden=H, intermediate=I,
+                            num_slots=B, group=None, device=torch.device("cpu"),
+                            driver=HostDriver(rank=rank, granularity=GRAN))
+
+
+def _write_all(store: ModelExpertStore, seed: int, rank: int, dtype=torch.bfloat16, skip=None) -> None:
+    epn = E // 2
+    for layer in range(L):
+        for proj in SHAPES:
+            for j in range(epn):
+                if skip != (layer, proj, j):
+                    store.write_expert(layer, proj, j, _row(seed, layer, proj, rank * epn + j, dtype), "t")
+
+
+def _rows_are(store: ModelExpertStore, seed: int) -> bool:
+    return all(torch.equal(store.views(layer)[k][e], _row(seed, layer, proj, e))
+               for layer in range(L) for k, proj in enumerate(SHAPES) for e in range(E))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+def passes_rank(ctx) -> dict:
+    rank = ctx.rank
+    out = {}
+    store = _store(rank)
+    try:
+        out["slots_zero_before"] = bool((store.views(0)[0][E:] == 0).all())
+        _write_all(store, 0, rank)
+        out["ready_before_settle"] = store.ready
+        summary = store.settle()
+        out["initial"] = summary
+        out["ready"] = store.ready
+        out["rows_a"] = _rows_are(store, 0)  # every row of every owner, read through this rank's views
+        out["slots_poisoned"] = all(bool(torch.isnan(v[E:]).all()) for v in store.views(1))
+        ptrs = [v.data_ptr() for layer in range(L) for v in store.views(layer)]
+
+        store.begin_update()
+        _write_all(store, 1, rank)
+        out["update"] = store.settle()
+        out["rows_b"] = _rows_are(store, 1)
+        out["pointers_unchanged"] = ptrs == [v.data_ptr() for layer in range(L) for v in store.views(layer)]
+
+        # An update of another shape on every rank: refused at the first tensor, nothing written.
+        store.begin_update()
+        for j in range(E // 2):
+            store.write_expert(0, "gate", j, torch.zeros(I // 2, H, dtype=torch.bfloat16), "wrong")
+        out["wrong_shape"] = _error(store.settle)
+        out["rows_b_after_wrong_shape"] = _rows_are(store, 1)
+
+        # Another dtype than the checkpoint the engine loaded: refused.
+        store.begin_update()
+        store.write_expert(0, "gate", 0, _row(2, 0, "gate", rank * 4, torch.float32), "fp32")
+        out["wrong_dtype"] = _error(store.settle)
+
+        # Only rank 1 refuses, after rank 0 wrote a row: both raise; rank 0's message says the weights mix.
+        store.begin_update()
+        if rank == 0:
+            store.write_expert(1, "down", 0, _row(3, 1, "down", 0), "ok")
+        else:
+            store.refuse("[rank 1] a tensor this rank cannot load")
+        out["one_rank_refuses"] = _error(store.settle)
+
+        # A loader exception on rank 0 only: every rank raises, naming it.
+        store.begin_update()
+        out["failure_on_rank0"] = _error(lambda: store.settle(RuntimeError("boom") if rank == 0 else None))
+        out["passes"] = list(store.settled)
+    finally:
+        store.close()
+    return out
+
+
+def coverage_rank(ctx) -> dict:
+    store = _store(ctx.rank)
+    try:
+        _write_all(store, 0, ctx.rank, skip=(1, "up", 2) if ctx.rank == 1 else None)
+        return {"error": _error(store.settle), "ready": store.ready}
+    finally:
+        store.close()
+
+
+def cast_rank(ctx) -> dict:
+    """The first load casts float checkpoints as vLLM does; updates must then bring that dtype."""
+    store = _store(ctx.rank)
+    try:
+        _write_all(store, 0, ctx.rank, dtype=torch.float32)
+        store.settle()
+        store.begin_update()
+        store.write_expert(0, "gate", 0, _row(0, 0, "gate", ctx.rank * 4), "bf16 update")
+        return {"dtypes": sorted(store.checkpoint_dtypes), "bf16_update": _error(store.settle)}
+    finally:
+        store.close()
+
+
+def test_passes_write_in_place_settle_everywhere_and_refuse_together():
+    for rank, out in enumerate(run_ranks(passes_rank, 2, timeout_s=120)):
+        assert out["slots_zero_before"] and not out["ready_before_settle"]
+        assert out["ready"] and out["rows_a"] and out["slots_poisoned"]
+        assert out["initial"]["kind"] == "initial" and out["initial"]["ranks_rows_written"] == [24, 24]
+        assert out["update"]["rows_written"] == 24 and out["rows_b"] and out["pointers_unchanged"]
+        assert "shape (64, 256) differs from the served (128, 256)" in out["wrong_shape"]
+        assert "no expert row was written in this pass on this rank" in out["wrong_shape"]
+        assert "rank(s) [0, 1]" in out["wrong_shape"] and out["rows_b_after_wrong_shape"]
+        assert "dtype torch.float32 differs from the checkpoint the engine loaded" in out["wrong_dtype"]
+        assert "rank(s) [1]" in out["one_rank_refuses"] and "a tensor this rank cannot load" in out["one_rank_refuses"]
+        assert "loading failed on this rank: RuntimeError: boom" in out["failure_on_rank0"]
+        assert "rank(s) [0]" in out["failure_on_rank0"]
+        assert [p["ok"] for p in out["passes"]] == [True, True, False, False, False, False]
+
+
+def test_initial_pass_names_missing_rows_on_every_rank():
+    for out in run_ranks(coverage_rank, 2, timeout_s=120):
+        assert "rank(s) [1]" in out["error"] and "did not provide 1 of this rank's 24 expert rows" in out["error"]
+        assert "l1.up[expert 6]" in out["error"] and not out["ready"]
+
+
+def test_first_load_casts_and_updates_keep_the_checkpoint_dtype():
+    for out in run_ranks(cast_rank, 2, timeout_s=120):
+        assert out["dtypes"] == ["torch.float32"]
+        assert "dtype torch.bfloat16 differs from the checkpoint the engine loaded" in out["bf16_update"]
