@@ -78,19 +78,36 @@ def test_bench_prefetch_over_the_emulator(emulator):
 
 
 def test_check_names_a_driver_older_than_the_bindings_and_the_fix(monkeypatch, emulator):
-    """Finding 7: an R570 driver (CUDA 12.8) under cuda-bindings 13.x."""
-    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", "H100x8,cuda=12.8")
+    """Finding 7: a driver one CUDA major older than the installed bindings (R570, CUDA 12.8,
+    under cuda-bindings 13.x)."""
+    from cuda.bindings import driver
+
+    from moonep_ep.memory.cuda_calls import bindings_fix
+
+    major = int(driver.CUDA_VERSION) // 1000
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H100x8,cuda={major - 1}.8")
     report = moonep_ep_json("check")
     cuda = report["cuda"]
     assert cuda["emulated"] and not cuda["available"]
-    assert cuda["versions"]["driver_cuda"] == "12.8" and cuda["versions"]["bindings_cuda_major"] == 13
+    assert cuda["versions"]["driver_cuda"] == f"{major - 1}.8" and cuda["versions"]["bindings_cuda_major"] == major
     assert cuda["versions"]["compatible"] is False
-    assert 'pip install "cuda-bindings>=12.8,<13"' in cuda["reasons"]["versions"]
+    assert bindings_fix(major - 1) in cuda["reasons"]["versions"]
     text = moonep_ep("check").stdout
-    assert "driver CUDA 12.8 / bindings 13.x" in text and "cuda-bindings>=12.8,<13" in text
+    assert f"driver CUDA {major - 1}.8 / bindings {major}.x" in text and bindings_fix(major - 1) in text
 
 
 def test_check_over_the_emulator_reports_the_gpu_by_uuid(emulator):
     cuda = moonep_ep_json("check")["cuda"]
     assert cuda["available"] and cuda["emulated"] and cuda["device_id"].startswith("GPU-")
     assert cuda["versions"]["compatible"] is True and cuda["granularity"] == 2 * MiB
+
+
+@pytest.mark.parametrize("imex,handle_type,why", [("channel", "fd", "CUDA_ERROR_INVALID_HANDLE"),
+                                                  ("domain", "fabric", "all ranks support fabric")])
+def test_selftest_fabric_trial_per_imex_mode(monkeypatch, emulator, imex, handle_type, why):
+    """Finding 4: an IMEX channel without a domain (x86 HGX, no IMEX daemon) fails a peer's import with a
+    code the old NOT_PERMITTED/NOT_SUPPORTED fall-back did not know; the trial falls back on any failure.
+    With an IMEX domain, fabric handles are used."""
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H200x4,imex={imex}")
+    out = moonep_ep_json("selftest", "--ranks", "2", "--driver", "cuda")
+    assert out["ok"] and out["handle_type"] == handle_type and why in out["multicast"]["reason"]

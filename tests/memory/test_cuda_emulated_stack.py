@@ -166,3 +166,33 @@ def test_the_vote_identifies_gpus_by_uuid_under_per_rank_cuda_visible_devices(by
         assert not any(r["multicast"] for r in results) and "lack it" in results[0]["reason"]
     else:
         assert all(r["multicast"] for r in results)
+
+
+def multicast_size(ctx: Any, recommended: bool) -> dict[str, Any]:
+    """4 MiB chunks with multicast on an 8xH100 node (RECOMMENDED multicast granularity 512 MiB)."""
+    from moonep_ep.memory import make_driver
+    from moonep_ep.memory.cuda import CudaDriver
+
+    if recommended:  # finding 3 put back: size the multicast object by RECOMMENDED
+        minimum = CudaDriver.multicast_granularity
+        CudaDriver.multicast_granularity = lambda self, n, ht, recommended=False: minimum(self, n, ht, True)
+    with make_driver("cuda", rank=ctx.rank) as driver:
+        try:
+            symm = SymmetricMemory.allocate([4 * MiB], driver=driver, multicast=True)
+        except MoonEPError as exc:
+            return {"error": str(exc)}
+        out = {"multicast": symm.has_multicast, "size": symm._multicast.size, "chunk": symm.chunk_sizes[ctx.rank][0]}
+        symm.close()
+    return out
+
+
+@pytest.mark.parametrize("recommended", [False, True])
+def test_the_multicast_object_is_sized_by_the_minimum_granularity(recommended):
+    """Finding 3: MINIMUM (2 MiB) sizes a 4 MiB multicast object over a 4 MiB chunk 0. By RECOMMENDED
+    (512 MiB on 8xH100) the old floor gave size 0; rounding up instead (as NCCL does for its own
+    buffers) would grow every rank's chunk 0 to 512 MiB -- 128x what was asked."""
+    for res in run_emulated_ranks(multicast_size, 2, args=(recommended,)):
+        if recommended:
+            assert res == {"multicast": True, "size": 512 * MiB, "chunk": 512 * MiB}
+        else:
+            assert res == {"multicast": True, "size": 4 * MiB, "chunk": 4 * MiB}

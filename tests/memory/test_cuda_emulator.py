@@ -413,15 +413,20 @@ def test_device_identity_is_the_uuid_under_cuda_visible_devices():
 def test_bindings_newer_than_the_driver_fail_and_the_probe_names_the_fix():
     """cuda-bindings 13.x need an R580+ driver; cuda-python's own check compares
     cuDriverGetVersion with the bindings' CUDA_VERSION."""
-    api = EmulatedCudaApi("H100x2,cuda=12.8", visible="0")
-    if api.bindings_major <= 12:
-        pytest.fail("this check needs cuda-bindings 13.x installed (pyproject allows 12.8..13.x)")
-    assert api.cuDriverGetVersion() == (api.CUresult.CUDA_SUCCESS, 12080)
+    from moonep_ep.memory.cuda_calls import bindings_fix
+
+    major = int(EmulatedCudaApi("H100x2").CUDA_VERSION) // 1000  # the installed bindings' CUDA major
+    api = EmulatedCudaApi(f"H100x2,cuda={major - 1}.8", visible="0")  # a driver one major older
+    assert api.cuDriverGetVersion() == (api.CUresult.CUDA_SUCCESS, (major - 1) * 1000 + 80)
     with pytest.raises(RuntimeError, match='Function "cuInit" not found'):
         api.cuInit(0)
     caps = CudaDriver(device=0, api=api).capabilities()
     assert not caps.available
-    assert "12.8" in caps.reasons["driver"] and 'pip install "cuda-bindings>=12.8,<13"' in caps.reasons["driver"]
+    assert f"{major - 1}.8" in caps.reasons["driver"] and bindings_fix(major - 1) in caps.reasons["driver"]
+    assert bindings_fix(12) == 'pip install "cuda-bindings>=12.8,<13"'
+    # The same driver with bindings it supports: no mismatch (positive control of the check).
+    ok = EmulatedCudaApi(f"H100x2,cuda={major}.0", visible="0")
+    assert CudaDriver(device=0, api=ok).capabilities().available
 
 
 # -- unknown calls ------------------------------------------------------------------------------------

@@ -113,6 +113,10 @@ def bindings_cuda_major(api: Any) -> int | None:
 
 
 def bindings_fix(driver_major: int) -> str:
-    """The pip command that installs bindings a CUDA ``driver_major`` driver can run."""
-    return f'pip install "cuda-bindings>={driver_major}.0,<{driver_major + 1}"' if driver_major >= 13 else \
-        'pip install "cuda-bindings>=12.8,<13"'
+    """What makes the bindings fit a driver supporting CUDA ``driver_major``: the pip command
+    for 12.x (R525+) and 13.x (R580+) drivers; older drivers need an upgrade."""
+    if driver_major >= 13:
+        return f'pip install "cuda-bindings>={driver_major}.0,<{driver_major + 1}"'
+    if driver_major == 12:
+        return 'pip install "cuda-bindings>=12.8,<13"'
+    return "upgrade the NVIDIA driver to R525+ (cuda-bindings 12.x) or R580+ (cuda-bindings 13.x)"
