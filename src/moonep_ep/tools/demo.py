@@ -325,8 +325,6 @@ def _inject_fault(cfg: DemoConfig, store: Any, shapes: dict[str, tuple[int, int]
 
 #: Where every figure of ``moonep-ep demo --json`` comes from (a test checks each key is listed).
 FIGURE_SOURCES: dict[str, str] = {
-    "emulated": "configuration: True when the CUDA driver calls ran over moonep_ep's emulator "
-                "(MOONEP_EP_CUDA_EMULATOR=1; tensors are CPU tensors)",
     "max_token_rel_err": "measured: max over tokens of max|out - oracle| / max|oracle|, oracle = dense bf16-emulated "
                          "MoE from weights regenerated from the seed (ops.experts.reference_moe_bf16)",
     "max_token_rel_err_per_rank": "measured: as max_token_rel_err, per rank",
