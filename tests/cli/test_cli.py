@@ -82,5 +82,32 @@ def test_selftest_cuda_without_gpu_says_why():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present; the CUDA selftest runs in scripts/gpu_check.sh")
-    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda")
-    assert proc.returncode == 2 and "--driver host" in proc.stderr
+    import os
+
+    env_emulated = os.environ.pop("MOONEP_EP_CUDA_EMULATOR", None)
+    try:
+        proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda")
+    finally:
+        if env_emulated is not None:
+            os.environ["MOONEP_EP_CUDA_EMULATOR"] = env_emulated
+    assert proc.returncode == 2 and "--driver host" in proc.stderr and "MOONEP_EP_CUDA_EMULATOR=1" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("leak,field", [("handle", "leaked_fds"), ("mapping", "leaked_mappings")])
+def test_selftest_host_leak_counters_report_an_injected_leak(leak, field):
+    """Positive control of the OS-measured counters: a memfd (or its mapping) left behind on purpose."""
+    import json
+
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "host", "--inject-leak", leak, "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 1 and out["ok"] is False
+    assert out[field] == 2  # one per rank, from /proc/self/fd or /proc/self/maps
+
+
+@pytest.mark.slow
+def test_selftest_rss_growth_is_measured_only_after_the_warm_up():
+    one = moonep_ep_json("selftest", "--ranks", "2", "--driver", "host", "--cycles", "1")
+    assert one["rss_growth_bytes"] is None and "warm-up" in one["rss_growth_note"]
+    three = moonep_ep_json("selftest", "--ranks", "2", "--driver", "host", "--cycles", "3")
+    assert isinstance(three["rss_growth_bytes"], int) and "cycle 1" in three["rss_growth_note"]

@@ -1,13 +1,17 @@
-"""CudaDriver: call sequences against the recording fake, binding compatibility
-against the real ``cuda.bindings.driver``, and (on a GPU) real allocations.
+"""CudaDriver over the CUDA driver emulator: call sequences, arguments and bookkeeping;
+binding compatibility against the real ``cuda.bindings.driver``; and (on a GPU) real
+allocations.
 
-CPU-only parts prove order, arguments and bookkeeping; they cannot prove real
-granularity values, context handling or cross-process access -- the
+The emulator (``moonep_ep.testing.cuda_emulator``) enforces the driver's rules
+itself (``test_cuda_emulator.py`` breaks each on purpose); these tests check
+what CudaDriver asks of it. Only a GPU proves real granularity values,
+context handling with torch and real cross-process access -- the
 ``TestRealCuda`` class does that where a GPU exists.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import socket
@@ -19,13 +23,17 @@ import pytest
 import torch
 
 from moonep_ep.errors import DriverError
-from moonep_ep.memory.cuda import CudaDriver, DeviceMemoryView
-from moonep_ep.testing.cuda_fake import RecordingCudaApi
+from moonep_ep.memory import dlpack
+from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType, MemoryDriver
+from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
+from tests.support.memory import bind_and_map_multicast
 
 MiB = 1 << 20
 GRAN = 2 * MiB
 FD, FABRIC = HandleType.POSIX_FD, HandleType.FABRIC
+#: One process on GPU 0 of a two-GPU H100 node with a working IMEX domain.
+NODE = "H100x2,imex=domain"
 
 
 def _real_module():
@@ -54,9 +62,13 @@ def _zero(counts: dict[str, int]) -> bool:
     return not any(counts.values())
 
 
+def _emulator(node: str = NODE, visible: str = "0") -> EmulatedCudaApi:
+    return EmulatedCudaApi(node, visible=visible, record=True)
+
+
 @pytest.fixture
-def api() -> RecordingCudaApi:
-    return RecordingCudaApi(granularity=GRAN)
+def api() -> EmulatedCudaApi:
+    return _emulator()
 
 
 @pytest.fixture
@@ -106,14 +118,10 @@ def multicast_scenario(drv: CudaDriver) -> dict:
     # Every member imports, the creator included (same provenance on all ranks).
     mc_imp = drv.multicast_import(fd, FD, size=size)
     os.close(fd)
-    drv.multicast_add_device(mc_imp)
-    mem = drv.create(size, FD)
-    drv.multicast_bind(mc_imp, 0, mem, 0, size)
-    uc_va = drv.reserve(size, size)
-    drv.map(uc_va, size, mem, 0)
-    drv.set_access(uc_va, size)
-    mc_va = drv.reserve(size, size)
-    drv.multicast_map(mc_va, size, mc_imp)
+    mem, uc_va, mc_va = bind_and_map_multicast(drv, mc_imp, size)
+    probe = ((torch.arange(4096) * 7) % 251).to(torch.uint8)
+    drv.multimem_store(mc_va + 4096, probe)  # lands in the bound memory at the same offset
+    stored = drv.as_tensor(uc_va, size, owner=None)[4096:8192].clone()
     live = drv.live_objects()
 
     # Teardown: sync, unbind before the bound memory is unmapped or released,
@@ -128,34 +136,38 @@ def multicast_scenario(drv: CudaDriver) -> dict:
     drv.free_reservation(mc_va, size)
     drv.free_reservation(uc_va, size)
     drv.close()
-    return {"live": live, "size": size, "mc": mc, "mc_imp": mc_imp, "mem": mem}
+    return {"live": live, "size": size, "mc": mc, "mc_imp": mc_imp, "mem": mem,
+            "stored_equal": torch.equal(stored, probe)}
 
 
 # -- call sequences against the fake ---------------------------------------------------
 
+@pytest.mark.cuda_emulated
 def test_driver_is_a_memory_driver(drv):
     assert isinstance(drv, MemoryDriver)
     assert drv.name == "cuda" and drv.device_type == "cuda" and drv.hardware_multicast
 
 
+@pytest.mark.cuda_emulated
 def test_primary_context_comes_first(drv, api):
     drv.granularity(FD)
     assert api.names()[:4] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
                                "cuCtxSetCurrent"]
     assert api.calls_of("cuInit") == [(0,)]
     assert api.calls_of("cuDeviceGet") == [(0,)]
-    assert api.current_context is not None
+    assert int(api.cuCtxGetCurrent()[1]) != 0
     assert api.live()["contexts"] == 1
     drv.close()
     drv.close()  # idempotent
     assert api.live()["contexts"] == 0
 
 
+@pytest.mark.cuda_emulated
 def test_unicast_sequence(drv, api):
     result = unicast_scenario(drv)
     live = result["live"]
     assert live == {"handles": 2, "imported": 2, "reservations": 1, "mappings": 2,
-                    "multicast": 0, "binds": 0}
+                    "multicast": 0, "binds": 0, "modules": 0}
 
     names = api.names()
     _assert_in_order(names, [
@@ -208,25 +220,32 @@ def test_unicast_sequence(drv, api):
     assert api.errors == []
 
 
+@pytest.mark.cuda_emulated
 def test_multicast_sequence(drv, api):
     result = multicast_scenario(drv)
     assert result["live"] == {"handles": 1, "imported": 0, "reservations": 2, "mappings": 2,
-                              "multicast": 2, "binds": 1}
+                              "multicast": 2, "binds": 1, "modules": 1}
+    assert result["stored_equal"]
     names = api.names()
     _assert_in_order(names, [
         "cuMulticastGetGranularity", "cuMulticastCreate", "cuMemExportToShareableHandle",
         "cuMemImportFromShareableHandle", "cuMulticastAddDevice", "cuMemCreate",
         "cuMulticastBindMem", "cuMemMap", "cuMemSetAccess", "cuMemMap", "cuMemSetAccess",
+        "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel",
         "cuMulticastUnbind", "cuMemUnmap", "cuMemUnmap", "cuMemRelease", "cuMemRelease",
-        "cuMemRelease", "cuMemAddressFree", "cuMemAddressFree",
+        "cuMemRelease", "cuMemAddressFree", "cuMemAddressFree", "cuModuleUnload",
+        "cuDevicePrimaryCtxRelease",
     ])
     size, mc_imp, mem = result["size"], result["mc_imp"], result["mem"]
 
     (prop,), = api.calls_of("cuMulticastCreate")
     assert (prop.numDevices, prop.size, prop.handleTypes, prop.flags) == (1, size, 1, 0)
-    assert size % api.mc_granularity == 0
+    assert size % api.node.profile.mc_min == 0
     (mc, dev), = api.calls_of("cuMulticastAddDevice")
     assert (mc, int(dev)) == (mc_imp, 0)
+    (f, gx, gy, gz, bx, by, bz, shared, stream, params, extra), = api.calls_of("cuLaunchKernel")
+    assert (gy, gz, by, bz, shared, stream, extra) == (1, 1, 1, 1, 0, 0, 0) and bx == 256
+    assert params[0][2] == 4096 // 16 and params[1] == (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)
     assert api.calls_of("cuMulticastBindMem") == [(mc_imp, 0, mem, 0, size, 0)]
     (mc, dev, off, usize), = api.calls_of("cuMulticastUnbind")
     assert (mc, int(dev), off, usize) == (mc_imp, 0, 0, size)
@@ -244,6 +263,7 @@ def test_multicast_sequence(drv, api):
     assert api.errors == []
 
 
+@pytest.mark.cuda_emulated
 def test_release_before_unbind_is_reported(drv, api):
     size = drv.multicast_granularity(1, FD)
     mc = drv.multicast_create(size, 1, FD)
@@ -258,8 +278,9 @@ def test_release_before_unbind_is_reported(drv, api):
     assert drv.live_objects()["binds"] == 1  # the failed unbind is not forgotten
 
 
+@pytest.mark.cuda_emulated
 def test_injected_error_names_code_call_and_rank():
-    api = RecordingCudaApi(granularity=GRAN)
+    api = _emulator()
     drv = CudaDriver(device=0, rank=3, api=api)
     api.fail("cuMemCreate", api.CUresult.CUDA_ERROR_NOT_PERMITTED, times=1)
     with pytest.raises(DriverError) as info:
@@ -277,6 +298,7 @@ def test_injected_error_names_code_call_and_rank():
     assert _zero(api.live())
 
 
+@pytest.mark.cuda_emulated
 def test_size_not_multiple_of_granularity_fails_before_the_call(drv, api):
     with pytest.raises(DriverError, match="granularity"):
         drv.create(GRAN + 4096, FD)
@@ -285,6 +307,7 @@ def test_size_not_multiple_of_granularity_fails_before_the_call(drv, api):
     assert "cuMemCreate" not in api.names()
 
 
+@pytest.mark.cuda_emulated
 def test_bind_retry_after_system_not_ready(drv, api):
     size = drv.multicast_granularity(1, FD)
     mc = drv.multicast_create(size, 1, FD)
@@ -304,10 +327,12 @@ def test_bind_retry_after_system_not_ready(drv, api):
     assert _zero(api.live()) and _zero(drv.live_objects())
 
 
+@pytest.mark.cuda_emulated
 def test_unsupported_features_are_driver_errors():
-    api = RecordingCudaApi(granularity=GRAN, fabric=False, multicast=False)
+    # An x86 HGX out of the box: the fabric attribute is set, but there is no IMEX channel.
+    api = _emulator("H100x2,imex=none,multicast=0")
     drv = CudaDriver(device=0, api=api)
-    with pytest.raises(DriverError, match="CUDA_ERROR_NOT_SUPPORTED"):
+    with pytest.raises(DriverError, match="CUDA_ERROR_NOT_PERMITTED"):
         drv.create(GRAN, FABRIC)
     with pytest.raises(DriverError, match="CUDA_ERROR_NOT_SUPPORTED"):
         drv.multicast_create(GRAN, 2, FD)
@@ -315,7 +340,8 @@ def test_unsupported_features_are_driver_errors():
     assert _zero(api.live())
 
 
-def test_fake_rejects_what_the_driver_rejects(drv, api):
+@pytest.mark.cuda_emulated
+def test_emulator_rejects_what_the_driver_rejects(drv, api):
     h = drv.create(2 * GRAN, FD)
     va = drv.reserve(2 * GRAN, GRAN)
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
@@ -340,6 +366,7 @@ def test_fake_rejects_what_the_driver_rejects(drv, api):
     assert _zero(api.live()) and _zero(drv.live_objects())
 
 
+@pytest.mark.cuda_emulated
 def test_import_argument_checks(drv, api):
     with pytest.raises(DriverError, match="int fd"):
         drv.import_handle("3", FD)
@@ -357,29 +384,33 @@ def test_import_argument_checks(drv, api):
     assert _zero(drv.live_objects())
 
 
-def test_fake_module_surface(api):
+@pytest.mark.cuda_emulated
+def test_emulator_module_surface(api):
     assert api.CUresult.CUDA_SUCCESS == 0
     assert api.CUmemAllocationProp is _real_module().CUmemAllocationProp
     with pytest.raises(AttributeError, match="does not implement"):
         api.cuMemAllocAsync  # noqa: B018 - an unmodelled call must not reach the real driver
+    assert api.CUDA_VERSION == _real_module().CUDA_VERSION  # constants: the installed bindings' own
     assert api.cuInit(0) == (api.CUresult.CUDA_SUCCESS,)
 
 
 # -- capabilities ----------------------------------------------------------------------
 
-def test_capabilities_one_gpu(drv):
+@pytest.mark.cuda_emulated
+def test_capabilities_one_gpu(drv, api):
     caps = drv.capabilities()
     assert caps.available and caps.vmm and caps.posix_fd and caps.fabric and caps.multicast
-    assert caps.granularity == GRAN
+    assert caps.granularity == GRAN and caps.emulated
     assert caps.peer_access is None and caps.reasons["peer_access"] == "only one GPU"
-    assert "Fake CUDA device" in caps.device
+    assert "NVIDIA H100" in caps.device
+    assert caps.device_id == api.node.uuid_string(0)  # identity by UUID, not "cuda:0"
     assert caps.to_json()["driver"] == "cuda"
     drv.close()
 
 
+@pytest.mark.cuda_emulated
 def test_capabilities_reasons_for_every_no():
-    api = RecordingCudaApi(granularity=GRAN, fabric=False, multicast=False, device_count=2,
-                           peer_access=False)
+    api = _emulator("H100x2,fabric=0,multicast=0,p2p=0", visible=None)
     caps = CudaDriver(device=1, api=api).capabilities()
     assert caps.available and caps.vmm and caps.posix_fd
     assert not caps.fabric and "FABRIC_SUPPORTED" in caps.reasons["fabric"]
@@ -387,21 +418,22 @@ def test_capabilities_reasons_for_every_no():
     assert caps.peer_access is False and "[0]" in caps.reasons["peer_access"]
     assert set(caps.reasons) == {"fabric", "multicast", "peer_access"}
 
-    caps = CudaDriver(device=0, api=RecordingCudaApi(device_count=2)).capabilities()
+    caps = CudaDriver(device=0, api=_emulator(visible=None)).capabilities()
     assert caps.peer_access is True and "peer_access" not in caps.reasons
 
-    caps = CudaDriver(device=4, api=RecordingCudaApi(device_count=2)).capabilities()
+    caps = CudaDriver(device=4, api=_emulator(visible=None)).capabilities()
     assert not caps.available and "out of range" in caps.reasons["driver"]
     assert all(caps.reasons[c] for c in ("vmm", "posix_fd", "fabric", "multicast"))
 
 
+@pytest.mark.cuda_emulated
 def test_capabilities_never_raise_on_failing_calls():
-    api = RecordingCudaApi(granularity=GRAN)
+    api = _emulator()
     api.fail("cuInit", "CUDA_ERROR_NO_DEVICE")
     caps = CudaDriver(device=0, api=api).capabilities()
     assert not caps.available and "CUDA_ERROR_NO_DEVICE" in caps.reasons["driver"]
 
-    api = RecordingCudaApi(granularity=GRAN)
+    api = _emulator()
     api.fail("cuDeviceGetAttribute", "CUDA_ERROR_INVALID_VALUE", times=100)
     caps = CudaDriver(device=0, api=api).capabilities()
     assert caps.available and not caps.vmm and "query failed" in caps.reasons["vmm"]
@@ -433,6 +465,7 @@ def test_calls_without_driver_library_raise_driver_error():
 @pytest.mark.skipif(_real_driver_present(),
                     reason="a real CUDA driver is present: replaying recorded calls would "
                            "execute them for real")
+@pytest.mark.cuda_emulated
 def test_recorded_calls_are_accepted_by_the_real_bindings():
     """Replay every recorded call with its exact argument objects on the real module.
 
@@ -442,12 +475,13 @@ def test_recorded_calls_are_accepted_by_the_real_bindings():
     """
     from cuda.pathfinder import DynamicLibNotFoundError
 
-    api = RecordingCudaApi(granularity=GRAN, device_count=2)
+    api = _emulator(visible=None)
     drv = CudaDriver(device=0, rank=0, api=api)
     unicast_scenario(drv)
-    multicast_scenario(drv)
+    multicast_scenario(CudaDriver(device=0, rank=0, api=api))
     drv = CudaDriver(device=0, rank=0, api=api)
     drv.capabilities()
+    drv.memory_info()
     drv.close()
 
     real = _real_module()
@@ -469,32 +503,71 @@ def test_recorded_calls_are_accepted_by_the_real_bindings():
             "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemAddressFree",
             "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuCtxSynchronize",
             "cuMulticastGetGranularity", "cuMulticastCreate", "cuMulticastAddDevice",
-            "cuMulticastBindMem", "cuMulticastUnbind"} <= names
+            "cuMulticastBindMem", "cuMulticastUnbind", "cuDeviceGetUuid", "cuModuleLoadData",
+            "cuModuleGetFunction", "cuLaunchKernel", "cuModuleUnload", "cuMemGetInfo",
+            "cuDriverGetVersion"} <= names
 
 
 # -- tensors ---------------------------------------------------------------------------
 
-def test_device_memory_view_interface_and_owner():
+def test_dlpack_capsule_names_the_device_shape_and_strides():
+    """Finding 8: the CUDA tensor's device comes from the capsule, never from the pointer."""
+    managed = dlpack.managed_tensor(0x7F00_0000_0000, 4096, object(), dlpack.DL_CUDA, 3)
+    t = managed.dl_tensor
+    assert (t.device.device_type, t.device.device_id) == (dlpack.DL_CUDA, 3)
+    assert (t.data, t.ndim, t.shape[0], bool(t.strides), t.byte_offset) == (0x7F00_0000_0000, 1, 4096, False, 0)
+    assert (t.dtype.code, t.dtype.bits, t.dtype.lanes) == (dlpack.DL_UINT, 8, 1)
+    before = dlpack.live_count()
+    managed.deleter(ctypes.pointer(managed))  # what torch calls when the storage dies
+    assert dlpack.live_count() == before - 1
+
+
+def test_dlpack_tensor_is_zero_copy_and_keeps_its_owner_until_the_last_view():
+    buf = (ctypes.c_uint8 * 8192)()
+
     class Owner:
         pass
 
     owner = Owner()
     gone = weakref.ref(owner)
-    view = DeviceMemoryView(0x7F00_0000_0000, 4096, owner)
+    tensor = dlpack.tensor_from_pointer(ctypes.addressof(buf), 8192, owner, dlpack.DL_CPU, 0)
     del owner
-    assert gone() is not None  # the view keeps the owner alive
-    cai = view.__cuda_array_interface__
-    assert cai == {"shape": (4096,), "typestr": "|u1", "data": (0x7F00_0000_0000, False),
-                   "strides": None, "version": 3}
+    assert tensor.data_ptr() == ctypes.addressof(buf) and tensor.shape == (8192,)
+    tensor[:4].fill_(9)
+    assert list(buf[:4]) == [9] * 4
+    view = tensor[4096:]
+    del tensor
+    gc.collect()
+    assert gone() is not None  # a view still holds the storage
     del view
     gc.collect()
     assert gone() is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
-def test_as_tensor_without_torch_cuda(drv):
+def test_as_tensor_without_torch_cuda():
+    drv = CudaDriver(device=0, rank=0, api=_real_module())
     with pytest.raises(DriverError, match="torch has no usable CUDA"):
         drv.as_tensor(0x7F00_0000_0000, 4096, object())
+
+
+@pytest.mark.cuda_emulated
+def test_as_tensor_over_the_emulator_is_a_cpu_tensor_after_the_access_check(drv):
+    h = drv.create(GRAN, FD)
+    va = drv.reserve(GRAN, GRAN)
+    drv.map(va, GRAN, h, 0)
+    with pytest.raises(DriverError, match="no read/write access"):
+        drv.as_tensor(va, GRAN, owner=None)  # the seam enforces cuMemSetAccess
+    drv.set_access(va, GRAN)
+    t = drv.as_tensor(va, GRAN, owner=None)
+    assert t.device.type == "cpu" and t.data_ptr() == va
+    assert int(t[0]) == 0xCD  # cuMemCreate memory is not zero-filled; nor is the emulator's
+    del t
+    drv.unmap(va, GRAN)
+    drv.free_reservation(va, GRAN)
+    drv.release(h)
+    drv.close()
+    assert _zero(drv.live_objects()) and not drv.holds_context()
 
 
 # -- real GPU --------------------------------------------------------------------------

@@ -19,7 +19,8 @@ def _multicast_gpus() -> bool:
         return False
     from moonep_ep.memory.cuda import CudaDriver
 
-    return bool(CudaDriver(device=0).capabilities().multicast)
+    with CudaDriver(device=0) as probe:
+        return bool(probe.capabilities().multicast)
 
 
 @pytest.mark.cuda

@@ -17,7 +17,7 @@ from moonep_ep.memory.host import HostDriver
 from moonep_ep.memory.symmetric import SymmetricMemory
 from moonep_ep.tools.launch import RankFailure, run_ranks
 from tests.support.cli import moonep_ep_json
-from tests.support.memory import GRAN, leaks
+from tests.support.memory import GRAN, emulated_cuda_driver, holdings, leaks
 
 
 def _allocate_map_close(driver: Any, multicast: bool) -> dict[str, Any]:
@@ -41,9 +41,10 @@ def _allocate_map_close(driver: Any, multicast: bool) -> dict[str, Any]:
 def cuda_fabric_fallback(ctx: Any, fail_rank: int, fail_call: str, times: int) -> dict[str, Any]:
     """Fabric refused (NOT_PERMITTED) on one rank: every rank falls back to POSIX fds."""
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.testing.cuda_fake import RecordingCudaApi
+    from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
-    api = RecordingCudaApi(granularity=GRAN, multicast=False, fabric=True, device_count=ctx.world_size)
+    # A node where fabric works (IMEX domain), so only the injected refusal stops it.
+    api = EmulatedCudaApi(f"H100x{ctx.world_size},imex=domain,multicast=0", visible=None, record=True)
     if ctx.rank == fail_rank:
         api.fail(fail_call, "CUDA_ERROR_NOT_PERMITTED", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
@@ -203,11 +204,11 @@ def exchange_security(ctx: Any) -> dict[str, Any]:
 
 
 def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
-    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (recording fake)."""
+    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (CUDA driver emulator)."""
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.testing.cuda_fake import RecordingCudaApi
+    from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
-    api = RecordingCudaApi(granularity=GRAN, multicast=True, fabric=False, device_count=ctx.world_size)
+    api = EmulatedCudaApi(f"H100x{ctx.world_size},fabric=0", visible=None, record=True)
     if ctx.rank == 1:
         api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times)
     driver = CudaDriver(device=ctx.rank, rank=ctx.rank, api=api)
@@ -218,15 +219,20 @@ def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
     return out
 
 
-def bad_input(ctx: Any, case: str) -> dict[str, Any]:
+def bad_input(ctx: Any, case: str, driver_kind: str = "host") -> dict[str, Any]:
     """One bad input (often on one rank only): every rank must raise, naming the rank,
-    the value and the fix, and nothing may leak."""
+    the value and the fix, and nothing may leak. ``driver_kind``: ``host``, or ``cuda`` (the
+    CUDA driver over the emulator; granularity 2 MiB, or 4 MiB on rank 1 where it must differ)."""
     from moonep_ep.errors import MoonEPError
     from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
 
     rank = ctx.rank
-    driver = HostDriver(rank=rank, granularity=GRAN)
-    before = snapshot(rank)
+    odd_granularity = case == "alloc_disagree_granularity" and rank == 1
+    if driver_kind == "host":
+        driver: Any = HostDriver(rank=rank, granularity=GRAN * (2 if odd_granularity else 1))
+    else:
+        driver = emulated_cuda_driver(rank, "H100x2" + (",fd_rec=4MiB" if odd_granularity else ""))
+    before = holdings(driver)
     result: dict[str, Any] = {}
     projs = ffn_projections(256, 128)
     store = None
@@ -237,15 +243,14 @@ def bad_input(ctx: Any, case: str) -> dict[str, Any]:
             os.environ["MOONEP_EP_HANDLE_TYPE"] = "fd" if rank == 0 else "auto"
             SymmetricMemory.allocate([GRAN], driver=driver).close()
         elif case == "alloc_disagree_granularity":
-            d2 = HostDriver(rank=rank, granularity=GRAN * (2 if rank == 1 else 1))
-            SymmetricMemory.allocate([4 * GRAN], driver=d2).close()
+            SymmetricMemory.allocate([4 * GRAN], driver=driver).close()
         elif case == "tensor_too_big":
             symm = SymmetricMemory.allocate([GRAN], driver=driver)
             try:
                 view = symm.map_chunks()
                 try:
                     with symm.comm.step("view"):
-                        view.tensor(torch.bfloat16, (ctx.world_size * GRAN,))
+                        view.tensor(torch.bfloat16, (view.size // 2 + 1,))  # one element past the end
                 finally:
                     view.close()
             finally:
@@ -277,12 +282,19 @@ def bad_input(ctx: Any, case: str) -> dict[str, Any]:
         if store is not None:
             store.close()
     result["leaks"] = leaks(driver, before)
+    driver.close()
     return result
+
+
+def bad_inputs_all(ctx: Any, driver_kind: str) -> dict[str, Any]:
+    """Every bad-input case in turn on the same ranks (one process start for all)."""
+    return {case: bad_input(ctx, case, driver_kind) for case in sorted(BAD_INPUTS)}
 
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.cuda_emulated
 def test_fabric_refused_on_one_rank_falls_back_to_posix_fds_on_every_rank():
     results = run_ranks(cuda_fabric_fallback, 2, args=(1, "cuMemCreate", 1))
     for rank, res in enumerate(results):
@@ -294,6 +306,7 @@ def test_fabric_refused_on_one_rank_falls_back_to_posix_fds_on_every_rank():
         assert all(v == 0 for v in res["live"].values()), res["live"]
 
 
+@pytest.mark.cuda_emulated
 def test_fabric_refused_for_good_fails_every_rank_without_leaks():
     # NOT_PERMITTED on the fd export too: nothing left to fall back to.
     results = run_ranks(cuda_fabric_fallback, 2, args=(0, "cuMemExportToShareableHandle", 5))
@@ -330,6 +343,7 @@ def test_fd_exchange_rejects_foreign_sender_sweeps_stale_dirs_and_hands_out_seal
     assert r0["stale_swept"] and r0["live_kept"]         # dead run's directory gone, live run's kept
 
 
+@pytest.mark.cuda_emulated
 def test_cuda_multicast_bind_not_ready_is_retried_then_fails_collectively():
     ok = run_ranks(cuda_bind_retry, 2, args=(2,))
     for res in ok:
@@ -367,6 +381,20 @@ def test_bad_input_raises_on_every_rank_with_rank_value_and_fix(case):
             assert needle in res["message"], (case, rank, res["message"])
         assert "Fix" in res["message"] and f"[rank {rank}]" in res["message"]
         assert res["leaks"] == {}, (case, rank, res["leaks"])
+
+
+@pytest.mark.cuda_emulated
+def test_bad_input_over_the_cuda_emulator_raises_on_every_rank_and_leaks_nothing():
+    """The same bad inputs through CudaDriver over the emulator: the CUDA path raises on every rank
+    with rank, value and fix, and leaves nothing in the emulated driver."""
+    for rank, per_case in enumerate(run_ranks(bad_inputs_all, 2, args=("cuda",), timeout_s=240)):
+        assert set(per_case) == set(BAD_INPUTS)
+        for case, res in per_case.items():
+            assert res["raised"] in ("CollectiveError", "ConfigError"), (case, rank, res)
+            for needle in BAD_INPUTS[case]:
+                assert needle in res["message"], (case, rank, res["message"])
+            assert "Fix" in res["message"] and f"[rank {rank}]" in res["message"]
+            assert res["leaks"] == {}, (case, rank, res["leaks"])
 
 
 @pytest.mark.timeout(1500)

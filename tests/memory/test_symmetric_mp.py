@@ -14,7 +14,7 @@ from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
 from moonep_ep.memory.symmetric import Segment, SymmetricMemory
 from moonep_ep.tools.launch import RankFailure, run_ranks
-from tests.support.memory import GRAN, leaks
+from tests.support.memory import GRAN, allocate_map_and_close, leaks
 
 
 def _fill(owner: int, chunk: int, writer: int, n: int) -> torch.Tensor:
@@ -170,8 +170,10 @@ FAULT_POINTS = ["create", "export", "import_handle", "multicast_create", "multic
                 "multicast_add_device", "multicast_bind", "reserve", "map", "set_access", "exchange"]
 
 
-#: Steps that only rank 0 performs (it creates the multicast object).
+#: Steps that only rank 0 performs (it creates the multicast object and keeps that handle),
+#: and steps only the other ranks perform (they import it).
 ROOT_ONLY = {"multicast_create"}
+NON_ROOT = {"multicast_import"}
 
 
 def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
@@ -182,7 +184,7 @@ def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
     rank = ctx.rank
     results: dict[str, Any] = {}
     for point in FAULT_POINTS:
-        if point in ROOT_ONLY and failing_rank != 0:
+        if (point in ROOT_ONLY and failing_rank != 0) or (point in NON_ROOT and failing_rank == 0):
             continue
         inner = HostDriver(rank=rank, granularity=GRAN)
         before = snapshot(rank)
@@ -199,21 +201,7 @@ def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
                 driver = FaultyDriver(inner, point, nth=2 if point in ("create", "export", "map") else 1)
         outcome: dict[str, Any] = {}
         try:
-            symm = SymmetricMemory.allocate([GRAN, GRAN], driver=driver, multicast=True)
-            try:
-                with symm.comm.step("map views"):
-                    a = symm.map_chunks(0)
-                    b = symm.map_chunks(1, "local_first")
-                a.close()
-                b.close()
-            finally:
-                symm.close()
-            outcome["raised"] = None
-        except CollectiveError as exc:
-            outcome["raised"] = "CollectiveError"
-            outcome["failures"] = sorted(exc.failures)
-            outcome["step"] = exc.step
-            outcome["message"] = str(exc)[:400]
+            outcome = allocate_map_and_close(driver, GRAN)
         except Exception as exc:  # noqa: BLE001 - reported, the test fails on it
             outcome["raised"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -258,16 +246,17 @@ def env_probe(ctx: Any) -> str:
     return os.environ.get("MOONEP_EP_PROBE", "")
 
 
-def cuda_fake_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
-    """SymmetricMemory over the CUDA driver, with the recording fake in place of
+def cuda_emulated_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
+    """SymmetricMemory over the CUDA driver, with the CUDA driver emulator in place of
     cuda.bindings.driver: the real call sequence, no GPU."""
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.testing.cuda_fake import RecordingCudaApi
+    from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
     # One GPU per rank (device = rank), as on an NVSwitch node: the vote keeps multicast on.
-    api = RecordingCudaApi(granularity=GRAN, multicast=True, device_count=ctx.world_size)
+    api = EmulatedCudaApi(f"H100x{ctx.world_size}", visible=None, record=True)
     driver = CudaDriver(device=0 if same_gpu else ctx.rank, rank=ctx.rank, api=api)
-    symm = SymmetricMemory.allocate([GRAN, 2 * GRAN], driver=driver, multicast=True)
+    cuda_gran = 2 << 20
+    symm = SymmetricMemory.allocate([cuda_gran, 2 * cuda_gran], driver=driver, multicast=True)
     view = symm.map_chunks(1, "local_first")
     symm.release_imports()
     view.close()
@@ -275,7 +264,7 @@ def cuda_fake_sequence(ctx: Any, same_gpu: bool = False) -> dict[str, Any]:
     driver.close()
     return {"multicast": symm.decision.multicast, "reason": symm.decision.reason,
             "calls": [(name, [repr(a) for a in args]) for name, args in api.calls],
-            "live": api.live(), "driver_live": driver.live_objects()}
+            "live": api.live(), "driver_live": driver.live_objects(), "errors": api.errors}
 
 
 pytestmark = pytest.mark.slow
@@ -322,7 +311,7 @@ def test_multicast_fan_out(world):
 def test_injected_failure_at_each_step_raises_everywhere_and_leaks_nothing(failing_rank):
     results = run_ranks(faults, 2, args=(failing_rank,), timeout_s=240)
     for rank, per_point in enumerate(results):
-        expected = set(FAULT_POINTS) - (ROOT_ONLY if failing_rank != 0 else set())
+        expected = set(FAULT_POINTS) - (ROOT_ONLY if failing_rank != 0 else NON_ROOT)
         assert set(per_point) == expected
         for point, outcome in per_point.items():
             assert outcome["raised"] == "CollectiveError", (rank, point, outcome)
@@ -357,9 +346,10 @@ def test_launcher_reports_env_and_failures():
     assert 0 in info.value.errors and "TypeError" in info.value.errors[0]
 
 
-def test_cuda_call_sequence_against_the_recording_fake():
-    """SymmetricMemory driving the CUDA driver (fake API) on 2 real ranks: order and arguments."""
-    results = run_ranks(cuda_fake_sequence, 2)
+@pytest.mark.cuda_emulated
+def test_cuda_call_sequence_against_the_emulator():
+    """SymmetricMemory driving the CUDA driver (emulated API) on 2 real ranks: order and arguments."""
+    results = run_ranks(cuda_emulated_sequence, 2)
     for rank, res in enumerate(results):
         names = [n for n, _ in res["calls"]]
         assert all(v == 0 for v in res["live"].values()), (rank, res["live"])
@@ -372,9 +362,14 @@ def test_cuda_call_sequence_against_the_recording_fake():
         assert first("cuCtxSetCurrent") < first("cuMemGetAllocationGranularity") < first("cuMemCreate")
         # create -> export -> (exchange) -> import of the peer's chunks.
         assert first("cuMemCreate") < first("cuMemExportToShareableHandle") < first("cuMemImportFromShareableHandle")
-        assert names.count("cuMemCreate") == 2
-        # Multicast: only rank 0 creates; every rank imports (rank 0 too), adds its device, then binds.
+        # The fabric trial's create (refused: the attribute says yes, but no IMEX channel), then two chunks.
+        assert names.count("cuMemCreate") == 3
+        assert [e[:2] for e in res["errors"]] == [("cuMemCreate", "CUDA_ERROR_NOT_PERMITTED")]
+        # Multicast: only rank 0 creates and keeps that handle (NCCL nvls.cc); the others import it.
+        # Every rank adds its device, then binds.
         assert names.count("cuMulticastCreate") == (1 if rank == 0 else 0)
+        mc_imports = [a for n, a in res["calls"] if n == "cuMemImportFromShareableHandle"]
+        assert len(mc_imports) == (2 if rank == 0 else 3)  # peer's 2 chunks (+ the multicast handle)
         assert first("cuMulticastAddDevice") < first("cuMulticastBindMem") < first("cuMemAddressReserve")
         bind_args = [a for n, a in res["calls"] if n == "cuMulticastBindMem"][0]
         assert bind_args[1] == "0" and bind_args[3] == "0"  # mc offset 0, memory offset 0
@@ -397,10 +392,11 @@ def test_cuda_call_sequence_against_the_recording_fake():
                 assert names[i - 1] in ("cuMemUnmap", "cuMemAddressFree")
 
 
+@pytest.mark.cuda_emulated
 def test_two_ranks_on_one_gpu_vote_multicast_off():
     # A multicast team has one member per GPU: two processes on one GPU (the
     # single-GPU fd-exchange setup) must not try to form one.
-    for res in run_ranks(cuda_fake_sequence, 2, args=(True,)):
+    for res in run_ranks(cuda_emulated_sequence, 2, args=(True,)):
         names = [n for n, _ in res["calls"]]
         assert res["multicast"] is False and "lack it" in res["reason"]
         assert "cuMulticastCreate" not in names and "cuMulticastBindMem" not in names

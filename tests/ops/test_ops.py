@@ -551,7 +551,7 @@ def test_reference_moe_counts_a_repeated_expert_twice():
 
 
 #: Keys of ``demo --json`` that echo the configuration or nest per-rank detail, not figures.
-DEMO_NON_FIGURES = {"ok", "ranks", "driver", "backend", "model", "tokens_per_rank", "skew", "slots_per_rank",
+DEMO_NON_FIGURES = {"ok", "ranks", "driver", "emulated", "backend", "model", "tokens_per_rank", "skew", "slots_per_rank",
                     "token_padding", "fault", "tolerance", "expert_bytes_source", "figure_sources", "per_rank"}
 
 

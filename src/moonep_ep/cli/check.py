@@ -34,9 +34,15 @@ def collect() -> dict[str, Any]:
         report["host"] = {"driver": "host", "available": False, "reasons": {"driver": str(exc)}}
 
     from ..memory.cuda import CudaDriver
+    from ..memory.cuda_probe import versions
 
     try:
-        report["cuda"] = CudaDriver().capabilities().to_json()
+        with CudaDriver() as cuda:
+            report["cuda"] = cuda.capabilities().to_json()
+            # Driver CUDA version vs the bindings' build: a mismatch names itself and its fix.
+            report["cuda"]["versions"] = versions(cuda.api)
+            if report["cuda"]["versions"].get("fix"):
+                report["cuda"]["reasons"]["versions"] = report["cuda"]["versions"]["fix"]
     except Exception as exc:  # noqa: BLE001
         report["cuda"] = {"driver": "cuda", "available": False, "reasons": {"driver": f"{type(exc).__name__}: {exc}"}}
 
@@ -74,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
     for key in ("host", "cuda"):
         caps = report[key]
         reasons = caps.get("reasons", {})
-        print(f"{key} driver:")
+        print(f"{key} driver" + (" (emulated: MOONEP_EP_CUDA_EMULATOR=1)" if caps.get("emulated") else "") + ":")
         line("available", caps.get("available"), reasons.get("driver"))
+        ver = caps.get("versions") or {}
+        if ver.get("driver_cuda"):
+            line(f"driver CUDA {ver.get('driver_cuda')} / bindings {ver.get('bindings_cuda_major')}.x",
+                 ver.get("compatible") is not False, ver.get("fix"))
         if not caps.get("available"):
             continue
         for cap in ("vmm", "posix_fd", "fabric", "multicast", "peer_access"):

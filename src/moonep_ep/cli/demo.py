@@ -53,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None and args.layers < 1:
         print(f"moonep-ep demo: --layers must be >= 1, got {args.layers}", file=sys.stderr)
         return 2
-    if args.driver == "cuda":
+    from .. import envs
+
+    if args.driver == "cuda" and not envs.MOONEP_EP_CUDA_EMULATOR:
         import torch
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:
             print(f"moonep-ep demo: --driver cuda needs {args.ranks} visible GPUs (one per rank); "
-                  "use --driver host", file=sys.stderr)
+                  "use --driver host (or MOONEP_EP_CUDA_EMULATOR=1 for the CPU emulator)", file=sys.stderr)
             return 2
     try:
         cfg = resolve_config(ranks=args.ranks, skew=args.skew, model=args.model, tokens=args.tokens,

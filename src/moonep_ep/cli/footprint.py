@@ -126,6 +126,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --measure: EP ranks to run")
     p.add_argument("--layers", type=int, default=None, metavar="L",
                    help="with --measure: MoE layers to allocate")
+    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="host",
+                   help="with --measure: memory driver (host: memfd sizes from the OS; cuda: device bytes "
+                        "from the driver, over the emulator with MOONEP_EP_CUDA_EMULATOR=1)")
     p.set_defaults(run=run)
     return p
 

@@ -107,7 +107,9 @@ class ShardedExpertStore:
             layout.share(self._description())
         self._check_same_everywhere(layout.gathered)
         with comm.step("plan expert pages"):
-            self.granularity = gran = driver.granularity()
+            # No handle type: the page size valid for whichever type the group votes next
+            # (CUDA's granularity depends on it; the vote happens inside allocate()).
+            self.granularity = gran = driver.granularity(None)
             self.plans: dict[str, ExpertRegionPlan] = {
                 p.name: plan_expert_region(num_experts, self.world_size, p.row_bytes, gran)
                 for p in self.projections}

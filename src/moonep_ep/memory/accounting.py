@@ -90,6 +90,60 @@ def system_shmem_bytes() -> int:
     return _proc_kib_field("/proc/meminfo", "Shmem:")
 
 
+@dataclasses.dataclass(frozen=True)
+class DriverHoldings:
+    """What the layer *below* the library holds for this process, for leak checks.
+
+    Host driver: the OS (open memfds, memfd mappings, bytes of our memfds kept
+    alive). CUDA driver over the emulator: the emulator's own registry (live
+    allocation and multicast handles; mappings and reservations; device bytes
+    this process created), never moonep_ep's bookkeeping. CUDA on a GPU: the
+    driver lists no handles or mappings, so ``handles``/``mappings`` are None
+    (with ``how`` saying so) and only the device's used bytes (``cuMemGetInfo``)
+    are measured.
+    """
+
+    handles: int | None
+    mappings: int | None
+    bytes_held: int | None
+    detail: dict
+    how: str
+
+
+def driver_holdings(driver, rank: int | None = None) -> DriverHoldings:
+    """A :class:`DriverHoldings` snapshot for ``driver``'s kind (see its docstring)."""
+    if driver.name == "host":
+        mem = snapshot(rank)
+        return DriverHoldings(mem.open_memfds, mem.memfd_mappings, mem.held_bytes,
+                              {"open_memfds": mem.open_memfds, "memfd_mappings": mem.memfd_mappings},
+                              "OS: /proc/self/fd and /proc/self/maps entries of moonep_ep memfds")
+    from .cuda_calls import emulator_of
+
+    emulator = emulator_of(driver.api)
+    if emulator is not None:  # readable after driver.close() too: the emulator is process-wide
+        live = emulator.live()
+        return DriverHoldings(live["handles"] + live["multicast_handles"],
+                              live["mappings"] + live["reservations"], emulator.device_bytes_in_use(), live,
+                              "CUDA emulator: its live handles, mappings, reservations and device bytes")
+    free, total = driver.memory_info()
+    return DriverHoldings(None, None, total - free, {},
+                          "GPU: the CUDA driver lists no handles or mappings; device bytes from cuMemGetInfo")
+
+
+def own_physical_bytes(rank: int | None) -> int:
+    """Bytes of physical memory this process created and still keeps alive, as reported below
+    the library: its memfds (host driver) plus, under ``MOONEP_EP_CUDA_EMULATOR=1``, the
+    emulator's device memory (the CUDA driver's allocations). Needs no driver object."""
+    from .. import envs
+
+    total = snapshot(rank).own_bytes
+    if envs.MOONEP_EP_CUDA_EMULATOR:
+        from .cuda_calls import driver_module
+
+        total += driver_module().device_bytes_in_use()
+    return total
+
+
 def resident_bytes(address: int, nbytes: int) -> int:
     """Bytes of ``[address, address + nbytes)`` of this process backed by physical pages now.
 

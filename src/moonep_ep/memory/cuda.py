@@ -3,13 +3,11 @@
 Pure Python; every primitive is one (occasionally two) CUDA driver calls.
 ``cuda.bindings`` is imported lazily, so ``import moonep_ep.memory.cuda``
 works on machines without it and without an NVIDIA driver; ``capabilities()``
-then reports why the driver is unavailable instead of raising.
-
-Calling convention of the bindings: every ``cu*`` function returns a tuple
-whose first item is a ``CUresult``; :meth:`CudaDriver.check` turns a failure
-into a :class:`~moonep_ep.errors.DriverError` naming the result code
-(``CUDA_ERROR_NOT_PERMITTED``), the call and the rank, and returns the
-remaining outputs (none, one, or a tuple).
+then reports why the driver is unavailable instead of raising. With
+``MOONEP_EP_CUDA_EMULATOR=1`` the calls go to the emulator in
+``moonep_ep.testing.cuda_emulator`` (``cuda_calls.driver_module``), so every
+line here runs on CPU except one: the device named in :meth:`as_tensor`'s
+DLPack capsule (CPU for emulated memory, ``cuda:<device>`` on a GPU).
 
 Objects are plain ``int`` values: allocation and multicast handles
 (``CUmemGenericAllocationHandle``) and virtual addresses (``CUdeviceptr``) are
@@ -22,13 +20,16 @@ Teardown order (the caller's job; ``symmetric.py`` follows it):
    about to be unmapped (an unmap under a running kernel is an illegal-address
    fault that poisons the context);
 2. ``multicast_unbind`` every bind -- *before* the bound memory is unmapped or
-   released (on some systems an unbind after that fails with
-   ``CUDA_ERROR_INVALID_VALUE`` and leaves the multicast team inconsistent);
+   released (on B200 an unbind after that fails with ``CUDA_ERROR_INVALID_VALUE``
+   and leaves the multicast team inconsistent);
 3. ``unmap`` every mapping (unicast and multicast ranges);
 4. ``multicast_release`` multicast handles, then ``release`` memory handles --
    physical memory is returned when the last handle *and* mapping are gone;
 5. ``free_reservation`` last: a reservation must be empty when freed;
-6. ``close()`` drops this driver's reference on the primary context.
+6. ``close()`` unloads the multimem module and drops this driver's retain of
+   the primary context -- at once if nothing made through the driver is
+   alive, else when the last such object is released (a tensor may outlive
+   the allocation object; its late unmap still needs the context).
 
 Not thread-safe: one allocator drives one ``CudaDriver``. The primary context
 is made current on each thread that issues a call, once per thread.
@@ -42,77 +43,8 @@ from typing import Any
 
 import torch
 
+from . import cuda_calls, cuda_probe, dlpack, multimem
 from .driver import Capabilities, HandleType, MemoryDriver, Shareable
-
-#: Why a given result code usually happens, appended to the error message so
-#: that the log line from the failing rank says what to do about it.
-_HINTS: dict[str, str] = {
-    "CUDA_ERROR_INVALID_VALUE":
-        "sizes, offsets and addresses must be multiples of the granularity queried "
-        "for this exact allocation prop; a multicast unbind after the bound memory "
-        "was released also reports this",
-    "CUDA_ERROR_OUT_OF_MEMORY": "not enough free device memory for this allocation",
-    "CUDA_ERROR_NOT_INITIALIZED": "the CUDA driver is not initialised in this process",
-    "CUDA_ERROR_INVALID_CONTEXT": "no current CUDA context on this thread",
-    "CUDA_ERROR_NO_DEVICE": "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)",
-    "CUDA_ERROR_INVALID_DEVICE": "device ordinal out of range or no peer path to it",
-    "CUDA_ERROR_ALREADY_MAPPED": "the address range is already mapped; unmap it first",
-    "CUDA_ERROR_INVALID_HANDLE":
-        "the shareable handle is not valid here (different host or NVLink clique, "
-        "or the exporter released it before this import)",
-    "CUDA_ERROR_NOT_PERMITTED":
-        "for FABRIC handles: no IMEX channel (/dev/nvidia-caps-imex-channels) or no "
-        "access to it; fall back to POSIX_FD handles within one node",
-    "CUDA_ERROR_NOT_SUPPORTED":
-        "this device/driver does not support the requested handle type, VMM or "
-        "multicast; see capabilities()",
-    "CUDA_ERROR_ILLEGAL_STATE":
-        "multicast: NVIDIA Fabric Manager not running or restarted without a GPU "
-        "reset; or a member bound before every device was added",
-    "CUDA_ERROR_SYSTEM_NOT_READY":
-        "transient fabric stall while forming the multicast team; retry on all "
-        "ranks together or abort on all ranks",
-    "CUDA_ERROR_MULTICAST_RESOURCE_FULL": "no multicast resources left on this fabric",
-    "CUDA_ERROR_ILLEGAL_ADDRESS":
-        "a kernel touched unmapped memory (synchronize before unmap); the context "
-        "is now unusable",
-}
-
-
-def _is_missing_driver_library(exc: BaseException) -> bool:
-    """True for the bindings' "libcuda not found" error (no NVIDIA driver here).
-
-    ``cuda.pathfinder.DynamicLibNotFoundError`` subclasses ``RuntimeError``;
-    matched by name so that this module does not import ``cuda.pathfinder``.
-    """
-    return any(cls.__name__ == "DynamicLibNotFoundError" for cls in type(exc).__mro__)
-
-
-class DeviceMemoryView:
-    """``__cuda_array_interface__`` (v3) of ``nbytes`` bytes at ``addr``.
-
-    Exposes a 1-D ``uint8`` array (typestr ``|u1``, shape ``(nbytes,)``,
-    contiguous) and holds a strong reference to ``owner``. ``torch.as_tensor``
-    keeps this object alive for as long as the resulting storage lives, so the
-    owner -- whose finalizer unmaps the range -- outlives every view.
-    """
-
-    __slots__ = ("addr", "nbytes", "owner", "__weakref__")
-
-    def __init__(self, addr: int, nbytes: int, owner: object):
-        self.addr = int(addr)
-        self.nbytes = int(nbytes)
-        self.owner = owner
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.addr, False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 class CudaDriver(MemoryDriver):
@@ -122,8 +54,9 @@ class CudaDriver(MemoryDriver):
         device: CUDA device ordinal; default ``torch.cuda.current_device()``
             when torch has CUDA, else 0.
         rank: used in error messages only.
-        api: the ``cuda.bindings.driver`` module (default) or a stand-in with
-            the same interface, e.g. :class:`moonep_ep.testing.cuda_fake.RecordingCudaApi`.
+        api: the ``cuda.bindings.driver`` module (default: the real module, or
+            the emulator under ``MOONEP_EP_CUDA_EMULATOR=1``), or an
+            :class:`~moonep_ep.testing.cuda_emulator.EmulatedCudaApi` of a test.
     """
 
     name = "cuda"
@@ -138,11 +71,14 @@ class CudaDriver(MemoryDriver):
         self._api = api
         self._cu_device: Any = None     # CUdevice from cuDeviceGet
         self._ctx: Any = None           # retained primary context
+        self._closing = False           # close() asked; the retain goes with the last live object
+        self._closed = False
         self._thread = threading.local()  # .ctx_current: primary ctx set on this thread
         self._props: dict[HandleType, Any] = {}
         self._gran: dict[HandleType, int] = {}
-        self._mc_gran: dict[tuple[int, HandleType], int] = {}
+        self._mc_gran: dict[tuple[int, HandleType, bool], int] = {}
         self._rdma: bool | None = None
+        self._kernel: multimem.MultimemKernel | None = None  # loaded on the first multicast store
         # Live objects, updated only after the driver call succeeded.
         self._created: dict[int, int] = {}                      # handle -> size
         self._imported: dict[int, int | None] = {}              # handle -> size if known
@@ -158,34 +94,20 @@ class CudaDriver(MemoryDriver):
     def api(self) -> Any:
         """The driver module (imported on first use)."""
         if self._api is None:
-            from cuda.bindings import driver  # lazy: keep this module importable anywhere
-            self._api = driver
+            self._api = cuda_calls.driver_module()
         return self._api
 
-    def _code_name(self, code: Any) -> str:
-        name = getattr(code, "name", None)
-        if name:
-            return str(name)
-        try:
-            return str(self.api.CUresult(int(code)).name)
-        except Exception:  # an unknown code still deserves a readable message
-            return f"CUresult({code!r})"
+    @property
+    def emulated(self) -> bool:
+        return cuda_calls.emulator_of(self.api) is not None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.emulated else torch.device("cuda", self.device)
 
     def check(self, result: Any, call: str, detail: str = "") -> Any:
-        """Unpack ``(CUresult, *outputs)``; raise ``DriverError`` unless CUDA_SUCCESS.
-
-        Returns ``None``, the single output, or a tuple of outputs.
-        """
-        if not isinstance(result, tuple) or not result:
-            raise self.error(call, f"unexpected return value {result!r} from the bindings")
-        code, outs = result[0], result[1:]
-        if int(code) != 0:
-            name = self._code_name(code)
-            parts = [p for p in (detail, _HINTS.get(name, "")) if p]
-            raise self.error(call, "; ".join(parts) or "failed", name)
-        if not outs:
-            return None
-        return outs[0] if len(outs) == 1 else outs
+        """Unpack ``(CUresult, *outputs)``; raise ``DriverError`` unless CUDA_SUCCESS."""
+        return cuda_calls.check(self.api, result, call, detail, self.error)
 
     def _cu(self, call: str, *args: Any, detail: str = "", context: bool = True) -> Any:
         """Call ``api.<call>(*args)`` and :meth:`check` the result."""
@@ -194,13 +116,13 @@ class CudaDriver(MemoryDriver):
         try:
             result = getattr(self.api, call)(*args)
         except RuntimeError as exc:
-            if _is_missing_driver_library(exc):
+            if cuda_calls.is_missing_driver_library(exc):
                 raise self.error(call, f"no NVIDIA driver library (libcuda) found: {exc}",
                                  "NO_DRIVER_LIBRARY") from exc
             raise
         return self.check(result, call, detail)
 
-    # -- context -------------------------------------------------------------------
+    # -- context and lifetime --------------------------------------------------------
     def _ensure_context(self) -> None:
         """Make the device's primary context (the one torch uses) current here.
 
@@ -209,6 +131,8 @@ class CudaDriver(MemoryDriver):
         once per driver, and ``cuCtxSetCurrent`` once per calling thread.
         """
         if self._ctx is None:
+            if self._closed:
+                raise self.error("context", "this CudaDriver is closed; make a new one")
             self._cu("cuInit", 0, context=False)
             self._cu_device = self._cu("cuDeviceGet", self.device, context=False,
                                        detail=f"device {self.device}")
@@ -219,15 +143,55 @@ class CudaDriver(MemoryDriver):
             self._thread.ctx_current = True
 
     def close(self) -> None:
-        """Drop this driver's reference on the primary context (idempotent).
+        """Unload the multimem module and drop the primary-context retain (idempotent).
 
-        Call after the teardown above. torch holds its own reference, so the
-        context stays alive while torch uses the device.
+        If objects made through this driver are still alive (a tensor keeps a
+        mapping), the retain is dropped when the last of them is released.
+        torch holds its own reference, so the context outlives this driver
+        while torch uses the device.
         """
-        if self._ctx is not None:
-            ctx_dev, self._ctx = self._cu_device, None
-            self._thread = threading.local()
-            self._cu("cuDevicePrimaryCtxRelease", ctx_dev, context=False)
+        self._closing = True
+        if self._kernel is not None:
+            kernel, self._kernel = self._kernel, None
+            kernel.unload(self)
+        self._release_context_if_idle()
+
+    def _release_context_if_idle(self) -> None:
+        if not self._closing or self._ctx is None or any(self.live_objects().values()):
+            return
+        ctx_dev, self._ctx = self._cu_device, None
+        self._closed = True
+        self._thread = threading.local()
+        self._cu("cuDevicePrimaryCtxRelease", ctx_dev, context=False)
+
+    # -- device ------------------------------------------------------------------------
+    def attribute(self, name: str) -> int:
+        attr = getattr(self.api.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+        self._ensure_context()
+        return int(self._cu("cuDeviceGetAttribute", attr, self._cu_device, detail=name))
+
+    def device_name(self) -> str:
+        self._ensure_context()
+        raw = self._cu("cuDeviceGetName", 256, self._cu_device)
+        return bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
+
+    def device_uuid(self) -> str:
+        """``GPU-<uuid>`` of this device: its identity across processes (ordinals are per process)."""
+        import uuid
+
+        self._ensure_context()
+        raw = self._cu("cuDeviceGetUuid", self._cu_device, detail=f"device {self.device}")
+        return "GPU-" + str(uuid.UUID(bytes=bytes(raw.bytes)))
+
+    def can_access_peer(self, peer: int) -> bool:
+        self._ensure_context()
+        peer_dev = self._cu("cuDeviceGet", peer)
+        return bool(int(self._cu("cuDeviceCanAccessPeer", self._cu_device, peer_dev)))
+
+    def memory_info(self) -> tuple[int, int]:
+        """``cuMemGetInfo``: (free, total) bytes of this device."""
+        free, total = self._cu("cuMemGetInfo")
+        return int(free), int(total)
 
     # -- props and granularity -------------------------------------------------------
     def _handle_type_enum(self, handle_type: HandleType) -> Any:
@@ -235,11 +199,6 @@ class CudaDriver(MemoryDriver):
         if HandleType(handle_type) is HandleType.FABRIC:
             return ht.CU_MEM_HANDLE_TYPE_FABRIC
         return ht.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-    def _attribute(self, name: str) -> int:
-        attr = getattr(self.api.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
-        self._ensure_context()
-        return int(self._cu("cuDeviceGetAttribute", attr, self._cu_device, detail=name))
 
     def _alloc_prop(self, handle_type: HandleType) -> Any:
         """The one ``CUmemAllocationProp`` used for both granularity and create.
@@ -259,7 +218,7 @@ class CudaDriver(MemoryDriver):
             prop.requestedHandleTypes = self._handle_type_enum(handle_type)
             if self._rdma is None:
                 try:
-                    self._rdma = bool(self._attribute("GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
+                    self._rdma = bool(self.attribute("GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
                 except Exception:  # optional flag: leave it off if the query fails
                     self._rdma = False
             if self._rdma:
@@ -267,8 +226,22 @@ class CudaDriver(MemoryDriver):
             self._props[handle_type] = prop
         return prop
 
-    def granularity(self, handle_type: HandleType) -> int:
-        """RECOMMENDED granularity (bytes) of this driver's prop for ``handle_type``."""
+    def granularity(self, handle_type: HandleType | None = None) -> int:
+        """RECOMMENDED granularity (bytes) of this driver's prop for ``handle_type``.
+
+        ``None``: the largest over the handle types this device may be voted to
+        use -- POSIX fds, and FABRIC when the device attribute allows it -- as
+        MoonEP's ``get_vmm_granularity`` does, so pages planned before the vote
+        fit whichever type the group picks.
+        """
+        if handle_type is None:
+            grans = [self.granularity(HandleType.POSIX_FD)]
+            try:
+                if self.attribute("HANDLE_TYPE_FABRIC_SUPPORTED"):
+                    grans.append(self.granularity(HandleType.FABRIC))
+            except Exception:  # noqa: BLE001 - fabric not queryable: it will not be voted either
+                pass
+            return max(grans)
         handle_type = HandleType(handle_type)
         if handle_type not in self._gran:
             prop = self._alloc_prop(handle_type)
@@ -286,17 +259,22 @@ class CudaDriver(MemoryDriver):
         prop.flags = 0
         return prop
 
-    def multicast_granularity(self, num_devices: int, handle_type: HandleType) -> int:
-        """RECOMMENDED multicast granularity (bytes) for a team of ``num_devices``.
+    def multicast_granularity(self, num_devices: int, handle_type: HandleType,
+                              recommended: bool = False) -> int:
+        """MINIMUM (default) or RECOMMENDED multicast granularity for a team of ``num_devices``.
 
-        Queried with ``size=0``: the size of the object does not enter the query.
+        Sizes and bind offsets need multiples of MINIMUM only (driver API docs);
+        RECOMMENDED is a performance hint that can be 512 MiB (8xH100), larger
+        than a whole chunk. Queried with ``size=0``: the object's size does not
+        enter the query.
         """
-        key = (int(num_devices), HandleType(handle_type))
+        key = (int(num_devices), HandleType(handle_type), bool(recommended))
         if key not in self._mc_gran:
-            prop = self._mc_prop(0, num_devices, handle_type)
-            flag = self.api.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED
+            flags = self.api.CUmulticastGranularity_flags
+            flag = (flags.CU_MULTICAST_GRANULARITY_RECOMMENDED if recommended
+                    else flags.CU_MULTICAST_GRANULARITY_MINIMUM)
             self._mc_gran[key] = int(self._cu(
-                "cuMulticastGetGranularity", prop, flag,
+                "cuMulticastGetGranularity", self._mc_prop(0, num_devices, handle_type), flag,
                 detail=f"num_devices={num_devices}, handle_type={key[1].value}"))
         return self._mc_gran[key]
 
@@ -324,6 +302,7 @@ class CudaDriver(MemoryDriver):
         handle = int(handle)
         self._cu("cuMemRelease", handle, detail=f"handle={handle:#x}")
         self._forget_handle(handle)
+        self._release_context_if_idle()
 
     def _forget_handle(self, handle: int) -> None:
         if handle in self._created:
@@ -411,6 +390,7 @@ class CudaDriver(MemoryDriver):
         """``cuMemAddressFree``: the range must have no mappings left."""
         self._cu("cuMemAddressFree", int(addr), int(size), detail=f"addr={addr:#x}, size={size}")
         self._reservations.pop(int(addr), None)
+        self._release_context_if_idle()
 
     def map(self, addr: int, size: int, handle: Any, offset: int) -> None:
         """``cuMemMap(addr, size, offset, handle, 0)``; follow with :meth:`set_access`."""
@@ -439,37 +419,49 @@ class CudaDriver(MemoryDriver):
                  detail=f"addr={addr:#x}, size={size}, device=cuda:{self.device}")
 
     def synchronize(self) -> None:
-        """Wait for all work on the device (``torch.cuda.synchronize`` or ``cuCtxSynchronize``)."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize(self.device)
-        else:
-            self._cu("cuCtxSynchronize")
+        """``cuCtxSynchronize`` of the primary context: every stream torch uses on the device
+        (what ``torch.cuda.synchronize`` does), issued through the driver so the emulator runs it."""
+        self._cu("cuCtxSynchronize")
 
-    # -- tensors -----------------------------------------------------------------------
+    # -- tensors: the seam between emulated and real device memory ------------------------
+    def _stream(self) -> int:
+        """The stream torch issues work on (a launch orders behind the copy that filled its source);
+        the emulator runs every call to completion, so it has only stream 0."""
+        return 0 if self.emulated else torch.cuda.current_stream(self.device).cuda_stream
+
     def as_tensor(self, addr: int, nbytes: int, owner: object) -> torch.Tensor:
-        """Zero-copy ``torch.uint8`` tensor of shape ``(nbytes,)`` on ``cuda:<device>``.
+        """Zero-copy ``torch.uint8`` tensor of shape ``(nbytes,)`` on :attr:`torch_device`.
 
-        Built from a :class:`DeviceMemoryView` that holds ``owner``; the
-        tensor's storage keeps that view (hence ``owner``) alive until the last
-        view of the storage dies. The explicit device index matters: without
-        it torch infers the device from the pointer, which for a peer's memory
-        is the peer GPU.
+        Built from a DLPack capsule that names the device explicitly: torch never
+        infers it from the pointer, which for a range starting with a peer's
+        memory would be the peer GPU. ``owner`` lives until the last tensor
+        sharing the storage dies.
         """
-        if not torch.cuda.is_available():
-            raise self.error("as_tensor", "torch has no usable CUDA here; CUDA tensors over "
-                                          "mapped memory need a CUDA build of torch and a GPU")
-        view = DeviceMemoryView(addr, nbytes, owner)
-        tensor = torch.as_tensor(view, device=f"cuda:{self.device}")
-        if tensor.data_ptr() != int(addr) or tensor.device.index != self.device:
-            # Older torch inferred the device from the pointer and copied.
-            raise self.error("as_tensor", f"torch did not wrap {addr:#x} in place on "
-                                          f"cuda:{self.device} (got {tensor.device}, "
-                                          f"{tensor.data_ptr():#x}); upgrade torch")
+        emulator = cuda_calls.emulator_of(self.api)
+        if emulator is not None:
+            # The seam: emulated device memory is host memory, so the tensor is a CPU
+            # tensor -- after the emulator checked what the GPU would enforce (the range is
+            # mapped, read/write for this device, and not a multicast address).
+            self._ensure_context()
+            try:
+                emulator.check_host_access(int(addr), int(nbytes))
+            except Exception as exc:
+                raise self.error("as_tensor", f"{exc} (CUDA emulator)", "CUDA_ERROR_ILLEGAL_ADDRESS") from exc
+            device = (dlpack.DL_CPU, 0)
+        else:
+            if not torch.cuda.is_available():
+                raise self.error("as_tensor", "torch has no usable CUDA here; CUDA tensors over "
+                                              "mapped memory need a CUDA build of torch and a GPU")
+            device = (dlpack.DL_CUDA, self.device)  # the one line the emulator cannot run
+        tensor = dlpack.tensor_from_pointer(int(addr), int(nbytes), owner, *device)
+        if tensor.data_ptr() != int(addr) or tensor.device != self.torch_device:
+            raise self.error("as_tensor", f"torch did not wrap {addr:#x} in place on {self.torch_device} "
+                                          f"(got {tensor.device}, {tensor.data_ptr():#x})")
         return tensor
 
     # -- multicast ---------------------------------------------------------------------
     def multicast_create(self, size: int, num_devices: int, handle_type: HandleType) -> int:
-        """``cuMulticastCreate``; ``size`` already rounded to ``multicast_granularity``."""
+        """``cuMulticastCreate``; ``size`` a multiple of ``multicast_granularity``."""
         handle_type = HandleType(handle_type)
         mc = int(self._cu("cuMulticastCreate", self._mc_prop(size, num_devices, handle_type),
                           detail=f"size={size}, num_devices={num_devices}, "
@@ -522,6 +514,7 @@ class CudaDriver(MemoryDriver):
         mc = int(mc)
         self._cu("cuMemRelease", mc, detail=f"multicast={mc:#x}")
         self._forget_handle(mc)
+        self._release_context_if_idle()
 
     def multicast_map(self, addr: int, size: int, mc: Any) -> None:
         """Map the multicast object at ``addr`` (reserved by the caller) read/write.
@@ -536,18 +529,27 @@ class CudaDriver(MemoryDriver):
             self.unmap(addr, size)
             raise
 
+    def multimem_store(self, mc_addr: int, src: torch.Tensor) -> None:
+        """``multimem.st`` of ``src`` at the mapped multicast address ``mc_addr``: the bytes
+        land at the same offset of every bound member (``multimem.py``). ``src``: contiguous
+        ``uint8`` on :attr:`torch_device`, 16-byte multiple; ordered on the current stream."""
+        if self._kernel is None:
+            self._kernel = multimem.MultimemKernel.load(self)
+        self._kernel.store(self, int(mc_addr), src, self._stream())
+
     # -- capabilities ------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         """Probe the driver, device attributes, peer access and granularity. Never raises.
 
         ``fabric=True`` only means the device attribute is set: creating FABRIC
-        memory can still fail with ``CUDA_ERROR_NOT_PERMITTED`` (no IMEX channel),
-        so the caller must be ready to fall back to POSIX_FD.
+        memory can still fail (``CUDA_ERROR_NOT_PERMITTED``: no IMEX channel), or a
+        peer's import can (no IMEX domain), so the allocator tries fabric
+        collectively and falls back to POSIX fds (``fabric.py``).
         """
         caps = Capabilities(driver=self.name, available=False, device=f"cuda:{self.device}")
         reasons = caps.reasons
         try:
-            self._probe(caps)
+            cuda_probe.probe(self, caps)
         except Exception as exc:  # a probe must never take the process down
             reasons.setdefault("driver", f"capability probe failed: {exc}")
         if not caps.available:
@@ -564,87 +566,9 @@ class CudaDriver(MemoryDriver):
             reasons.setdefault("peer_access", "not supported")
         return caps
 
-    def _probe(self, caps: Capabilities) -> None:
-        reasons = caps.reasons
-        try:
-            api = self.api
-        except Exception as exc:
-            reasons["driver"] = f"cuda-bindings not importable ({exc}); pip install cuda-bindings"
-            return
-        try:
-            self.check(api.cuInit(0), "cuInit")
-            count = int(self.check(api.cuDeviceGetCount(), "cuDeviceGetCount"))
-        except RuntimeError as exc:
-            if _is_missing_driver_library(exc):
-                reasons["driver"] = f"no NVIDIA driver library (libcuda) found: {exc}"
-            else:
-                reasons["driver"] = str(exc)
-            return
-        if count == 0:
-            reasons["driver"] = "no CUDA device visible (CUDA_VISIBLE_DEVICES?)"
-            return
-        if not 0 <= self.device < count:
-            reasons["driver"] = f"device {self.device} out of range: {count} device(s) visible"
-            return
-        try:
-            self._ensure_context()
-            raw = self.check(api.cuDeviceGetName(256, self._cu_device), "cuDeviceGetName")
-            name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
-            if name:
-                caps.device = f"cuda:{self.device} ({name})"
-        except Exception as exc:
-            reasons["driver"] = str(exc)
-            return
-        caps.available = True
-
-        for cap, attr, why in (
-            ("vmm", "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
-             "device has no virtual memory management"),
-            ("posix_fd", "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
-             "device cannot export POSIX fd handles"),
-            ("fabric", "HANDLE_TYPE_FABRIC_SUPPORTED",
-             "device cannot export FABRIC handles (needs an NVLink fabric / MNNVL domain)"),
-            ("multicast", "MULTICAST_SUPPORTED",
-             "device has no NVLink multicast (needs SM90+ on NVSwitch and Fabric Manager)"),
-        ):
-            try:
-                ok = bool(self._attribute(attr))
-                why = f"{why} (CU_DEVICE_ATTRIBUTE_{attr}=0)"
-            except Exception as exc:
-                ok, why = False, f"CU_DEVICE_ATTRIBUTE_{attr} query failed: {exc}"
-            setattr(caps, cap, ok)
-            if not ok:
-                reasons[cap] = why
-
-        if count == 1:
-            caps.peer_access = None
-            reasons["peer_access"] = "only one GPU"
-        else:
-            blocked = []
-            try:
-                for peer in range(count):
-                    if peer == self.device:
-                        continue
-                    peer_dev = self._cu("cuDeviceGet", peer)
-                    if not int(self._cu("cuDeviceCanAccessPeer", self._cu_device, peer_dev)):
-                        blocked.append(peer)
-                caps.peer_access = not blocked
-                if blocked:
-                    reasons["peer_access"] = (f"cuda:{self.device} cannot access peer(s) "
-                                              f"{blocked} (no NVLink/P2P path)")
-            except Exception as exc:
-                caps.peer_access = False
-                reasons["peer_access"] = f"peer query failed: {exc}"
-
-        if caps.vmm and caps.posix_fd:
-            try:
-                caps.granularity = self.granularity(HandleType.POSIX_FD)
-            except Exception as exc:
-                reasons["granularity"] = f"granularity query failed: {exc}"
-
     # -- accounting --------------------------------------------------------------------
     def live_objects(self) -> dict[str, int]:
-        """Counts of live objects created through this driver; all zero after teardown."""
+        """Counts of live objects held through this driver; all zero after teardown and close()."""
         return {
             "handles": len(self._created),
             "imported": sum(self._import_refs.values()),
@@ -652,4 +576,21 @@ class CudaDriver(MemoryDriver):
             "mappings": len(self._mappings),
             "multicast": sum(self._mc_refs.values()),
             "binds": len(self._binds),
+            "modules": int(self._kernel is not None),
         }
+
+    def holds_context(self) -> bool:
+        """True while this driver retains the primary context (until close() took effect)."""
+        return self._ctx is not None
+
+
+def visible_device_count(api: Any = None) -> int:
+    """CUDA devices this process sees (0 when the driver is unusable here)."""
+    api = api or cuda_calls.driver_module()
+    try:
+        if int(api.cuInit(0)[0]) != 0:
+            return 0
+        err, count = api.cuDeviceGetCount()
+        return int(count) if int(err) == 0 else 0
+    except RuntimeError:  # no libcuda, or bindings too new for the driver
+        return 0

@@ -21,6 +21,11 @@ acquire                    undo
 Both drivers require sizes, offsets and addresses to be multiples of
 ``granularity()``: CUDA enforces it in hardware (``CUDA_ERROR_INVALID_VALUE``),
 the host driver in software, so alignment bugs surface on CPU too.
+
+A driver may hold a process-level resource (``CudaDriver``: a retain of the
+device's primary context); whoever makes a driver closes it (``close()``, or
+``with make_driver(...) as driver:``) after the last object made through it
+is gone.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ class Capabilities:
     peer_access: bool | None = None
     granularity: int | None = None
     device: str = ""
+    #: Identity of the physical device that is stable across processes (a GPU's
+    #: UUID, never its ordinal, which CUDA_VISIBLE_DEVICES renumbers per process).
+    device_id: str = ""
+    #: True when the CUDA driver calls run over moonep_ep's emulator (no GPU).
+    emulated: bool = False
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +99,22 @@ class MemoryDriver(abc.ABC):
     def __init__(self, rank: int | None = None):
         self.rank = rank
 
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the driver itself holds (idempotent). Objects made through
+        it must be released first; a driver that holds nothing does nothing."""
+
+    def __enter__(self) -> "MemoryDriver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Device of the tensors :meth:`as_tensor` returns (and of sources to copy from)."""
+        return torch.device("cpu")
+
     # -- errors -------------------------------------------------------------
     def error(self, call: str, detail: str, code: str = "") -> DriverError:
         who = f"[rank {self.rank}] " if self.rank is not None else ""
@@ -102,12 +128,17 @@ class MemoryDriver(abc.ABC):
         """Probe what this driver supports here (cheap, no allocation kept)."""
 
     @abc.abstractmethod
-    def granularity(self, handle_type: HandleType) -> int:
-        """Allocation granularity in bytes for physical memory of this handle type."""
+    def granularity(self, handle_type: HandleType | None = None) -> int:
+        """Allocation granularity in bytes for physical memory of ``handle_type``.
+
+        ``None``: a granularity valid for *every* handle type this driver may be
+        voted to use (the largest; granularities are powers of two), for callers
+        that lay out pages before the group has chosen the handle type."""
 
     @abc.abstractmethod
     def multicast_granularity(self, num_devices: int, handle_type: HandleType) -> int:
-        """Granularity in bytes for a multicast object spanning ``num_devices``."""
+        """MINIMUM granularity in bytes of a multicast object spanning ``num_devices``:
+        what its size and bind offsets must be multiples of."""
 
     # -- physical memory ------------------------------------------------------
     @abc.abstractmethod
@@ -177,7 +208,8 @@ class MemoryDriver(abc.ABC):
     def multicast_export(self, mc: Any, handle_type: HandleType) -> Shareable: ...
 
     @abc.abstractmethod
-    def multicast_import(self, shareable: Shareable, handle_type: HandleType) -> Any: ...
+    def multicast_import(self, shareable: Shareable, handle_type: HandleType, size: int | None = None) -> Any:
+        """Import a peer's multicast object (``size``: as announced by its creator)."""
 
     @abc.abstractmethod
     def multicast_add_device(self, mc: Any) -> None:
@@ -203,7 +235,13 @@ class MemoryDriver(abc.ABC):
     def multicast_write(self, mc: Any, mc_offset: int, src: torch.Tensor) -> None:
         """Store ``src`` (uint8, contiguous) at ``mc_offset`` of every bound member."""
         raise self.error("multicast_write", "this driver fans out in hardware; "
-                         "write through the tensor of the mapped multicast range")
+                         "store into the mapped multicast range with multimem_store")
+
+    def multimem_store(self, mc_addr: int, src: torch.Tensor) -> None:
+        """Store ``src`` (uint8, contiguous, on :attr:`torch_device`) at the mapped
+        multicast address ``mc_addr`` with ``multimem.st`` (hardware multicast only:
+        plain loads, stores and copies on a multicast address are undefined)."""
+        raise self.error("multimem_store", "this driver has no hardware multicast; use multicast_write")
 
     # -- accounting --------------------------------------------------------------
     @abc.abstractmethod

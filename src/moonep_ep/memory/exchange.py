@@ -55,7 +55,7 @@ def local_vote(caps: Capabilities, hostname: str) -> dict:
     the raw ``MOONEP_EP_HANDLE_TYPE`` / ``MOONEP_EP_MULTICAST`` strings (parsed after the
     gather, so a bad value on one rank fails every rank at the same point)."""
     return {"host": hostname, "fd": caps.posix_fd, "fabric": caps.fabric, "multicast": caps.multicast,
-            "device": caps.device, "driver": caps.driver,
+            "device": caps.device_id or caps.device, "driver": caps.driver,
             "prefs": (envs.raw("MOONEP_EP_HANDLE_TYPE"), envs.raw("MOONEP_EP_MULTICAST"))}
 
 
@@ -105,7 +105,8 @@ def vote(peers: Sequence[dict], rank: int, *, want_multicast: bool = True) -> Ex
         handle_type, reason = HandleType.POSIX_FD, ("forced" if handle_pref == "fd" else "all ranks on one host")
 
     no_mc = [r for r, p in enumerate(peers) if not p["multicast"]]
-    # A multicast team has one member per GPU: ranks sharing a GPU cannot form one.
+    # A multicast team has one member per GPU: ranks sharing a GPU cannot form one. "device" is
+    # the GPU's UUID: ordinals repeat across processes (CUDA_VISIBLE_DEVICES renumbers them).
     devices = [(p["host"], p["device"]) for p in peers]
     if peers[0]["driver"] == "cuda" and len(set(devices)) != len(devices):
         no_mc = sorted(set(no_mc) | {r for r, d in enumerate(devices) if devices.count(d) > 1})

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -42,21 +41,11 @@ import struct
 import torch
 
 from .. import envs
+from . import vm
 from .driver import Capabilities, HandleType, MemoryDriver, Shareable
 
 DEFAULT_HOST_GRANULARITY = 2 << 20
 MEMFD_PREFIX = "moonep-ep"
-
-_PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -113,7 +102,8 @@ class HostDriver(MemoryDriver):
 
     # -- capabilities ---------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        caps = Capabilities(driver="host", available=False, device="cpu", granularity=self._gran)
+        caps = Capabilities(driver="host", available=False, device="cpu", device_id="host-memory",
+                            granularity=self._gran)
         try:
             handle = self.create(self._gran, HandleType.POSIX_FD)
             try:
@@ -136,7 +126,7 @@ class HostDriver(MemoryDriver):
         caps.peer_access = True
         return caps
 
-    def granularity(self, handle_type: HandleType = HandleType.POSIX_FD) -> int:
+    def granularity(self, handle_type: HandleType | None = None) -> int:
         return self._gran
 
     def multicast_granularity(self, num_devices: int, handle_type: HandleType = HandleType.POSIX_FD) -> int:
@@ -222,18 +212,10 @@ class HostDriver(MemoryDriver):
     # -- virtual ranges -----------------------------------------------------------
     def reserve(self, size: int, alignment: int = 0) -> int:
         self._check_aligned("reserve", size=size)
-        align = max(alignment or self._gran, self._gran)
-        raw_len = size + align
-        raw = _libc.mmap(None, raw_len, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if raw in (None, _MAP_FAILED):
-            raise self._os_error("reserve(mmap)", ctypes.get_errno())
-        addr = -(-raw // align) * align
-        # Trim the alignment slack on both sides.
-        if addr > raw:
-            _libc.munmap(raw, addr - raw)
-        tail = raw + raw_len - (addr + size)
-        if tail:
-            _libc.munmap(addr + size, tail)
+        try:
+            addr = vm.reserve(size, max(alignment or self._gran, self._gran))
+        except OSError as exc:
+            raise self._os_error("reserve(mmap)", exc) from exc
         self._reservations[addr] = size
         return addr
 
@@ -250,8 +232,10 @@ class HostDriver(MemoryDriver):
         if i < len(self._map_starts) and self._map_starts[i] < addr + size:
             raise self.error("free_reservation", "reservation still has mappings; unmap them first",
                              "ILLEGAL_STATE")
-        if _libc.munmap(addr, size) != 0:
-            raise self._os_error("free_reservation(munmap)", ctypes.get_errno())
+        try:
+            vm.release(addr, size)
+        except OSError as exc:
+            raise self._os_error("free_reservation(munmap)", exc) from exc
         del self._reservations[addr]
 
     def map(self, addr: int, size: int, handle: HostHandle, offset: int) -> None:
@@ -266,9 +250,10 @@ class HostDriver(MemoryDriver):
             i > 0 and self._map_starts[i - 1] + self._maps[self._map_starts[i - 1]][0] > addr)
         if overlaps:
             raise self.error("map", f"range [{addr:#x}, +{size}) is already mapped", "ALREADY_MAPPED")
-        got = _libc.mmap(addr, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, handle.fd, offset)
-        if got in (None, _MAP_FAILED) or got != addr:
-            raise self._os_error("map(mmap)", ctypes.get_errno())
+        try:
+            vm.map_shared(addr, size, handle.fd, offset)
+        except OSError as exc:
+            raise self._os_error("map(mmap)", exc) from exc
         self._map_starts.insert(i, addr)
         self._maps[addr] = (size, handle.inode, offset)
 
@@ -276,10 +261,10 @@ class HostDriver(MemoryDriver):
         entry = self._maps.get(addr)
         if entry is None or entry[0] != size:
             raise self.error("unmap", f"no mapping of {size} bytes at {addr:#x}", "INVALID_VALUE")
-        # Back to reserved, inaccessible address space (MAP_FIXED replaces atomically).
-        got = _libc.mmap(addr, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
-        if got in (None, _MAP_FAILED):
-            raise self._os_error("unmap(mmap)", ctypes.get_errno())
+        try:  # back to reserved, inaccessible address space
+            vm.unmap_to_reserved(addr, size)
+        except OSError as exc:
+            raise self._os_error("unmap(mmap)", exc) from exc
         del self._maps[addr]
         self._map_starts.remove(addr)
         self._accessible.discard(addr)
@@ -296,8 +281,10 @@ class HostDriver(MemoryDriver):
             i += 1
         if cursor != end:
             raise self.error("set_access", "range ends inside a mapping", "INVALID_VALUE")
-        if _libc.mprotect(addr, size, _PROT_READ | _PROT_WRITE) != 0:
-            raise self._os_error("set_access(mprotect)", ctypes.get_errno())
+        try:
+            vm.protect(addr, size, vm.PROT_READ | vm.PROT_WRITE)
+        except OSError as exc:
+            raise self._os_error("set_access(mprotect)", exc) from exc
         for start in self._map_starts[bisect.bisect_left(self._map_starts, addr):i]:
             self._accessible.add(start)
 
@@ -357,7 +344,8 @@ class HostDriver(MemoryDriver):
     def multicast_export(self, mc: HostMulticast, handle_type: HandleType = HandleType.POSIX_FD) -> Shareable:
         return os.dup(mc.fd)
 
-    def multicast_import(self, shareable: Shareable, handle_type: HandleType = HandleType.POSIX_FD) -> HostMulticast:
+    def multicast_import(self, shareable: Shareable, handle_type: HandleType = HandleType.POSIX_FD,
+                         size: int | None = None) -> HostMulticast:
         fd = os.dup(shareable)
         try:
             return self._open_table(fd)

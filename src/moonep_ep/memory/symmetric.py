@@ -24,18 +24,20 @@ sizes ``c0 .. c3`` (each a granularity multiple)::
             ▲ physical memory of rank 0 (memfd / cuMemCreate), shared
 
 Teardown order (``close``): synchronize → barrier (no rank still reads a
-peer) → multicast: unmap MC range, unbind own memory, barrier, release the MC
-handle → drop ranges (each unmaps, then frees its reservation, as soon as no
-tensor uses it) → release imported handles → release own handles. Received
-fds are closed right after import. Every step of ``create`` registers its undo
-before the next step runs, so a failure anywhere leaves nothing behind, and
-the failure is raised on every rank (``GroupComm.step``).
+peer) → multicast: unmap MC range, unbind own memory, release the MC handle
+(the root's is the one it created), barrier → drop ranges (each unmaps, then
+frees its reservation, as soon as no tensor uses it) → release imported
+handles → release own handles. Received fds are closed right after import.
+Every step of ``create`` registers its undo before the next step runs, so a
+failure anywhere leaves nothing behind, and the failure is raised on every
+rank (``GroupComm.step``). The driver is the caller's: it outlives this object.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 import weakref
@@ -44,19 +46,23 @@ from typing import Any, Sequence
 import torch
 
 from .. import envs
-from ..errors import CollectiveError, ConfigError, DriverError
+from ..errors import CollectiveError, ConfigError, DriverError, PeerLostError
 from .driver import MemoryDriver, round_up
 from .exchange import ExchangeDecision, HandleExchanger, local_vote, vote
+from .fabric import fabric_trial
 from .group import GroupComm
 
 _RETRYABLE = ("SYSTEM_NOT_READY",)
-#: Result codes meaning "this system cannot share fabric handles" (no IMEX channel or domain).
-_FABRIC_REFUSED = ("NOT_PERMITTED", "NOT_SUPPORTED")
 
 
-def _fabric_refused(exc: CollectiveError) -> bool:
-    return bool(exc.failures) and all(any(code in msg for code in _FABRIC_REFUSED)
-                                      for msg in exc.failures.values())
+def _driver_failure(exc: CollectiveError) -> bool:
+    """Every failing rank failed in a driver call (not bad input, not a lost peer)."""
+    return (not isinstance(exc, PeerLostError) and bool(exc.failures)
+            and all(msg.startswith("DriverError") for msg in exc.failures.values()))
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +156,6 @@ class _Multicast:
         self.bound = False
         self.va: tuple[int, int] | None = None     # CUDA: reserved MC range (base, size)
         self.mapped = False
-        self.view: torch.Tensor | None = None
 
 
 class SymmetricMemory:
@@ -204,20 +209,20 @@ class SymmetricMemory:
                 if len(self.tags) != len(requested):
                     raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(requested)} chunks")
             self.decision = vote(voting.gathered, rank, want_multicast=multicast)
+            if self.decision.fallback is not None:
+                # The device attribute is not proof: try fabric for real, on every rank together.
+                refused = fabric_trial(self.comm, driver)
+                if refused:
+                    self._fall_back(refused, "the fabric trial")
             while True:
                 attempt = contextlib.ExitStack()
                 try:
                     self._create_exchange_import(requested, attempt)
                 except CollectiveError as exc:
                     attempt.close()  # this attempt leaves nothing behind
-                    fallback = self.decision.fallback
-                    if fallback is None or not _fabric_refused(exc):
+                    if self.decision.fallback is None or not _driver_failure(exc):
                         raise
-                    # Fabric needs an IMEX channel/domain; on one host POSIX fds serve, for all ranks.
-                    self.decision = dataclasses.replace(
-                        self.decision, handle_type=fallback, fallback=None,
-                        reason=f"{self.decision.reason}; fabric refused on rank(s) {sorted(exc.failures)}, "
-                               "fell back to POSIX fds on every rank")
+                    self._fall_back(exc.failures, "the allocation")
                     continue
                 undo.push(attempt.pop_all())
                 break
@@ -225,6 +230,14 @@ class SymmetricMemory:
                 self._setup_multicast(undo, multicast_bytes)
             undo.pop_all()  # success: the object owns every handle now
         return self
+
+    def _fall_back(self, failures: dict[int, str], where: str) -> None:
+        """Every rank switches to the fallback handle type together (they saw the same failures)."""
+        first = failures[min(failures)].splitlines()[0][:300]
+        self.decision = dataclasses.replace(
+            self.decision, handle_type=self.decision.fallback, fallback=None,
+            reason=f"{self.decision.reason}; fabric failed in {where} on rank(s) {sorted(failures)} "
+                   f"({first}), fell back to POSIX fds on every rank")
 
     def _create_exchange_import(self, requested: list[int], undo: contextlib.ExitStack) -> None:
         """Collective: round sizes for the chosen handle type, create and export own chunks,
@@ -235,7 +248,11 @@ class SymmetricMemory:
         # the granularity query itself may fail on one rank, so it runs inside the step.
         with comm.step(f"granularity and chunk sizes ({ht.value})") as sizing:
             gran = driver.granularity(ht)
-            sizing.share(([round_up(n, gran) for n in requested], gran, ht.value))
+            sizes = [round_up(n, gran) for n in requested]
+            if self.decision.multicast and sizes[0]:
+                # Chunk 0 is bound to the multicast object: a multiple of its MINIMUM granularity too.
+                sizes[0] = round_up(sizes[0], _lcm(gran, driver.multicast_granularity(comm.world_size, ht)))
+            sizing.share((sizes, gran, ht.value))
         meta = sizing.gathered
         if len({m[1] for m in meta}) != 1:
             raise ConfigError(f"[rank {rank}] ranks report different granularities "
@@ -291,42 +308,44 @@ class SymmetricMemory:
         comm, driver, ht = self.comm, self.driver, self.decision.handle_type
         rank, world = comm.rank, comm.world_size
         with comm.step("multicast size"):
+            # MINIMUM is what the driver requires; RECOMMENDED (512 MiB on 8xH100) is a
+            # performance hint that can exceed a whole chunk (flooring to it gave size 0).
             mc_gran = driver.multicast_granularity(world, ht)
             smallest = min(sizes[0] for sizes in self.chunk_sizes)
-            size = multicast_bytes if multicast_bytes is not None else smallest // mc_gran * mc_gran
-            if size <= 0 or size % mc_gran or size > smallest:
-                raise ConfigError(f"[rank {rank}] multicast size {size} must be a positive multiple of "
-                                  f"{mc_gran} and at most every rank's chunk 0 ({smallest}). Fix: enlarge "
-                                  "chunk 0 or pass multicast_bytes")
-        created: list[Any] = []          # rank 0's creation reference, until all imported
-        undo.callback(lambda: [driver.multicast_release(h) for h in created])
+            wanted = multicast_bytes if multicast_bytes is not None else smallest
+            size = round_up(wanted, mc_gran)  # up, as NCCL's nvlsAllocateMem does
+            if wanted <= 0 or size > smallest:
+                raise ConfigError(f"[rank {rank}] multicast size {wanted} (rounded up to the multicast "
+                                  f"granularity {mc_gran}: {size}) must be positive and fit every rank's chunk 0 "
+                                  f"(smallest {smallest}). Fix: enlarge chunk 0 or pass a smaller multicast_bytes")
         exported: list[Any] = []
         received: list[Any] = []
         try:
             with comm.step("multicast create"):
                 if rank == 0:
-                    created.append(driver.multicast_create(size, world, ht))
-                    exported.append(driver.multicast_export(created[0], ht))
+                    # The root keeps the reference cuMulticastCreate returned until teardown, as
+                    # NCCL (nvls.cc) does: peers import it, and an exported handle resolves to the
+                    # object only while that reference lives.
+                    mc = _Multicast(driver.multicast_create(size, world, ht), size)
+                    self._multicast = mc
+                    undo.callback(self._teardown_multicast_quietly)
+                    exported.append(driver.multicast_export(mc.handle, ht))
             received = HandleExchanger(comm).exchange(exported, ht)[0]
             with comm.step("multicast import"):
-                # Every rank imports, rank 0 included, so all members share one provenance.
-                mc = _Multicast(driver.multicast_import(received[0], ht), size)
-                self._multicast = mc
-                undo.callback(self._teardown_multicast_quietly)
+                if rank != 0:
+                    mc = _Multicast(driver.multicast_import(received[0], ht, size=size), size)
+                    self._multicast = mc
+                    undo.callback(self._teardown_multicast_quietly)
         finally:
             for item in exported + received:
                 if isinstance(item, int):
                     _close_quietly(item)
-        # The creator's reference goes only after everyone imported (else a late
-        # importer gets a fresh, empty object and bind hangs).
-        while created:
-            driver.multicast_release(created.pop())
         with comm.step("multicast add device"):
             driver.multicast_add_device(mc.handle)
         self._bind_multicast_in_lockstep(mc)
         with comm.step("multicast map"):
             if driver.hardware_multicast:
-                base = driver.reserve(size, size if size & (size - 1) == 0 else self.granularity)
+                base = driver.reserve(size, mc_gran)
                 mc.va = (base, size)
                 driver.multicast_map(base, size, mc.handle)
                 mc.mapped = True
@@ -438,9 +457,11 @@ class SymmetricMemory:
     def multicast_write(self, offset: int, src: torch.Tensor) -> None:
         """Store ``src`` (any dtype, contiguous) at byte ``offset`` of every rank's chunk 0.
 
-        CUDA: one copy into the multicast range (the switch fans it out).
-        Host: software fan-out through this rank's mappings of every member.
-        Ordering with other ranks' reads is the caller's (barrier after).
+        CUDA: ``multimem.st`` into the multicast range (the switch fans it out;
+        a plain copy there is undefined), so offset and size are multiples of
+        16 bytes. Host: software fan-out through this rank's mappings of every
+        member. Ordering with other ranks' reads is the caller's (synchronize,
+        then barrier).
         """
         mc = self._multicast
         if mc is None or not mc.bound:
@@ -450,9 +471,7 @@ class SymmetricMemory:
             raise ConfigError(f"[rank {self.rank}] multicast write [{offset}, +{data.numel()}) exceeds "
                               f"the {mc.size}-byte multicast object")
         if mc.va is not None:
-            if mc.view is None:  # made on first use: stores to it fan out in the switch
-                mc.view = self.driver.as_tensor(mc.va[0], mc.size, mc)
-            mc.view[offset:offset + data.numel()].copy_(data)
+            self.driver.multimem_store(mc.va[0] + offset, data.to(self.driver.torch_device))
         else:
             self.driver.multicast_write(mc.handle, offset, data.cpu())
 
@@ -468,7 +487,6 @@ class SymmetricMemory:
             return
         driver = self.driver
         driver.synchronize()
-        mc.view = None
         if mc.mapped and mc.va is not None:
             driver.unmap(mc.va[0], mc.va[1])
             mc.mapped = False

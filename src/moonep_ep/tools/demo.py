@@ -233,6 +233,7 @@ def demo_rank(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
         if finished:
             buf.destroy()
             store.close()
+            driver.close()
     return report
 
 
@@ -357,12 +358,13 @@ FIGURE_SOURCES: dict[str, str] = {
 
 def run_demo(cfg: DemoConfig, progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Spawn the ranks, run :func:`demo_rank`, and summarise (raises ``RankFailure``)."""
-    from .launch import run_ranks
+    from .launch import plan_launch, run_ranks
 
-    backend = "nccl" if cfg.driver == "cuda" else "gloo"
+    plan = plan_launch(cfg.driver, cfg.ranks)  # emulated CUDA: gloo, CPU tensors, one emulated GPU per rank
+    backend = plan.backend
     t0 = time.perf_counter()
     per_rank = run_ranks(demo_rank, cfg.ranks, args=(dataclasses.asdict(cfg),), backend=backend,
-                         use_cuda=cfg.driver == "cuda", progress=progress)
+                         use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress)
     received = [r["tokens_received"] for r in per_rank]
     weight_bytes = sum(r["weight_collective_bytes"] for r in per_rank)
     measured = [r["measured_bytes"] for r in per_rank]
@@ -372,6 +374,7 @@ def run_demo(cfg: DemoConfig, progress: Optional[Callable[[str], None]] = None) 
                and len(set(received)) == 1 and weight_bytes == 0),
         "ranks": cfg.ranks,
         "driver": cfg.driver,
+        "emulated": plan.emulated,
         "backend": backend,
         "model": {"name": cfg.model, "H": cfg.hidden, "I": cfg.intermediate, "E": cfg.experts, "K": cfg.top_k,
                   "layers": cfg.layers},
@@ -458,7 +461,8 @@ def resolve_config(*, ranks: int, skew: float, model: str, tokens: int, slots: O
 
     spec = get_model(model)
     if driver == "auto":
-        driver = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "host"
+        driver = "cuda" if (envs.MOONEP_EP_CUDA_EMULATOR or torch.cuda.is_available() and
+                            torch.cuda.device_count() >= ranks) else "host"
     if granularity is None and driver == "host":
         granularity = envs.MOONEP_EP_HOST_GRANULARITY  # None: HostDriver's own default (2 MiB)
     cfg = DemoConfig.for_model(spec, ranks=ranks, skew=skew, tokens=tokens, slots=slots, driver=driver,

@@ -161,7 +161,7 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
-    from moonep_ep.memory.accounting import snapshot
+    from moonep_ep.memory.accounting import own_physical_bytes
     from moonep_ep.ops.instrument import CollectiveRecorder
     from moonep_ep.tools.vllm_moe_model import build, checkpoint
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
@@ -172,7 +172,7 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["ep_size"] = ep.world_size
     manager = ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)
     ep.device_communicator.all2all_manager = manager
-    mem_before = snapshot(rank)
+    mem_before = own_physical_bytes(rank)  # memfds, or the CUDA emulator's device memory
 
     # -- load and convert: sharded (plugin) and replicated (vLLM's all-gather), vLLM's own layers ----
     def load(model: Any, recorder: Any) -> None:
@@ -268,8 +268,9 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     out["layers"] = results
     out["remote_prefetched"] = STATS.data["forward"]["remote_prefetched"]
     # -- bytes per rank -----------------------------------------------------------------------------
-    mem = snapshot(rank)
-    out["sharded_bytes_measured_os"] = mem.own_bytes - mem_before.own_bytes
+    out["sharded_bytes_measured_os"] = own_physical_bytes(rank) - mem_before
+    out["store_driver"] = store.driver.name
+    out["store_driver_emulated"] = bool(getattr(store.driver, "emulated", False))
     out["sharded_bytes"] = store.store.physical_bytes()["total_bytes"]
     out["replicated_bytes_measured"] = sum(
         t.untyped_storage().nbytes() for layer in replicated.layers for t in

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from .. import envs
 
@@ -319,18 +319,61 @@ def _rank_main(fn_ref: str, rank: int, world: int, backend: str, use_cuda: bool,
         os._exit(1)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How ranks of a command run: memory driver, process-group backend, GPU pinning."""
+
+    driver: str                       # "host" or "cuda"
+    backend: str                      # "gloo" or "nccl"
+    use_cuda: bool                    # ranks pin torch to GPU rank % count
+    emulated: bool                    # CUDA driver calls go to the emulator (CPU tensors)
+    rank_envs: tuple[dict[str, str], ...] | None = None   # per-rank environment (emulator)
+
+
+def plan_launch(driver: str, ranks: int) -> LaunchPlan:
+    """Resolve ``--driver host|cuda|auto`` for ``ranks`` local ranks.
+
+    ``auto``: cuda when torch sees a GPU or ``MOONEP_EP_CUDA_EMULATOR=1``, else
+    host. Real GPUs: NCCL when every rank has its own GPU, else gloo (two ranks
+    on one GPU). Emulated CUDA: gloo and CPU tensors; each rank gets its own
+    ``CUDA_VISIBLE_DEVICES`` (GPU ``r % n`` of the emulated node), as a
+    launcher that gives each rank one GPU does, so every rank's ordinal 0 is a
+    different GPU -- identified by UUID, not by ordinal.
+    """
+    import torch
+
+    emulated = bool(envs.MOONEP_EP_CUDA_EMULATOR)
+    if driver == "auto":
+        driver = "cuda" if emulated or torch.cuda.is_available() else "host"
+    if driver != "cuda":
+        return LaunchPlan(driver, "gloo", False, False)
+    if emulated:
+        from ..testing.cuda_emulator import NodeSpec, visible_gpus
+
+        visible = visible_gpus(NodeSpec.parse(envs.MOONEP_EP_CUDA_EMULATOR_NODE),
+                               os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if not visible:
+            return LaunchPlan(driver, "gloo", False, True)
+        envs_per_rank = tuple({"CUDA_VISIBLE_DEVICES": str(visible[r % len(visible)])} for r in range(ranks))
+        return LaunchPlan(driver, "gloo", False, True, envs_per_rank)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return LaunchPlan(driver, "nccl" if gpus >= ranks else "gloo", True, False)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), backend: str = "gloo",
               use_cuda: bool | None = None,
               timeout_s: float = DEFAULT_RANK_TIMEOUT_S, group_timeout_s: float | None = None,
               env: dict[str, str] | None = None,
+              rank_envs: Sequence[dict[str, str]] | None = None,
               progress: Callable[[str], None] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; return results in rank order.
 
     ``use_cuda`` (default: ``backend == "nccl"``) pins rank ``r`` to GPU
     ``r % device_count``; with fewer GPUs than ranks use gloo (NCCL refuses two
-    ranks on one GPU). ``fn`` must be importable by name (a module-level function). Raises
-    :class:`RankFailure` with every failing rank's traceback if any rank
-    raises, dies, or runs past ``timeout_s``.
+    ranks on one GPU). ``env`` is set in every rank, ``rank_envs[r]`` in rank
+    ``r`` only (e.g. its ``CUDA_VISIBLE_DEVICES``). ``fn`` must be importable by
+    name (a module-level function). Raises :class:`RankFailure` with every
+    failing rank's traceback if any rank raises, dies, or runs past ``timeout_s``.
     """
     if use_cuda is None:
         use_cuda = backend == "nccl"
@@ -362,8 +405,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
     errors: dict[Any, str] = {}
     try:
         for rank in range(world_size):
+            rank_env = dict(env or {}, **(rank_envs[rank] if rank_envs else {}))
             ranks.start(rank, _rank_main, (fn_ref, rank, world_size, backend, use_cuda, init_file, group_timeout,
-                                           ranks.results, args), name=f"moonep-ep-rank{rank}", env=env)
+                                           ranks.results, args), name=f"moonep-ep-rank{rank}", env=rank_env)
         if progress:
             progress(f"started {world_size} ranks (pids {[p.pid for p in ranks.procs.values()]}), backend {backend}")
         out, errors = ranks.collect(list(range(world_size)), timeout_s, grace_s=1.0, on_message=on_message,

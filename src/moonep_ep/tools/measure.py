@@ -1,8 +1,14 @@
 """``moonep-ep footprint --measure``: allocate a (scaled-down) moonep_ep layout for real
-on the host driver across N ranks, and compare the bytes the OS reports with
-the closed-form prediction (``layout.footprint.rank_bytes_closed_form``, derived
-independently of the allocator's page plan) and with vLLM 0.33.0's replicated layout.
-Passes only when measured equals predicted on every rank."""
+across N ranks, and compare the bytes measured below the library with the
+closed-form prediction (``layout.footprint.rank_bytes_closed_form``, derived
+independently of the allocator's page plan) and with vLLM 0.33.0's replicated
+layout. Passes only when measured equals predicted on every rank.
+
+Measured: the host driver's memfd sizes from the OS; the CUDA driver's device
+bytes from the driver itself (``cuMemGetInfo``; over the emulator, its
+allocations), read right after the store is built (CUDA commits memory at
+``cuMemCreate``). The prediction uses the driver's granularity (CUDA: queried).
+"""
 
 from __future__ import annotations
 
@@ -14,54 +20,73 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..layout.footprint import rank_bytes_closed_form
 
 #: Above this many bytes per rank the weights are allocated but not written
 #: (memfds are sparse: st_size counts, untouched pages cost no RAM).
 FILL_LIMIT_BYTES = 1 << 30
 
 
-def _measure_rank(ctx: Any, layers: int, experts: int, hidden: int, inter: int, slots: int,
+def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden: int, inter: int, slots: int,
                   slot_pools: int, granularity: int) -> dict[str, Any]:
-    from ..memory.accounting import snapshot
-    from ..memory.host import HostDriver
+    from ..memory import make_driver
+    from ..memory.accounting import driver_holdings, snapshot
     from ..layout.store import ShardedExpertStore, ffn_projections
 
-    driver = HostDriver(rank=ctx.rank, granularity=granularity)
-    projs = ffn_projections(hidden, inter)
-    store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=slots,
-                               slot_pools=slot_pools, driver=driver)
-    try:
-        filled = store.physical_bytes()["total_bytes"] <= FILL_LIMIT_BYTES
-        if filled:
-            gen = torch.Generator().manual_seed(ctx.rank)
+    kwargs = {"granularity": granularity} if driver_name == "host" else {}
+    with make_driver(driver_name, rank=ctx.rank, **kwargs) as driver:
+        projs = ffn_projections(hidden, inter)
+        before = driver_holdings(driver, ctx.rank).bytes_held
+        store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=slots,
+                                   slot_pools=slot_pools, driver=driver)
+        # CUDA commits physical memory at cuMemCreate; read the device figure now, before the
+        # loader's temporary tensors take device memory through torch's caching allocator.
+        device_bytes = driver_holdings(driver, ctx.rank).bytes_held - before if driver.name != "host" else None
+        try:
+            filled = store.physical_bytes()["total_bytes"] <= FILL_LIMIT_BYTES
+            if filled:
+                gen = torch.Generator().manual_seed(ctx.rank)
+                device = driver.torch_device
 
-            def loader(layer: int, proj: str, expert: int) -> torch.Tensor:
-                shape = next(p.shape for p in projs if p.name == proj)
-                return (torch.rand(shape, generator=gen) - 0.5).to(torch.bfloat16)
+                def loader(layer: int, proj: str, expert: int) -> torch.Tensor:
+                    shape = next(p.shape for p in projs if p.name == proj)
+                    return (torch.rand(shape, generator=gen) - 0.5).to(device=device, dtype=torch.bfloat16)
 
-            store.load(loader)
-            for p in projs:  # touch the slot pool(s) too, so resident == allocated
-                for pool in range(slot_pools):
-                    store.slots(pool, p.name).fill_(1.0)
-        os_view = snapshot(ctx.rank)
-        return {
-            "rank": ctx.rank,
-            "measured_bytes": os_view.own_bytes,
-            "measured_by_category": {"expert_bytes": os_view.own_bytes_by_tag.get("experts", 0),
-                                     "slot_bytes": os_view.own_bytes_by_tag.get("slots", 0)},
-            "resident_bytes": os_view.own_resident_bytes,
-            "driver_bytes": store.physical_bytes(),
-            "filled": filled,
-            "mappings": store.mapping_count,
-            "map_seconds": round(store.map_seconds, 4),
-        }
-    finally:
-        store.close()
+                store.load(loader)
+                for p in projs:  # touch the slot pool(s) too, so resident == allocated
+                    for pool in range(slot_pools):
+                        store.slots(pool, p.name).fill_(1.0)
+            predicted = rank_bytes_closed_form(num_layers=layers, num_experts=experts, ep_size=ctx.world_size,
+                                           num_slots=slots, row_bytes=[p.row_bytes for p in projs],
+                                           granularity=store.granularity, rank=ctx.rank, slot_pools=slot_pools)
+            if driver.name == "host":
+                os_view = snapshot(ctx.rank)
+                measured, resident = os_view.own_bytes, os_view.own_resident_bytes
+                by_category = {"expert_bytes": os_view.own_bytes_by_tag.get("experts", 0),
+                               "slot_bytes": os_view.own_bytes_by_tag.get("slots", 0)}
+            else:  # the driver has no per-allocation names: the total only
+                measured, resident, by_category = device_bytes, None, None
+            return {
+                "rank": ctx.rank,
+                "driver": driver.name,
+                "emulated": bool(getattr(driver, "emulated", False)),
+                "granularity": store.granularity,
+                "measured_bytes": measured,
+                "measured_by_category": by_category,
+                "resident_bytes": resident,
+                "predicted": predicted,
+                "driver_bytes": store.physical_bytes(),
+                "filled": filled,
+                "mappings": store.mapping_count,
+                "map_seconds": round(store.map_seconds, 4),
+            }
+        finally:
+            store.close()
 
 
 def measure_footprint(args: argparse.Namespace) -> int:
-    from ..layout.footprint import default_slots, rank_bytes_closed_form
-    from .launch import check_rank_count, run_ranks
+    from ..layout.footprint import default_slots
+    from .launch import check_rank_count, plan_launch, run_ranks
     from ..models import get_model, load_hf_config
 
     names = [n for item in (args.model or []) for n in str(item).split(",") if n]
@@ -81,30 +106,33 @@ def measure_footprint(args: argparse.Namespace) -> int:
     slots = epn if args.slots in ("auto", None) else int(args.slots)
     granularity = int(args.granularity)
     rb = model.moe_intermediate_size * model.hidden_size * 2
-    predicted = [rank_bytes_closed_form(num_layers=layers, num_experts=model.num_experts, ep_size=ranks,
-                                    num_slots=slots, row_bytes=[rb] * 3, granularity=granularity, rank=r,
-                                    slot_pools=args.slot_pools) for r in range(ranks)]
     repl_slots = default_slots("replicated", epn)
     replicated = layers * (model.num_experts + repl_slots) * 3 * rb
+    plan = plan_launch(getattr(args, "driver", "host") or "host", ranks)
 
     def progress(msg: str) -> None:
         print(f"[measure] {msg}", file=sys.stderr, flush=True)
 
-    progress(f"{model.name}: {layers} layers, E={model.num_experts}, {ranks} ranks, B={slots}, "
-             f"granularity {granularity} B")
-    per_rank = run_ranks(_measure_rank, ranks, args=(layers, model.num_experts, model.hidden_size,
+    progress(f"{model.name}: {layers} layers, E={model.num_experts}, {ranks} ranks, B={slots}, {plan.driver} "
+             f"driver{' (emulated)' if plan.emulated else ''}" +
+             (f", granularity {granularity} B" if plan.driver == "host" else ""))
+    per_rank = run_ranks(_measure_rank, ranks, args=(plan.driver, layers, model.num_experts, model.hidden_size,
                                                      model.moe_intermediate_size, slots, args.slot_pools,
-                                                     granularity), progress=progress)
+                                                     granularity), backend=plan.backend, use_cuda=plan.use_cuda,
+                         rank_envs=plan.rank_envs, progress=progress)
+    granularity = per_rank[0]["granularity"]  # the driver's (CUDA: queried, not the host option)
     rows = []
     for r, res in enumerate(per_rank):
-        pred = predicted[r]["total_bytes"]
+        predicted = res.pop("predicted")
+        pred = predicted["total_bytes"]
         err = abs(res["measured_bytes"] - pred) / pred if pred else float(res["measured_bytes"] != 0)
-        rows.append({**res, "predicted_bytes": pred, "predicted_by_category": predicted[r],
+        rows.append({**res, "predicted_bytes": pred, "predicted_by_category": predicted,
                      "relative_error": err, "replicated_bytes": replicated,
                      "replicated_over_measured": replicated / res["measured_bytes"] if res["measured_bytes"] else None})
     worst = max(r["relative_error"] for r in rows)
     summary = {
         "ok": all(r["measured_bytes"] == r["predicted_bytes"] for r in rows),
+        "driver": plan.driver, "emulated": plan.emulated,
         "model": model.name, "ranks": ranks, "layers": layers, "num_slots": slots,
         "slot_pools": args.slot_pools, "granularity": granularity,
         "replicated_num_slots": repl_slots,
@@ -119,12 +147,14 @@ def measure_footprint(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
+        source = "the OS (memfd sizes)" if plan.driver == "host" else "the CUDA driver (device bytes)"
         print(f"{model.name}: {layers} MoE layers, E={model.num_experts}, R={ranks}, B={slots}; "
-              "bytes per rank measured by the OS (memfd sizes)")
+              f"bytes per rank measured by {source}")
         print(f"  {'rank':>4} {'measured':>14} {'predicted':>14} {'err':>8} {'resident':>14} {'replicated':>14} {'ratio':>7}")
         for r in rows:
+            resident = "-" if r["resident_bytes"] is None else f"{r['resident_bytes']:,}"
             print(f"  {r['rank']:>4} {r['measured_bytes']:>14,} {r['predicted_bytes']:>14,} "
-                  f"{r['relative_error']:>8.2%} {r['resident_bytes']:>14,} {replicated:>14,} "
+                  f"{r['relative_error']:>8.2%} {resident:>14} {replicated:>14,} "
                   f"{r['replicated_over_measured']:>6.1f}x")
         print(f"  replicated / moonep_ep (largest rank): {summary['replicated_over_moonep_ep']:.2f}x; "
               f"{'OK' if summary['ok'] else 'MISMATCH'} (max error {worst:.3%})")

@@ -123,35 +123,40 @@ def measure_pull(store: Any, layer: int, experts: Sequence[int], reps: int = 5) 
 def bench_rank(ctx: Any, sizes: Sequence[tuple[int, int]], driver_name: str, granularity: int | None,
                reps: int, experts_per_rank: int) -> dict[str, Any]:
     """Rank body: one store per size; remote (peer pages) vs local copy of the same bytes."""
-    from ..layout.store import ShardedExpertStore, ffn_projections
     from ..memory import make_driver
 
     kwargs = {"granularity": granularity} if granularity and driver_name == "host" else {}
-    driver = make_driver(driver_name, rank=ctx.rank, **kwargs)
-    E = experts_per_rank * ctx.world_size
-    out = []
-    for H, I in sizes:
-        store = ShardedExpertStore(num_layers=1, num_experts=E, projections=ffn_projections(H, I),
-                                   num_slots=experts_per_rank, driver=driver)
-        try:
-            for p in store.projections:  # non-zero content so nothing can short-cut the copies
-                own = store.owner_view(0, p.name)
-                own.copy_(torch.randn(own.shape, device=own.device).to(own.dtype))
-            store.finish_loading()
-            remote, _ = split_by_holder(store, ctx.rank)
-            # Take the peers' experts nearest after our own (rank+1, rank+2, ...), as many as we have slots.
-            remote.sort(key=lambda e: (e // experts_per_rank - ctx.rank) % ctx.world_size)
-            res: dict[str, Any] = {}
-            for turn in range(ctx.world_size):  # one rank at a time: no contention between ranks' copies
-                if turn == ctx.rank:
-                    res = measure_pull(store, 0, remote[:store.num_slots], reps)
-                store.finish_loading()  # also: nobody unmaps while a peer still reads its pages
-            res.update(H=H, I=I, row_bytes=store.projections[0].row_bytes)
-            out.append(res)
-        finally:
-            store.close()
-    return {"rank": ctx.rank, "device": str(ctx.device), "driver": driver.name,
-            "granularity": driver.granularity(), "sizes": out}
+    with make_driver(driver_name, rank=ctx.rank, **kwargs) as driver:
+        out = [_bench_size(ctx, driver, H, I, reps, experts_per_rank) for H, I in sizes]
+        # No handle type: the page size valid for whichever type the group votes (CUDA needs it named).
+        return {"rank": ctx.rank, "device": str(driver.torch_device), "driver": driver.name,
+                "emulated": bool(getattr(driver, "emulated", False)), "granularity": driver.granularity(),
+                "sizes": out}
+
+
+def _bench_size(ctx: Any, driver: Any, H: int, I: int, reps: int, experts_per_rank: int) -> dict[str, Any]:
+    """One size: a one-layer store, then remote (peer pages) vs local copies of the same rows."""
+    from ..layout.store import ShardedExpertStore, ffn_projections
+
+    store = ShardedExpertStore(num_layers=1, num_experts=experts_per_rank * ctx.world_size,
+                               projections=ffn_projections(H, I), num_slots=experts_per_rank, driver=driver)
+    try:
+        for p in store.projections:  # non-zero content so nothing can short-cut the copies
+            own = store.owner_view(0, p.name)
+            own.copy_(torch.randn(own.shape, device=own.device).to(own.dtype))
+        store.finish_loading()
+        remote, _ = split_by_holder(store, ctx.rank)
+        # Take the peers' experts nearest after our own (rank+1, rank+2, ...), as many as we have slots.
+        remote.sort(key=lambda e: (e // experts_per_rank - ctx.rank) % ctx.world_size)
+        res: dict[str, Any] = {}
+        for turn in range(ctx.world_size):  # one rank at a time: no contention between ranks' copies
+            if turn == ctx.rank:
+                res = measure_pull(store, 0, remote[:store.num_slots], reps)
+            store.finish_loading()  # also: nobody unmaps while a peer still reads its pages
+        res.update(H=H, I=I, row_bytes=store.projections[0].row_bytes)
+        return res
+    finally:
+        store.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,16 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _backend(driver: str, ranks: int) -> tuple[str, str]:
-    if driver == "auto":
-        driver = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "host"
-    if driver == "cuda":
-        return driver, "nccl"
-    return driver, "gloo"
-
-
 def run(args: argparse.Namespace) -> int:
-    from .launch import RankFailure, admit_ranks, run_ranks
+    from .launch import RankFailure, admit_ranks, plan_launch, run_ranks
 
     if not admit_ranks(args.ranks, "moonep-ep bench prefetch"):
         return 2
@@ -182,11 +179,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonep-ep bench prefetch: --ranks must be >= 2 (remote reads need a peer), got {args.ranks}",
               file=sys.stderr)
         return 2
-    if args.driver == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks):
-        print(f"moonep-ep bench prefetch: --driver cuda needs {args.ranks} visible GPUs; use --driver host",
-              file=sys.stderr)
-        return 2
-    driver, backend = _backend(args.driver, args.ranks)
+    plan = plan_launch(args.driver, args.ranks)
+    if plan.driver == "cuda" and not plan.emulated and plan.backend != "nccl":
+        if args.driver == "cuda":
+            print(f"moonep-ep bench prefetch: --driver cuda needs {args.ranks} visible GPUs (or "
+                  "MOONEP_EP_CUDA_EMULATOR=1 for the CPU emulator); use --driver host", file=sys.stderr)
+            return 2
+        plan = plan_launch("host", args.ranks)  # auto: fewer GPUs than ranks -> host memory
+    driver, backend = plan.driver, plan.backend
 
     def progress(msg: str) -> None:
         print(f"[bench prefetch] {msg}", file=sys.stderr, flush=True)
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         per_rank = run_ranks(bench_rank, args.ranks, args=(DEFAULT_SIZES, driver, args.granularity, args.reps,
                                                            args.experts_per_rank),
-                             backend=backend, use_cuda=driver == "cuda", progress=progress)
+                             backend=backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress)
     except RankFailure as exc:
         print(json.dumps({"ok": False, "errors": exc.errors}, indent=2) if args.json else str(exc))
         return 1
@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
             "remote_over_local": [e["ratio"] for e in entries],
         })
     summary = {"ok": all(v is not None for row in rows for v in row["remote_gbps"]),
-               "ranks": args.ranks, "driver": per_rank[0]["driver"], "backend": backend,
+               "ranks": args.ranks, "driver": per_rank[0]["driver"], "emulated": per_rank[0]["emulated"],
+               "backend": backend,
                "granularity": per_rank[0]["granularity"], "reps": args.reps,
                "experts_per_rank": args.experts_per_rank, "sizes": rows}
     if args.json:

@@ -1,4 +1,11 @@
-"""The per-rank body of ``moonep-ep selftest``: map, write, verify, multicast, tear down, count leaks."""
+"""The per-rank body of ``moonep-ep selftest``: map, write, verify, multicast, tear down, count leaks.
+
+Leaks are measured below the library (``accounting.driver_holdings``): the OS's
+memfds and mappings for the host driver, the emulator's live handles, mappings
+and reservations for the CUDA driver over the emulator; on a real GPU only
+device bytes (``cuMemGetInfo``). ``inject_leak`` leaves one object behind on
+purpose, so tests can show each counter reports what it should.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,13 @@ from typing import Any
 import torch
 
 from ..memory import make_driver
-from ..memory.accounting import snapshot, system_shmem_bytes
+from ..memory.accounting import driver_holdings, snapshot, system_shmem_bytes
+from ..memory.driver import HandleType
 from ..memory.group import GroupComm
 from ..memory.symmetric import SymmetricMemory
+
+#: What ``inject_leak`` can leave behind (positive controls of the leak counters).
+LEAKS = ("handle", "mapping", "context")
 
 
 def _pattern(owner: int, writer: int, n: int, device: str) -> torch.Tensor:
@@ -23,8 +34,8 @@ def _pattern(owner: int, writer: int, n: int, device: str) -> torch.Tensor:
 
 def _one_cycle(ctx: Any, driver, chunk_bytes: int) -> dict[str, Any]:
     rank, world = ctx.rank, ctx.world_size
-    device = ctx.device
-    gran = driver.granularity()
+    device = driver.torch_device
+    gran = driver.granularity()  # no handle type: valid whichever type the group votes for
     # Unequal chunk sizes on purpose: odd ranks get one extra page.
     symm = SymmetricMemory.allocate([chunk_bytes + (rank % 2) * gran], driver=driver,
                                     tags=["selftest"], multicast=True)
@@ -63,10 +74,10 @@ def _one_cycle(ctx: Any, driver, chunk_bytes: int) -> dict[str, Any]:
     if symm.has_multicast:
         symm.comm.barrier("selftest: before the multicast write")
         probe = _pattern(world, world, 4096, device)
-        if rank == 0:
-            symm.multicast_write(0, probe)
-        driver.synchronize()
-        symm.comm.barrier("selftest: multicast write done")
+        with symm.comm.step("selftest: multicast write"):  # rank 0's failure raises on every rank
+            if rank == 0:
+                symm.multicast_write(0, probe)
+            driver.synchronize()
         seen = sum(torch.equal(view[offsets[o]:offsets[o] + 4096], probe) for o in range(world))
         multicast["members_updated"] = int(seen)
         if seen != world:
@@ -100,7 +111,16 @@ def _settled_rss(rank: int) -> int:
     return snapshot(rank).rss_bytes
 
 
-def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1) -> dict[str, Any]:
+def _inject_leak(driver, kind: str, gran: int) -> None:
+    """Leave one object behind on purpose (a positive control for the leak counters)."""
+    handle = driver.create(gran, HandleType.POSIX_FD, tag="leak")
+    if kind == "mapping":
+        base = driver.reserve(gran, gran)
+        driver.map(base, gran, handle, 0)
+
+
+def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
+                  inject_leak: str | None = None) -> dict[str, Any]:
     """Run ``cycles`` full allocate/verify/teardown cycles; report the first cycle and leaks."""
     driver = make_driver(driver_name, rank=ctx.rank)
     comm = GroupComm()
@@ -108,6 +128,8 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1)
     comm.barrier("selftest: start")  # every rank idle: the machine-wide shared-memory figure is comparable
     shm_before = system_shmem_bytes()
     before = snapshot(ctx.rank)
+    held_before = driver_holdings(driver, ctx.rank)
+    own_context = int(getattr(driver, "holds_context", lambda: False)())  # released by close() below
     live_before = driver.live_objects()
     first = None
     rss_baseline = None
@@ -125,22 +147,49 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1)
         if cycle + 1 == warmup:
             rss_baseline = _settled_rss(ctx.rank)
     rss_end = _settled_rss(ctx.rank)
+    if inject_leak in ("handle", "mapping"):  # "context": the driver is simply not closed below
+        _inject_leak(driver, inject_leak, driver.granularity(HandleType.POSIX_FD))
     comm.barrier("selftest: every rank torn down")
+    emulated = bool(getattr(driver, "emulated", False))
+    if emulated or driver.name == "host":  # the emulator and the OS are readable after close()
+        if inject_leak != "context":
+            driver.close()
+        held_after = driver_holdings(driver, ctx.rank)
+    else:  # a real GPU: cuMemGetInfo needs the driver's context; torch's cached blocks are not ours
+        gc.collect()
+        torch.cuda.empty_cache()
+        held_after = driver_holdings(driver, ctx.rank)
+        if inject_leak != "context":
+            driver.close()
+    live = driver.live_objects()  # after close(): the driver's own objects (multimem module) are gone too
+    leaked_driver = {k: v - live_before.get(k, 0) for k, v in live.items() if v != live_before.get(k, 0)}
+    if getattr(driver, "holds_context", lambda: False)():
+        leaked_driver["context"] = 1
     shm_after = system_shmem_bytes()
     after = snapshot(ctx.rank)
-    live = driver.live_objects()
-    leaked_driver = {k: v - live_before.get(k, 0) for k, v in live.items() if v != live_before.get(k, 0)}
+    below = {k: v - held_before.detail.get(k, 0) + (own_context if k == "contexts" else 0)
+             for k, v in held_after.detail.items()}
+    measured = held_after.handles is not None
     return {
         "rank": ctx.rank,
         "driver": driver.name,
+        "emulated": emulated,
         "errors": errors,
         "first_cycle": first,
         "cycles": cycles,
         "seconds": round(time.perf_counter() - t0, 3),
-        "leaked_fds": after.open_memfds - before.open_memfds,
-        "leaked_mappings": after.memfd_mappings - before.memfd_mappings,
+        # Below the library: memfds/maps (host), the emulator's handles and mappings+reservations
+        # (emulated CUDA); None on a GPU, whose driver lists neither (see leak_measure).
+        "leaked_fds": held_after.handles - held_before.handles if measured else None,
+        "leaked_mappings": held_after.mappings - held_before.mappings if measured else None,
+        "leaked_below_library": {k: v for k, v in below.items() if v},
+        "leaked_device_bytes": held_after.bytes_held - held_before.bytes_held,
+        "leak_measure": held_after.how,
         "leaked_driver_objects": leaked_driver,
-        "rss_growth_bytes": rss_end - (rss_baseline if rss_baseline is not None else rss_end),
+        "rss_growth_bytes": rss_end - rss_baseline if cycles > warmup else None,
+        "rss_growth_note": (f"RSS after cycle {warmup} (end of warm-up) vs after cycle {cycles}" if cycles > warmup
+                            else f"not measured: needs more cycles than the {warmup}-cycle warm-up "
+                                 "(--cycles >= 2); one reading before and one after no work says nothing"),
         "rss_warmup_cycles": warmup,
         # Shared memory this rank still keeps alive (its open or mapped memfds, any owner's).
         "leaked_shm_bytes": after.held_bytes - before.held_bytes,

@@ -114,7 +114,8 @@ def system_check(device_type: str, buffer_kind: str) -> dict[str, Any]:
 
     from ..memory.cuda import CudaDriver
 
-    caps = CudaDriver(device=torch.cuda.current_device()).capabilities()
+    with CudaDriver(device=torch.cuda.current_device()) as probe:
+        caps = probe.capabilities()
     missing = []
     if not caps.available:
         missing.append(f"CUDA driver ({caps.reasons.get('driver')})")
@@ -141,7 +142,14 @@ def cpu_granularity() -> int:
 
 
 def make_store_driver(device: Any, rank: int) -> Any:
-    """The memory driver for the expert store on ``device`` (a torch device)."""
+    """The memory driver for the expert store on ``device`` (a torch device).
+
+    ``MOONEP_EP_CUDA_EMULATOR=1`` on CPU: the CUDA driver over the emulator (tensors stay
+    CPU tensors), on emulated GPU ``rank % visible GPUs`` as a launcher would assign."""
+    if envs.MOONEP_EP_CUDA_EMULATOR and getattr(device, "type", str(device)) != "cuda":
+        from ..memory.cuda import CudaDriver, visible_device_count
+
+        return CudaDriver(device=rank % max(1, visible_device_count()), rank=rank)
     if getattr(device, "type", str(device)) == "cuda":
         from ..memory.cuda import CudaDriver
 

@@ -88,6 +88,7 @@ class ModelExpertStore:
                               f"rank 0 ({everyone[0][1:]} vs {everyone[differ[0]][1:]}, "
                               f"{len(everyone[0][0])} vs {len(everyone[differ[0]][0])} layers). Fix: load the "
                               "same model with the same settings on every rank")
+        self._owns_driver = driver is None  # a driver made here is closed here (close())
         self.driver = driver if driver is not None else make_store_driver(self.device, self.rank)
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=ffn_projections(hidden, intermediate, dtype),
@@ -301,3 +302,5 @@ class ModelExpertStore:
             return
         self.closed = True
         self.store.close()
+        if self._owns_driver:
+            self.driver.close()  # CUDA: the context retain goes once the last view is gone

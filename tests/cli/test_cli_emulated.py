@@ -1,0 +1,113 @@
+"""The moonep-ep commands with ``--driver cuda`` over the CUDA driver emulator
+(``MOONEP_EP_CUDA_EMULATOR=1``): the CUDA driver's code, run as a user runs it, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cli import moonep_ep, moonep_ep_json
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def emulator(monkeypatch):
+    """Subprocesses inherit the environment: the CUDA driver runs over the emulator of an 8xH100 node."""
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR", "1")
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", "H100x8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]
+
+
+def test_selftest_four_ranks_cuda_over_the_emulator(emulator):
+    out = moonep_ep_json("selftest", "--ranks", "4", "--driver", "cuda")
+    assert out["ok"] is True and out["driver"] == "cuda" and out["emulated"] is True
+    # Leak figures are the emulator's own live handles and mappings+reservations, not memfds.
+    assert out["leaked_fds"] == 0 and out["leaked_mappings"] == 0 and out["leaked_device_bytes"] == 0
+    assert "CUDA emulator" in out["leak_measure"]
+    # Physical bytes per rank from the driver's handles: 4 MiB chunks, odd ranks one 2 MiB page more.
+    assert out["physical_bytes_per_rank"] == [4 * MiB + (r % 2) * 2 * MiB for r in range(4)]
+    assert out["visible_bytes_per_rank"] == [sum(out["physical_bytes_per_rank"])] * 4
+    # Multicast through multimem.st reached every member (4 distinct GPUs by UUID).
+    assert out["multicast"]["used"] and out["multicast"]["members_updated"] == 4
+    # The default node has no IMEX channel: the fabric trial failed, every rank fell back to fds.
+    assert out["handle_type"] == "fd" and "fabric trial" in out["multicast"]["reason"]
+    assert out["rss_growth_bytes"] is None and "warm-up" in out["rss_growth_note"]
+
+
+@pytest.mark.parametrize("leak,field,per_rank", [("handle", "leaked_fds", 1), ("mapping", "leaked_mappings", 2)])
+def test_selftest_leak_counters_report_an_injected_leak_over_the_emulator(emulator, leak, field, per_rank):
+    """Positive control: a handle (or a mapping in its reservation) left behind on purpose is counted."""
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda", "--inject-leak", leak, "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    import json
+
+    out = json.loads(proc.stdout)
+    assert out["ok"] is False and out[field] == 2 * per_rank
+    assert out["leaked_device_bytes"] == 2 * 2 * MiB  # one 2 MiB allocation per rank
+    for rank in ("0", "1"):
+        assert out["leaked_below_library"][rank]["handles"] == 1
+        assert out["leaked_driver_objects"][rank]["context"] == 1  # a driver with live objects keeps it
+
+
+def test_selftest_reports_a_driver_never_closed(emulator):
+    """Positive control for finding 9: the context retain of an unclosed CudaDriver is reported."""
+    import json
+
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda", "--inject-leak", "context", "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 1 and out["ok"] is False
+    assert out["leaked_fds"] == 0 and out["leaked_mappings"] == 0
+    assert all(out["leaked_below_library"][r]["contexts"] == 1 for r in ("0", "1"))
+
+
+def test_footprint_measure_over_the_emulator_matches_the_prediction(emulator):
+    out = moonep_ep_json("footprint", "--measure", "--ranks", "4", "--model", "tiny", "--layers", "8",
+                         "--driver", "cuda")
+    assert out["ok"] and out["driver"] == "cuda" and out["emulated"]
+    assert out["measured_bytes_per_rank"] == out["predicted_bytes_per_rank"]
+    assert all(r["measured_bytes"] > 0 and r["emulated"] for r in out["per_rank"])
+
+
+def test_bench_prefetch_over_the_emulator(emulator):
+    out = moonep_ep_json("bench", "prefetch", "--ranks", "2", "--reps", "1", "--driver", "cuda", timeout=400)
+    assert out["ok"] and out["driver"] == "cuda" and out["emulated"] and out["backend"] == "gloo"
+    assert all(v > 0 for row in out["sizes"] for v in row["remote_gbps"])
+
+
+def test_check_names_a_driver_older_than_the_bindings_and_the_fix(monkeypatch, emulator):
+    """Finding 7: a driver one CUDA major older than the installed bindings (R570, CUDA 12.8,
+    under cuda-bindings 13.x)."""
+    from cuda.bindings import driver
+
+    from moonep_ep.memory.cuda_calls import bindings_fix
+
+    major = int(driver.CUDA_VERSION) // 1000
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H100x8,cuda={major - 1}.8")
+    report = moonep_ep_json("check")
+    cuda = report["cuda"]
+    assert cuda["emulated"] and not cuda["available"]
+    assert cuda["versions"]["driver_cuda"] == f"{major - 1}.8" and cuda["versions"]["bindings_cuda_major"] == major
+    assert cuda["versions"]["compatible"] is False
+    assert bindings_fix(major - 1) in cuda["reasons"]["versions"]
+    text = moonep_ep("check").stdout
+    assert f"driver CUDA {major - 1}.8 / bindings {major}.x" in text and bindings_fix(major - 1) in text
+
+
+def test_check_over_the_emulator_reports_the_gpu_by_uuid(emulator):
+    cuda = moonep_ep_json("check")["cuda"]
+    assert cuda["available"] and cuda["emulated"] and cuda["device_id"].startswith("GPU-")
+    assert cuda["versions"]["compatible"] is True and cuda["granularity"] == 2 * MiB
+
+
+@pytest.mark.parametrize("imex,handle_type,why", [("channel", "fd", "CUDA_ERROR_INVALID_HANDLE"),
+                                                  ("domain", "fabric", "all ranks support fabric")])
+def test_selftest_fabric_trial_per_imex_mode(monkeypatch, emulator, imex, handle_type, why):
+    """Finding 4: an IMEX channel without a domain (x86 HGX, no IMEX daemon) fails a peer's import with a
+    code the old NOT_PERMITTED/NOT_SUPPORTED fall-back did not know; the trial falls back on any failure.
+    With an IMEX domain, fabric handles are used."""
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H200x4,imex={imex}")
+    out = moonep_ep_json("selftest", "--ranks", "2", "--driver", "cuda")
+    assert out["ok"] and out["handle_type"] == handle_type and why in out["multicast"]["reason"]
