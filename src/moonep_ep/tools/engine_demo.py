@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from ..errors import ConfigError
 from .engine_harness import EngineConfig, run_dp, run_single
 
-__all__ = ["DemoConfig", "ModelChoice", "RUNS", "TINY_MODELS", "resolve_model", "workload", "run_demo"]
+__all__ = ["DemoConfig", "ModelChoice", "RUNS", "TINY_MODELS", "model_path", "resolve_model", "workload", "run_demo"]
 
 Progress = Callable[[str], None]
 
@@ -67,36 +67,47 @@ class ModelChoice:
     wrong_shape_dir: Optional[str] = None
 
 
+def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = lambda m: None) -> str:
+    """The checkpoint directory of ``spec``: a tiny model built (once) into ``model_dir`` or its cache
+    directory, or ``spec`` itself (a path)."""
+    if spec == "tiny-deepseek-v3":
+        from .tiny_deepseek_v3 import build_tiny_deepseek_v3
+
+        progress("building the tiny DeepSeek-V3 (Kimi K2 MLA dims, noaux_tc routing, 16 experts top-4, 3 MoE "
+                 "layers, random bf16, offline tokenizer)")
+        return build_tiny_deepseek_v3(model_dir)
+    if spec == "tiny-qwen3":
+        from .tiny_model import build_tiny_qwen3_moe, default_model_dir
+
+        progress("building the tiny Qwen3-MoE (hidden 512, 8 experts top-2, 2 layers, random bf16)")
+        return build_tiny_qwen3_moe(model_dir or default_model_dir())
+    return spec
+
+
+def _reload_checkpoints(spec: str) -> tuple[str, str]:
+    """Checkpoint B (same shapes, other values) and one whose experts have another shape."""
+    if spec == "tiny-deepseek-v3":
+        from .tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3, default_model_dir
+
+        b, wrong = TinyDeepseekV3Config(seed=1), TinyDeepseekV3Config(moe_intermediate=128, seed=2)
+        return (build_tiny_deepseek_v3(default_model_dir(b), b),
+                build_tiny_deepseek_v3(default_model_dir(wrong), wrong))
+    from .tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir as qwen_dir
+
+    b, wrong = TinyMoEConfig(seed=1), TinyMoEConfig(intermediate=128, seed=2)
+    return build_tiny_qwen3_moe(qwen_dir(b), b), build_tiny_qwen3_moe(qwen_dir(wrong), wrong)
+
+
 def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     """Build a tiny model or take a checkpoint directory; check it before any engine starts."""
     from .model_check import require_servable
 
-    reload_dir = wrong_dir = None
-    if cfg.model == "tiny-deepseek-v3":
-        from .tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3, default_model_dir
-
-        progress("building the tiny DeepSeek-V3 (Kimi K2 MLA dims, noaux_tc routing, 16 experts top-4, 3 MoE "
-                 "layers, random bf16, offline tokenizer)")
-        path = build_tiny_deepseek_v3(cfg.model_dir)
-        if cfg.reload:
-            b, wrong = TinyDeepseekV3Config(seed=1), TinyDeepseekV3Config(moe_intermediate=128, seed=2)
-            reload_dir = build_tiny_deepseek_v3(default_model_dir(b), b)
-            wrong_dir = build_tiny_deepseek_v3(default_model_dir(wrong), wrong)
-    elif cfg.model == "tiny-qwen3":
-        from .tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir
-
-        progress("building the tiny Qwen3-MoE (hidden 512, 8 experts top-2, 2 layers, random bf16)")
-        path = build_tiny_qwen3_moe(cfg.model_dir or default_model_dir())
-        if cfg.reload:
-            b, wrong = TinyMoEConfig(seed=1), TinyMoEConfig(intermediate=128, seed=2)
-            reload_dir = build_tiny_qwen3_moe(default_model_dir(b), b)
-            wrong_dir = build_tiny_qwen3_moe(default_model_dir(wrong), wrong)
-    else:
-        if cfg.reload:
-            raise ConfigError(f"--reload needs a model this command builds (it writes checkpoint B and one of "
-                              f"another shape); got --model {cfg.model}. Fix: --model tiny-deepseek-v3 or "
-                              "tiny-qwen3 with --reload")
-        path = cfg.model
+    if cfg.reload and cfg.model not in TINY_MODELS:
+        raise ConfigError(f"--reload needs a model this command builds (it writes checkpoint B and one of another "
+                          f"shape); got --model {cfg.model}. Fix: --model tiny-deepseek-v3 or tiny-qwen3 with "
+                          "--reload")
+    path = model_path(cfg.model, cfg.model_dir, progress)
+    reload_dir, wrong_dir = _reload_checkpoints(cfg.model) if cfg.reload else (None, None)
     info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
     return ModelChoice(cfg.model if cfg.model in TINY_MODELS else "checkpoint", info["path"],
                        cfg.model in TINY_MODELS, info, reload_dir, wrong_dir)

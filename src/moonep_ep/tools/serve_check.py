@@ -289,7 +289,7 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0) -> dict[str,
         result["requests"] = requests
         result["errors"] = asyncio.run(_errors(url, model))
         result["health_after_errors"] = _get(url + "/health")[0]
-        result["stats"] = [{"ep_rank": s.get("ep_rank"), "layout": s.get("layout"),
+        result["stats"] = [{"ep_rank": s.get("ep_rank"), "layout": s.get("layout"), "device": s.get("device"),
                             "remote_prefetched": (s.get("forward") or {}).get("remote_prefetched"),
                             "store_os_bytes": ((s.get("store") or {}).get("os_bytes") or {}).get("total_bytes")}
                            for s in read_stats(stats_dir)]

@@ -47,7 +47,7 @@ import tempfile
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from .tiny_model import write_checkpoint
+from .tiny_model import COMMON_HF_CONFIG, write_checkpoint
 
 __all__ = ["KIMI_K2_YARN", "TinyDeepseekV3Config", "build_tiny_deepseek_v3", "default_model_dir", "hf_config",
            "low_prompt_ids", "high_prompt_ids"]
@@ -147,18 +147,10 @@ def hf_config(c: TinyDeepseekV3Config) -> dict[str, Any]:
         "max_position_embeddings": (KIMI_K2_YARN["original_max_position_embeddings"] * int(KIMI_K2_YARN["factor"])
                                     if c.yarn else c.max_positions),
         "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
         "rope_theta": c.rope_theta,
         "rope_scaling": dict(KIMI_K2_YARN) if c.yarn else None,
         "rope_interleave": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "use_cache": True,
+        **COMMON_HF_CONFIG,
     }
 
 

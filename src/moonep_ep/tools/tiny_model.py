@@ -53,6 +53,13 @@ class TinyMoEConfig:
     seed: int = 0
 
 
+#: ``config.json`` keys every tiny model shares (the WordLevel tokenizer's special ids, bf16, no biases).
+COMMON_HF_CONFIG: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "use_cache": True,
+}
+
+
 def _hf_config(c: TinyMoEConfig) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -73,17 +80,9 @@ def _hf_config(c: TinyMoEConfig) -> dict[str, Any]:
         "output_router_logits": False,
         "hidden_act": "silu",
         "max_position_embeddings": c.max_positions,
-        "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "use_cache": True,
+        **COMMON_HF_CONFIG,
         "sliding_window": None,
         "use_sliding_window": False,
     }
