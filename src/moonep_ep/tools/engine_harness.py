@@ -127,8 +127,8 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
 
         kwargs = _llm_kwargs(cfg)
         if dp is not None:
-            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE,
-                          **cfg.dp_llm_kwargs)
+            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE)
+            kwargs.update(cfg.dp_llm_kwargs)
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()

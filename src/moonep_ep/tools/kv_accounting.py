@@ -62,15 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "error": "needs >= 2 CUDA GPUs"}))
         return 2
     from .engine_harness import EngineConfig, run_dp
-    from .engine_reload import PROBE
     from .tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir, demo_prompts
 
     tiny = TinyMoEConfig(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
                          layers=args.layers)
     cfg = EngineConfig(model_dir=build_tiny_qwen3_moe(default_model_dir(tiny), tiny), prompts=demo_prompts(2),
                        device="cuda", timeout_s=args.timeout,
-                       dp_llm_kwargs={"worker_extension_cls": PROBE,
-                                      "gpu_memory_utilization": args.gpu_memory_utilization},
+                       dp_llm_kwargs={"gpu_memory_utilization": args.gpu_memory_utilization},
                        probe_calls=["moonep_ep_memory"])
     t0 = time.perf_counter()
     try:
