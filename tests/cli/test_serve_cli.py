@@ -38,3 +38,14 @@ def test_gpus_take_vllm_serve_with_the_same_flags():
     assert gpu[0].endswith("vllm") and gpu[1:3] == ["serve", "/m"]
     assert gpu[3:] == cpu[5:]               # the same flags
     assert "MOONEP_EP_CPU" not in env
+
+
+def test_requests_in_flight_are_counted_from_send_and_finish_times():
+    from moonep_ep.tools.serve_check import max_in_flight
+
+    one_after_another = [{"sent": i, "done": i + 0.5} for i in range(8)]
+    all_at_once = [{"sent": 0.0, "done": 1.0 + i} for i in range(16)]
+    assert max_in_flight(one_after_another) == 1
+    assert max_in_flight(all_at_once) == 16
+    assert max_in_flight([{"sent": 0, "done": 1}, {"sent": 1, "done": 2}]) == 1   # a finish before a send
+    assert max_in_flight([{"error": "refused"}]) == 0

@@ -72,6 +72,9 @@ def passes_rank(ctx) -> dict:
         out["rows_a"] = _rows_are(store, 0)  # every row of every owner, read through this rank's views
         out["slots_poisoned"] = all(bool(torch.isnan(v[E:]).all()) for v in store.views(1))
         ptrs = [v.data_ptr() for layer in range(L) for v in store.views(layer)]
+        # A peer must not start the next pass while this rank still reads its rows (vLLM pauses every
+        # DP rank around a reload for the same reason); settle is the barrier after writes, not before them.
+        torch.distributed.barrier()
 
         store.begin_update()
         _write_all(store, 1, rank)
@@ -85,6 +88,7 @@ def passes_rank(ctx) -> dict:
             store.write_expert(0, "gate", j, torch.zeros(I // 2, H, dtype=torch.bfloat16), "wrong")
         out["wrong_shape"] = _error(store.settle)
         out["rows_b_after_wrong_shape"] = _rows_are(store, 1)
+        torch.distributed.barrier()  # rank 0 writes a row below
 
         # Another dtype than the checkpoint the engine loaded: refused.
         store.begin_update()
