@@ -1,4 +1,4 @@
-"""Engine tier, weight updates and load memory: what ``vllm-demo --reload`` adds to the DP run and its summary.
+"""Weight updates and load memory: what ``vllm-demo --reload`` adds to the DP sharded run and its summary.
 
 In every DP rank's process, after the first generation on checkpoint A
 (:func:`run_reload_sequence`):
@@ -12,10 +12,13 @@ In every DP rank's process, after the first generation on checkpoint A
 3. pointers again, and the same prompts are generated on B;
 4. the same with a checkpoint whose experts have another shape: the reload
    must fail (its message is kept), pointers stay, and the next generation
-   must repeat step 3's tokens (the old weights still serve).
+   still serves B.
 
-The oracle for steps 3 and 4 is HF transformers on checkpoint B (the demo
-judges those sequences like every other run's, ``tools/engine_demo.py``).
+Every generation runs the rank's prompts phase by phase, as the first one
+did. The oracle for steps 3 and 4 is HF transformers on checkpoint B (the
+summary judges those sequences like every other run's,
+``tools/engine_summary.py``); whether step 4 repeats step 3's tokens is
+reported beside it.
 :func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
 and these results into the ``vllm-demo --json`` fields.
 """
