@@ -3,18 +3,8 @@
 # expert store as model memory, so the KV cache leaves room for it. Called by scripts/gpu_check.sh.
 #   1. the `cuda`/`multi_gpu`-marked test tests/vllm/test_gpu_kv_accounting.py (it runs the tool below);
 #   2. the tool's JSON into $OUT for the session's notes.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-gpu-check-out}"
-mkdir -p "$OUT"
-status=0
-GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [ "${GPUS:-0}" -lt 2 ]; then
-  echo "kv_accounting: needs >= 2 GPUs (found ${GPUS:-0}); skipped" | tee "$OUT/kv-accounting.txt"
-  exit 0
-fi
-PY=.venv-vllm/bin/python
-[ -x "$PY" ] || { echo "kv_accounting: $PY missing (make venv-vllm)"; exit 1; }
+CHECK=kv-accounting
+source "$(dirname "$0")/common.sh"
 
 echo "== kv accounting: store bytes vs vLLM's model memory and KV cache"
 timeout 560 "$PY" -m moonep_ep.tools.kv_accounting --json | tee "$OUT/kv-accounting.json"
