@@ -10,6 +10,8 @@
 #   ops_demo        moonep-ep demo --driver cuda (one rank per GPU, up to 4)
 #   vllm_kernels    the vLLM 0.33.0 kernel tier (tests/vllm/test_kernel.py, 2 ranks)
 #   make_demo       with >= 2 GPUs: make demo (vLLM's CUDA engine, DP=2, moonep backend)
+#   kv_accounting   with >= 2 GPUs: vLLM's model memory counts the store (scripts/gpu_checks/)
+#   serve           with >= 2 GPUs: make serve under the openai client (scripts/gpu_checks/)
 # A step that was meant to run and did not (skipped, timed out, missing environment)
 # fails. The last line on stdout is one JSON summary; logs land in $OUT.
 set -uo pipefail
@@ -102,9 +104,12 @@ step ops_demo 120 'out["ok"] and out["driver"] == "cuda" and not out["emulated"]
 # 6. The vLLM kernel tier (vLLM 0.33.0's MoonEP classes over the plugin's store).
 step vllm_kernels 240 rc -- "$PY" -m pytest "tests/vllm/test_kernel.py::test_real_vllm_kernel_sharded_equals_dense_and_replicated[2]" -q
 
-# 7. The CUDA engine end to end (needs two GPUs: DP=2).
+# 7. The CUDA engine end to end (needs two GPUs: DP=2): make demo, vLLM's KV-cache sizing
+#    against the store's bytes, and make serve under the openai client.
 if [ "$GPUS" -ge 2 ]; then
   step make_demo 600 'out.get("ok") is True' -- make demo
+  step kv_accounting 600 rc -- bash scripts/gpu_checks/kv_accounting.sh
+  step serve 700 rc -- bash scripts/gpu_checks/serve.sh
 fi
 
 "$PY" - "$STEPS" "$GPUS" <<'PYEOF'
@@ -118,6 +123,8 @@ summary = {
     "not_covered": ["vLLM kernels on the GPU: tools/kernel_check.py runs vLLM's classes with CPU kernels "
                     "(VLLM_TARGET_DEVICE=cpu); it has no CUDA device mode yet"]
                    + ([] if int(sys.argv[2]) >= 2 else ["make demo on the CUDA engine (needs >= 2 GPUs)",
+                                                        "KV-cache accounting and make serve on the CUDA engine "
+                                                        "(DP=2: needs >= 2 GPUs)",
                                                         "multicast across GPUs (needs >= 2 GPUs on NVSwitch)"]),
 }
 print(json.dumps(summary))
