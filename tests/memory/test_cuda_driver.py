@@ -263,12 +263,17 @@ def test_multicast_sequence(drv, api):
     assert api.errors == []
 
 
-@pytest.mark.cuda_emulated
-def test_release_before_unbind_is_reported(drv, api):
+def _one_member_team(drv: CudaDriver) -> tuple[int, int, int]:
+    """A one-device multicast object this device joined, and unbound memory of its size."""
     size = drv.multicast_granularity(1, FD)
     mc = drv.multicast_create(size, 1, FD)
     drv.multicast_add_device(mc)
-    mem = drv.create(size, FD)
+    return size, mc, drv.create(size, FD)
+
+
+@pytest.mark.cuda_emulated
+def test_release_before_unbind_is_reported(drv, api):
+    size, mc, mem = _one_member_team(drv)
     drv.multicast_bind(mc, 0, mem, 0, size)
     drv.release(mem)  # wrong: the bound memory goes before the unbind
     with pytest.raises(DriverError) as info:
@@ -309,10 +314,7 @@ def test_size_not_multiple_of_granularity_fails_before_the_call(drv, api):
 
 @pytest.mark.cuda_emulated
 def test_bind_retry_after_system_not_ready(drv, api):
-    size = drv.multicast_granularity(1, FD)
-    mc = drv.multicast_create(size, 1, FD)
-    drv.multicast_add_device(mc)
-    mem = drv.create(size, FD)
+    size, mc, mem = _one_member_team(drv)
     api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times=1)
     with pytest.raises(DriverError) as info:
         drv.multicast_bind(mc, 0, mem, 0, size)
@@ -589,6 +591,16 @@ def _map_local(drv: CudaDriver, handle: int, size: int, gran: int) -> int:
     return va
 
 
+def _tear_down_one_mapping(drv: CudaDriver, va: int, size: int, handle: int) -> None:
+    """Synchronize, unmap, free the reservation, release the handle; nothing may be left; close."""
+    drv.synchronize()
+    drv.unmap(va, size)
+    drv.free_reservation(va, size)
+    drv.release(handle)
+    assert not any(drv.live_objects().values()), drv.live_objects()
+    drv.close()
+
+
 def _child_export(sock: socket.socket, device: int) -> None:
     """Spawned exporter: allocate, write a pattern through a tensor, send the fd."""
     try:
@@ -606,12 +618,7 @@ def _child_export(sock: socket.socket, device: int) -> None:
         socket.send_fds(sock, [b"K" + struct.pack("<Q", size)], [fd])
         os.close(fd)
         assert sock.recv(4) == b"done"  # the parent has imported, mapped and read
-        drv.synchronize()
-        drv.unmap(va, size)
-        drv.free_reservation(va, size)
-        drv.release(handle)
-        assert not any(drv.live_objects().values()), drv.live_objects()
-        drv.close()
+        _tear_down_one_mapping(drv, va, size, handle)
     except BaseException:
         sock.sendall(b"E" + traceback.format_exc().encode()[-3000:])
         raise
@@ -694,12 +701,7 @@ class TestRealCuda:
             # The exporter is gone; our import and mapping keep the memory alive.
             assert torch.equal(tensor.cpu(), _pattern(size, seed=1))
             del tensor
-            drv.synchronize()
-            drv.unmap(va, size)
-            drv.free_reservation(va, size)
-            drv.release(handle)
-            assert not any(drv.live_objects().values()), drv.live_objects()
-            drv.close()
+            _tear_down_one_mapping(drv, va, size, handle)
         finally:
             parent_sock.close()
             if child.is_alive():

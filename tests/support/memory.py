@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 
 from moonep_ep.memory.accounting import snapshot
-from moonep_ep.memory.host import HostDriver
 
 #: Small logical granularity: multi-process tests stay fast while every alignment rule still applies.
 GRAN = 64 << 10

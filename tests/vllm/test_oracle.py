@@ -61,5 +61,5 @@ def test_bf16_passes_and_every_simulated_moe_bug_fails(capsys):
     assert "divergence_gap" in controls["swap_experts"]["failed"]
     assert out["ok"] is True
     with capsys.disabled():
-        print(f"\n[oracle controls] " + "; ".join(f"{k}: {v['failed'] or 'pass'}" for k, v in controls.items())
+        print("\n[oracle controls] " + "; ".join(f"{k}: {v['failed'] or 'pass'}" for k, v in controls.items())
               + f"; {time.monotonic() - t0:.0f}s")

@@ -39,10 +39,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..tools.launch import RankFailure
     from ..tools.demo import format_report, resolve_config, run_demo
-
-    from ..tools.launch import admit_ranks
+    from ..tools.launch import RankFailure, admit_ranks, plan_one_gpu_per_rank
 
     if not admit_ranks(args.ranks, "moonep-ep demo"):
         return 2
@@ -51,20 +49,15 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.layers is not None and args.layers < 1:
-        print(f"moonep-ep demo: --layers must be >= 1, got {args.layers}", file=sys.stderr)
+        print(f"moonep-ep demo: --layers must be >= 1, got {args.layers}. Fix: pass a positive layer count",
+              file=sys.stderr)
         return 2
-    from .. import envs
-
-    if args.driver == "cuda" and not envs.MOONEP_EP_CUDA_EMULATOR:
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:
-            print(f"moonep-ep demo: --driver cuda needs {args.ranks} visible GPUs (one per rank); "
-                  "use --driver host (or MOONEP_EP_CUDA_EMULATOR=1 for the CPU emulator)", file=sys.stderr)
-            return 2
+    plan = plan_one_gpu_per_rank(args.driver, args.ranks, "moonep-ep demo")
+    if plan is None:
+        return 2
     try:
         cfg = resolve_config(ranks=args.ranks, skew=args.skew, model=args.model, tokens=args.tokens,
-                             slots=args.slots, driver=args.driver, granularity=args.granularity,
+                             slots=args.slots, driver=plan.driver, granularity=args.granularity,
                              layers=args.layers, seed=args.seed)
     except ConfigError as exc:
         print(f"moonep-ep demo: {exc}", file=sys.stderr)

@@ -360,6 +360,20 @@ def plan_launch(driver: str, ranks: int) -> LaunchPlan:
     return LaunchPlan(driver, "nccl" if gpus >= ranks else "gloo", True, False)
 
 
+def plan_one_gpu_per_rank(driver: str, ranks: int, what: str) -> LaunchPlan | None:
+    """:func:`plan_launch` for commands that give every rank its own GPU: with fewer real GPUs
+    than ranks, ``--driver cuda`` is refused (one line on stderr, with the fix; None) and
+    ``auto`` falls back to host memory."""
+    plan = plan_launch(driver, ranks)
+    if plan.driver == "cuda" and not plan.emulated and plan.backend != "nccl":
+        if driver == "cuda":
+            print(f"{what}: --driver cuda needs {ranks} visible GPUs (one per rank). Fix: use --driver host, or "
+                  "MOONEP_EP_CUDA_EMULATOR=1 to run the CUDA driver over its CPU emulator", file=sys.stderr)
+            return None
+        return plan_launch("host", ranks)
+    return plan
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), backend: str = "gloo",
               use_cuda: bool | None = None,
               timeout_s: float = DEFAULT_RANK_TIMEOUT_S, group_timeout_s: float | None = None,

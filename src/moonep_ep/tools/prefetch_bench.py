@@ -171,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import RankFailure, admit_ranks, plan_launch, run_ranks
+    from .launch import RankFailure, admit_ranks, plan_one_gpu_per_rank, run_ranks
 
     if not admit_ranks(args.ranks, "moonep-ep bench prefetch"):
         return 2
@@ -179,13 +179,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonep-ep bench prefetch: --ranks must be >= 2 (remote reads need a peer), got {args.ranks}",
               file=sys.stderr)
         return 2
-    plan = plan_launch(args.driver, args.ranks)
-    if plan.driver == "cuda" and not plan.emulated and plan.backend != "nccl":
-        if args.driver == "cuda":
-            print(f"moonep-ep bench prefetch: --driver cuda needs {args.ranks} visible GPUs (or "
-                  "MOONEP_EP_CUDA_EMULATOR=1 for the CPU emulator); use --driver host", file=sys.stderr)
-            return 2
-        plan = plan_launch("host", args.ranks)  # auto: fewer GPUs than ranks -> host memory
+    plan = plan_one_gpu_per_rank(args.driver, args.ranks, "moonep-ep bench prefetch")
+    if plan is None:
+        return 2
     driver, backend = plan.driver, plan.backend
 
     def progress(msg: str) -> None:
