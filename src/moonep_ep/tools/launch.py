@@ -65,13 +65,16 @@ def check_rank_count(ranks: int, what: str) -> list[str]:
     return warnings
 
 
-def admit_ranks(ranks: int, what: str) -> bool:
+def admit_ranks(ranks: int, what: str, *, minimum: int = 1, why: str = "") -> bool:
     """For a command about to start ``ranks`` ranks: False (after a one-line error on stderr)
-    when MoonEP cannot run that many; warnings on stderr when this machine will struggle."""
+    when MoonEP cannot run that many, or the command needs at least ``minimum`` (``why``);
+    warnings on stderr when this machine will struggle."""
     from ..errors import ConfigError
 
     try:
         warnings = check_rank_count(ranks, what)
+        if ranks < minimum:
+            raise ConfigError(f"{what}: --ranks {ranks} is too few ({why}). Fix: pass --ranks {minimum} or more")
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return False

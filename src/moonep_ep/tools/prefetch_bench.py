@@ -173,11 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .launch import RankFailure, admit_ranks, plan_one_gpu_per_rank, run_ranks
 
-    if not admit_ranks(args.ranks, "moonep-ep bench prefetch"):
-        return 2
-    if args.ranks < 2:
-        print(f"moonep-ep bench prefetch: --ranks must be >= 2 (remote reads need a peer), got {args.ranks}",
-              file=sys.stderr)
+    if not admit_ranks(args.ranks, "moonep-ep bench prefetch", minimum=2, why="remote reads need a peer"):
         return 2
     plan = plan_one_gpu_per_rank(args.driver, args.ranks, "moonep-ep bench prefetch")
     if plan is None:
