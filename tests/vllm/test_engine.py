@@ -14,7 +14,8 @@ set serves every check of the sharded path —
   the load peak within store + one layer; vLLM's replicated path side by side
   with its load peak;
 * the in-place update to checkpoint B, judged by the oracle on B (and
-  rejected by the oracle on A: the positive control), pointers unchanged, an
+  rejected by the oracle on A: the positive control), equal to a fresh
+  engine started on B (tokens and expert bytes), pointers unchanged, an
   update of another shape refused while B keeps serving.
 
 Then ``vllm-demo --model PATH`` on a checkpoint written by transformers'
@@ -119,6 +120,13 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
     assert out["reload_oracle"]["checkpoint_b"]["after_refused_update"]["ok"] is True
     assert out["reload_oracle"]["positive_control_checkpoint_a_rejects_b_sequences"] is True
     assert out["reload_pointers_unchanged_by_rank"] == [True] * R
+    # ... and equals a first load of B: a fresh DP sharded engine on B generates the same tokens and holds the
+    # same expert bytes; the first generation on A differs from it (the comparison can fail).
+    assert out["reload_tokens_match_fresh_engine"] is True, out["reload_mismatched_prompts"]
+    assert out["reload_changes_tokens"] is True
+    assert out["reload_expert_bytes_match_fresh_engine_by_rank"] == [True] * R
+    assert out["reload_changes_expert_bytes_by_rank"] == [True] * R
+    assert out["reload_oracle"]["checkpoint_b"]["fresh_engine"]["ok"] is True
     for passes in out["weight_passes_by_rank"]:
         assert [(p["kind"], p["ok"], p["rows_written"]) for p in passes] == [
             ("initial", True, L * 3 * E // R), ("update", True, L * 3 * E // R)]
@@ -129,6 +137,7 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
         assert "reload refused before any weight was read, on every EP rank" in error and "Fix:" in error
         assert "served (512, 256)" in error
     assert out["wrong_shape_pointers_unchanged_by_rank"] == [True] * R
+    assert out["wrong_shape_expert_bytes_unchanged_by_rank"] == [True] * R
 
     # Every figure says where it comes from.
     from moonep_ep.tools.engine_summary import FIGURE_SOURCES, NON_FIGURES

@@ -7,18 +7,25 @@ In every DP rank's process, after the first generation on checkpoint A
    read from the worker (:class:`MoonEPProbe`, a vLLM worker extension);
 2. generation is paused on every DP rank together (vLLM's ``pause_scheduler``:
    a DP-wide consensus, so no rank is still stepping a wave whose MoE layers
-   need its peers), then ``collective_rpc("reload_weights", weights_path=B)``
-   updates the weights in place, then generation resumes;
-3. pointers again, and the same prompts are generated on B;
+   need its peers) and the prefix cache is cleared (its KV blocks were
+   computed with A's weights: a prompt seen before would reuse them), then
+   ``collective_rpc("reload_weights", weights_path=B)`` updates the weights
+   in place, then generation resumes;
+3. pointers and a digest of the rank's own expert bytes again, and the same
+   prompts are generated on B;
 4. the same with a checkpoint whose experts have another shape: the reload
-   must fail (its message is kept), pointers stay, and the next generation
-   still serves B.
+   must fail (its message is kept), pointers and expert bytes stay, and the
+   next generation still serves B.
 
 Every generation runs the rank's prompts phase by phase, as the first one
 did. The oracle for steps 3 and 4 is HF transformers on checkpoint B (the
 summary judges those sequences like every other run's,
 ``tools/engine_summary.py``); whether step 4 repeats step 3's tokens is
-reported beside it.
+reported beside it. ``vllm-demo --reload`` also starts a fresh DP engine on
+B (same layout, prompts and phases): the updated engine must generate the
+same tokens and hold the same expert bytes (digests per rank). That is an
+equivalence of two load paths, the update and a first load, not a
+correctness verdict; the oracle on B is the verdict for both.
 :func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
 and these results into the ``vllm-demo --json`` fields.
 """
@@ -45,6 +52,27 @@ class MoonEPProbe:
                          "full_gate_weight": layout.full_gate_weight.data_ptr(),
                          "full_up_weight": layout.full_up_weight.data_ptr(),
                          "full_down_weight": layout.full_down_weight.data_ptr()}
+        return out
+
+    def moonep_ep_expert_digest(self) -> dict[str, str]:
+        """SHA-256 of every MoE layer's expert rows ``[0, E)`` of its gate, up and down views (every owner's
+        experts, read through this rank's mappings; the slot rows ``[E, E+B)`` hold whatever was prefetched
+        last and are left out). Equal digests mean equal bytes, whatever batch a later forward sees."""
+        import hashlib
+
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out = {}
+        for name, module in model.named_modules():
+            layout = getattr(module, "_moonep_weight_layout", None)
+            if layout is None:
+                continue
+            experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
+            h = hashlib.sha256()
+            for view in (layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight):
+                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out[name] = h.hexdigest()
         return out
 
     def moonep_ep_forward_stats(self) -> dict[str, Any]:
@@ -75,9 +103,10 @@ class MoonEPProbe:
 
 
 def _paused(llm: Any, call: Any) -> Any:
-    """Run ``call()`` while every DP rank's scheduler is paused (vLLM's DP-wide pause consensus)."""
+    """Run ``call()`` while every DP rank's scheduler is paused (vLLM's DP-wide pause consensus), with the
+    prefix cache cleared: after a weight update, cached KV blocks hold keys and values of the old weights."""
     core = llm.llm_engine.engine_core
-    core.call_utility("pause_scheduler", "abort", False)
+    core.call_utility("pause_scheduler", "abort", True)
     try:
         return call()
     finally:
@@ -86,11 +115,13 @@ def _paused(llm: Any, call: Any) -> Any:
 
 def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str, Any]]]) -> dict[str, Any]:
     """Steps 1-4 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
-    out: dict[str, Any] = {"pointers_a": llm.collective_rpc("moonep_ep_pointers")[0]}
+    out: dict[str, Any] = {"pointers_a": llm.collective_rpc("moonep_ep_pointers")[0],
+                           "digest_a": llm.collective_rpc("moonep_ep_expert_digest")[0]}
     t0 = time.perf_counter()
     _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.reload_model_dir}))
     out["reload_s"] = round(time.perf_counter() - t0, 2)
     out["pointers_b"] = llm.collective_rpc("moonep_ep_pointers")[0]
+    out["digest_b"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
     out["generated_b"] = generate()
     out["wrong_shape_error"] = None
     if cfg.wrong_shape_model_dir:
@@ -102,6 +133,7 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
 
         _paused(llm, wrong)
         out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
+        out["digest_after_wrong_shape"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
         out["generated_after_wrong_shape"] = generate()
     return out
 
@@ -141,7 +173,7 @@ def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
     sequences generated on B and after the refusal (by prompt index; the oracle on B judges them)."""
     from .engine_harness import sequences_by_prompt
 
-    pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
+    pointers_same, pointers_same_after_wrong, bytes_same_after_wrong, errors, seconds = [], [], [], [], []
     after_update: dict[int, Any] = {}
     after_wrong: dict[int, Any] = {}
     for rank in sorted(dp):
@@ -151,6 +183,8 @@ def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
         pointers_same.append(bool(seq.get("pointers_a")) and seq.get("pointers_a") == seq.get("pointers_b"))
         pointers_same_after_wrong.append(bool(seq.get("pointers_a"))
                                          and seq.get("pointers_a") == seq.get("pointers_after_wrong_shape"))
+        bytes_same_after_wrong.append(bool(seq.get("digest_b")) and seq.get("digest_b") == seq.get(
+            "digest_after_wrong_shape"))
         errors.append(seq.get("wrong_shape_error"))
         seconds.append(seq.get("reload_s"))
     on_b = sequences_by_prompt(after_update, n_prompts)
@@ -161,6 +195,7 @@ def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
         "wrong_shape_reload_error_by_rank": errors,
         "wrong_shape_reload_refused": bool(errors) and all(e is not None for e in errors),
         "wrong_shape_pointers_unchanged_by_rank": pointers_same_after_wrong,
+        "wrong_shape_expert_bytes_unchanged_by_rank": bytes_same_after_wrong,
         "generation_after_wrong_shape_repeats_b": all(a is not None and b is not None
                                                       and a["token_ids"] == b["token_ids"]
                                                       for a, b in zip(after, on_b)),

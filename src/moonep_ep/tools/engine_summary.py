@@ -78,11 +78,25 @@ FIGURE_SOURCES: dict[str, str] = {
                                         "raised",
     "wrong_shape_reload_refused": "derived: every rank raised",
     "wrong_shape_pointers_unchanged_by_rank": "measured: as reload_pointers_unchanged_by_rank, after the refusal",
+    "wrong_shape_expert_bytes_unchanged_by_rank": "measured: the expert digests (as below) after the refusal "
+                                                  "equal those after the update to B, per rank",
     "generation_after_wrong_shape_repeats_b": "measured: the engine's tokens after the refusal equal its tokens "
                                               "on B before it (same engine, same prompts; informational)",
     "reload_oracle": "measured: the oracle on checkpoint B (fp32) judging the sequences generated after the "
-                     "update and after the refusal; on checkpoint A judging the former (positive control: must "
-                     "fail)",
+                     "update, after the refusal and by the fresh engine on B; on checkpoint A judging the first "
+                     "(positive control: must fail)",
+    "reload_tokens_match_fresh_engine": "measured: every prompt's greedy tokens after the in-place update equal "
+                                        "those of a fresh DP sharded engine started on B (same prompts, phases "
+                                        "and DP ranks)",
+    "reload_mismatched_prompts": "measured: the prompts where they differ",
+    "reload_changes_tokens": "measured: the fresh engine on B generates other tokens than the first generation "
+                             "on A for some prompt (positive control: matching B then shows the update took "
+                             "effect)",
+    "reload_expert_bytes_match_fresh_engine_by_rank": "measured: SHA-256 of every MoE layer's expert rows [0, E) "
+                                                      "(gate, up, down views) after the update equals the fresh "
+                                                      "engine's, per rank (worker extension)",
+    "reload_changes_expert_bytes_by_rank": "measured: the same digests before and after the update differ, per "
+                                           "rank (positive control)",
     # -- verdict ----------------------------------------------------------------------------------
     "max_abs_logprob_diff_at_matching_tokens": "measured: max |vLLM log-prob - oracle (fp32) log-prob| where the "
                                                "run's token equals the oracle's argmax, per run",
@@ -205,9 +219,10 @@ def _run_entry(name: str, payloads: dict[Any, Any], seqs: list[Optional[dict[str
 def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str], ranks_of: list[int],
               results: dict[str, tuple[dict[Any, Any], list[dict[str, Any]]]], progress: Progress,
               judge: Callable[..., dict[str, dict[str, Any]]] = judge_runs, engine: Optional[str] = None,
-              oracle_name: Optional[str] = None) -> dict[str, Any]:
+              oracle_name: Optional[str] = None, fresh_engine_b: Optional[dict[Any, Any]] = None) -> dict[str, Any]:
     """``judge``: :func:`~moonep_ep.tools.oracle.judge_runs` (tests pass a stand-in; the figures and checks
-    around the oracle need no transformers)."""
+    around the oracle need no transformers). ``fresh_engine_b``: with ``--reload``, the per-rank payloads of
+    a fresh DP sharded engine on checkpoint B (its ``probes`` hold the expert digests)."""
     n = len(prompts)
     ranks = list(range(cfg.dp))
     sequences = {name: sequences_by_prompt(payloads, n) for name, (payloads, _) in results.items()}
@@ -234,7 +249,8 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
         if cfg.reload:
-            summary.update(_reload_summary(dp, n, choice, oracles, runs["dp_sharded"]["checks"], progress, judge))
+            summary.update(_reload_summary(dp, fresh_engine_b or {}, n, choice, oracles,
+                                           runs["dp_sharded"]["checks"], progress, judge))
         owners = summary["remote_prefetch_fills"]["owners_with_real_fills"]
         if choice.name == "tiny-deepseek-v3":
             runs["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] = len(owners) >= 2
@@ -291,15 +307,20 @@ def _sharded_checks(s: dict[str, Any], stats: list[dict[str, Any]], ranks: list[
     return checks
 
 
-def _reload_summary(dp: dict[int, Any], n: int, choice: Any, oracles_a: dict[str, TeacherForcedOracle],
-                    checks: dict[str, bool], progress: Progress, judge: Callable[..., Any]) -> dict[str, Any]:
+def _reload_summary(dp: dict[int, Any], fresh: dict[int, Any], n: int, choice: Any,
+                    oracles_a: dict[str, TeacherForcedOracle], checks: dict[str, bool], progress: Progress,
+                    judge: Callable[..., Any]) -> dict[str, Any]:
     fields = reload_fields(dp, n)
     after_update = fields.pop("sequences_after_update")
     after_wrong = fields.pop("sequences_after_wrong_shape")
-    progress("oracle on checkpoint B: the sequences after the in-place update and after the refused one")
+    on_fresh = sequences_by_prompt(fresh, n)
+    first_on_a = sequences_by_prompt(dp, n)
+    progress("oracle on checkpoint B: the sequences after the in-place update, after the refused one and of "
+             "the fresh engine on B")
     on_b = judge(choice.reload_dir, {"after_update": [s for s in after_update if s],
-                                          "after_refused_update": [s for s in after_wrong if s]},
-                      dtypes=(RULE.reference_dtype,))
+                                     "after_refused_update": [s for s in after_wrong if s],
+                                     "fresh_engine": [s for s in on_fresh if s]},
+                 dtypes=(RULE.reference_dtype,))
     on_a = judge(choice.path, {"after_update": [s for s in after_update if s]}, dtypes=(RULE.reference_dtype,),
                  oracles=oracles_a)
     verdict = {k: v[RULE.reference_dtype] for k, v in on_b.items()}
@@ -309,15 +330,40 @@ def _reload_summary(dp: dict[int, Any], n: int, choice: Any, oracles_a: dict[str
         "positive_control_checkpoint_a_rejects_b_sequences": not control["ok"],
         "checkpoint_a_on_b_sequences": _brief(control),
     }
+    # The update against a first load of B: same tokens, same expert bytes on every rank.
+    def tokens(seq: Optional[dict[str, Any]]) -> Optional[list[int]]:
+        return None if seq is None else seq["token_ids"]
+
+    mismatched = [i for i in range(n) if tokens(after_update[i]) is None or tokens(after_update[i]) != tokens(on_fresh[i])]
+    digests = {r: ((fresh.get(r) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None] for r in dp}
+    bytes_match, bytes_changed = [], []
+    for rank in sorted(dp):
+        seq = dp[rank].get("reload") or {}
+        fresh_digest = digests[rank][0]
+        bytes_match.append(bool(seq.get("digest_b")) and seq.get("digest_b") == fresh_digest)
+        bytes_changed.append(bool(seq.get("digest_a")) and bool(seq.get("digest_b"))
+                             and all(seq["digest_a"].get(k) != v for k, v in seq["digest_b"].items()))
+    fields.update({
+        "reload_tokens_match_fresh_engine": bool(on_fresh) and not mismatched,
+        "reload_mismatched_prompts": mismatched,
+        "reload_changes_tokens": any(tokens(a) is not None and tokens(a) != tokens(b)
+                                     for a, b in zip(first_on_a, on_fresh)),
+        "reload_expert_bytes_match_fresh_engine_by_rank": bytes_match,
+        "reload_changes_expert_bytes_by_rank": bytes_changed,
+    })
     checks.update({
         "reload_matches_oracle_on_b": all(v["ok"] for v in verdict.values()) and all(after_update),
         "reload_oracle_rejects_checkpoint_a": not control["ok"],
+        "reload_tokens_match_fresh_engine": fields["reload_tokens_match_fresh_engine"],
+        "reload_changes_tokens": fields["reload_changes_tokens"],
+        "reload_expert_bytes_match_fresh_engine": bool(bytes_match) and all(bytes_match),
+        "reload_changes_expert_bytes": bool(bytes_changed) and all(bytes_changed),
         "reload_pointers_unchanged": all(fields["reload_pointers_unchanged_by_rank"]),
         "wrong_shape_reload_refused": fields["wrong_shape_reload_refused"],
         "wrong_shape_pointers_unchanged": all(fields["wrong_shape_pointers_unchanged_by_rank"]),
-        # Token equality with the generation on B before the refusal is reported, not required: the DP
-        # scheduler batches differently from one generate call to the next, and near-tie routing lets a
-        # different batch flip a token; the oracle on B is the verdict.
+        "wrong_shape_expert_bytes_unchanged": all(fields["wrong_shape_expert_bytes_unchanged_by_rank"]),
+        # Token equality with the generation on B before the refusal is reported, not required: the bytes
+        # are compared above, and a later generate call of one engine may batch differently (near-tie flips).
     })
     return fields
 
