@@ -33,7 +33,7 @@ and these results into the ``vllm-demo --json`` fields.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 PROBE = "moonep_ep.tools.engine_reload.MoonEPProbe"
 
@@ -41,18 +41,20 @@ PROBE = "moonep_ep.tools.engine_reload.MoonEPProbe"
 class MoonEPProbe:
     """Worker extension (``LLM(worker_extension_cls=...)``): methods run in the worker via ``collective_rpc``."""
 
-    def moonep_ep_pointers(self) -> dict[str, dict[str, int]]:
+    def _moonep_layers(self) -> Iterator[tuple[str, Any, Any]]:
+        """``(name, module, [E+B] layout)`` of every MoE layer converted to MoonEP's layout."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        out = {}
         for name, module in model.named_modules():
             layout = getattr(module, "_moonep_weight_layout", None)
-            if layout is None:
-                continue
-            out[name] = {"w13_weight": module.w13_weight.data_ptr(), "w2_weight": module.w2_weight.data_ptr(),
-                         "full_gate_weight": layout.full_gate_weight.data_ptr(),
-                         "full_up_weight": layout.full_up_weight.data_ptr(),
-                         "full_down_weight": layout.full_down_weight.data_ptr()}
-        return out
+            if layout is not None:
+                yield name, module, layout
+
+    def moonep_ep_pointers(self) -> dict[str, dict[str, int]]:
+        return {name: {"w13_weight": module.w13_weight.data_ptr(), "w2_weight": module.w2_weight.data_ptr(),
+                       "full_gate_weight": layout.full_gate_weight.data_ptr(),
+                       "full_up_weight": layout.full_up_weight.data_ptr(),
+                       "full_down_weight": layout.full_down_weight.data_ptr()}
+                for name, module, layout in self._moonep_layers()}
 
     def moonep_ep_expert_digest(self) -> dict[str, str]:
         """SHA-256 of every MoE layer's expert rows ``[0, E)`` of its gate, up and down views (every owner's
@@ -62,12 +64,8 @@ class MoonEPProbe:
 
         import torch
 
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         out = {}
-        for name, module in model.named_modules():
-            layout = getattr(module, "_moonep_weight_layout", None)
-            if layout is None:
-                continue
+        for name, _, layout in self._moonep_layers():
             experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
             h = hashlib.sha256()
             for view in (layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight):
