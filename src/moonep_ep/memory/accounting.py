@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from . import vm
 from .host import MEMFD_PREFIX
 
 
@@ -25,7 +26,8 @@ class ProcessMemory:
     rss_bytes: int            # VmRSS
 
 
-def _is_ours(target: str) -> bool:
+def is_moonep_memfd(target: str) -> bool:
+    """An fd or mapping target (``/memfd:...``) of one of moonep_ep's memfds."""
     return target.startswith(f"/memfd:{MEMFD_PREFIX}")
 
 
@@ -40,7 +42,7 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue  # the fd of the listdir itself, closed meanwhile
-        if not _is_ours(target):
+        if not is_moonep_memfd(target):
             continue
         open_memfds += 1
         try:
@@ -62,7 +64,7 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(None, 5)
-            if len(parts) == 6 and _is_ours(parts[5].strip()):
+            if len(parts) == 6 and is_moonep_memfd(parts[5].strip()):
                 mappings += 1
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 inode = int(parts[4])
@@ -154,17 +156,11 @@ def resident_bytes(address: int, nbytes: int) -> int:
     """
     if nbytes <= 0:
         return 0
-    import ctypes
-
     page = os.sysconf("SC_PAGE_SIZE")
     start = address - address % page
     end = address + nbytes
     npages = -(-(end - start) // page)
-    vec = (ctypes.c_ubyte * npages)()
-    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page), vec) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore({start:#x}, {npages * page}) failed: {os.strerror(err)}")
-    flags = bytes(vec)
+    flags = vm.mincore(start, npages * page)
     total = sum(b & 1 for b in flags) * page
     # The first and last pages may hold bytes outside the range: count only the overlap.
     if flags[0] & 1:
@@ -173,16 +169,3 @@ def resident_bytes(address: int, nbytes: int) -> int:
         total -= start + npages * page - end
     return total
 
-
-_LIBC = None
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-        _LIBC.mincore.restype = ctypes.c_int
-    return _LIBC

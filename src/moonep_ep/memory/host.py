@@ -140,8 +140,8 @@ class HostDriver(MemoryDriver):
                                  f"{self._gran} (CUDA_ERROR_INVALID_VALUE on a GPU); round it up "
                                  f"with round_up(n, driver.granularity())", "INVALID_VALUE")
 
-    def _os_error(self, call: str, exc_or_errno) -> Exception:
-        err = exc_or_errno if isinstance(exc_or_errno, int) else exc_or_errno.errno
+    def _os_error(self, call: str, exc: OSError) -> Exception:
+        err = exc.errno
         return self.error(call, f"{os.strerror(err)} (errno {errno.errorcode.get(err, err)})",
                           errno.errorcode.get(err, str(err)))
 

@@ -61,10 +61,6 @@ def _driver_failure(exc: CollectiveError) -> bool:
             and all(msg.startswith("DriverError") for msg in exc.failures.values()))
 
 
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """``nbytes`` bytes at ``offset`` of chunk ``chunk`` of rank ``owner``."""
@@ -251,7 +247,7 @@ class SymmetricMemory:
             sizes = [round_up(n, gran) for n in requested]
             if self.decision.multicast and sizes[0]:
                 # Chunk 0 is bound to the multicast object: a multiple of its MINIMUM granularity too.
-                sizes[0] = round_up(sizes[0], _lcm(gran, driver.multicast_granularity(comm.world_size, ht)))
+                sizes[0] = round_up(sizes[0], math.lcm(gran, driver.multicast_granularity(comm.world_size, ht)))
             sizing.share((sizes, gran, ht.value))
         meta = sizing.gathered
         if len({m[1] for m in meta}) != 1:

@@ -7,7 +7,7 @@ of the OS page size (the kernel enforces it).
 
 Used by the host memory driver (``host.py``) and by the CUDA driver emulator
 (``moonep_ep.testing.cuda_emulator``), which back "device" memory with memfds
-the same way.
+the same way; ``mincore`` serves the resident-bytes figure (``accounting.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_libc.mincore.restype = ctypes.c_int
 
 
 def _failed(what: str) -> OSError:
@@ -73,3 +75,12 @@ def protect(addr: int, size: int, prot: int) -> None:
     """``mprotect``: ``PROT_READ | PROT_WRITE`` to grant access, ``PROT_NONE`` to revoke it."""
     if _libc.mprotect(addr, size, prot) != 0:
         raise _failed("mprotect")
+
+
+def mincore(addr: int, size: int) -> bytes:
+    """One byte per page of ``[addr, addr + size)`` (``addr`` page-aligned); bit 0 set if it is resident."""
+    npages = -(-size // os.sysconf("SC_PAGE_SIZE"))
+    vec = (ctypes.c_ubyte * npages)()
+    if _libc.mincore(addr, size, vec) != 0:
+        raise _failed(f"mincore({addr:#x}, {size})")
+    return bytes(vec)
