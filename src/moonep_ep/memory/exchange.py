@@ -35,7 +35,8 @@ from .group import GroupComm
 _SCM_MAX_FD = 253
 _HEADER = struct.Struct("<iii")  # sender rank, fds in this batch, fds in total
 _ABORT = -1  # "total" of a header that cancels the exchange
-_DIR_PREFIX = "moonep-ep-fds-"
+#: Name prefix of every exchange's socket directory (leak scans look for it).
+SOCKET_DIR_PREFIX = "moonep-ep-fds-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ class HandleExchanger:
             if rank == 0:
                 _sweep_stale_dirs()
                 # Fresh random name (0700): sockets of a crashed run are never reused.
-                made.share(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
+                made.share(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-"))
         directory = made.gathered[0]
         self.last_directory = directory
         received: dict[int, list[int]] = {}
@@ -242,11 +243,11 @@ def _sweep_stale_dirs() -> None:
     except OSError:
         return
     for name in names:
-        if not name.startswith(_DIR_PREFIX):
+        if not name.startswith(SOCKET_DIR_PREFIX):
             continue
         path = os.path.join(base, name)
         try:
-            pid = int(name[len(_DIR_PREFIX):].split("-", 1)[0])
+            pid = int(name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0])
             if os.stat(path).st_uid != os.getuid():
                 continue
             os.kill(pid, 0)  # raises if no such process

@@ -76,7 +76,8 @@ class EngineConfig:
         return index % self.data_parallel_size
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -203,11 +204,8 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
 
 def run_single(cfg: EngineConfig, progress: Progress = lambda m: None) -> dict[str, Any]:
     """Every prompt in one single-process engine (vLLM's default MoE path)."""
-    t0 = time.perf_counter()
     single = dataclasses.replace(cfg, phases=None)  # one engine: the phases would only add steps
-    out = _run_processes(single, [(list(range(len(cfg.prompts))), None)], base_env(cfg), progress, "single")[None]
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
-    return out
+    return _run_processes(single, [(list(range(len(cfg.prompts))), None)], base_env(cfg), progress, "single")[None]
 
 
 def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str = "sharded"
@@ -218,15 +216,12 @@ def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str =
     stats_dir = tempfile.mkdtemp(prefix="moonep-ep-vllm-stats-")
     try:
         env = dict(base_env(cfg), MOONEP_EP_VLLM_STATS_DIR=stats_dir, MOONEP_EP_LAYOUT=layout)
-        port = _free_port()
+        port = free_port()
         R = cfg.data_parallel_size
         jobs = [([i for i in range(len(cfg.prompts)) if cfg.rank_of(i) == r], {"rank": r, "size": R, "port": port})
                 for r in range(R)]
         progress(f"DP={R} expert-parallel run, all2all_backend=moonep, {layout} expert layout")
-        t0 = time.perf_counter()
         dp = _run_processes(cfg, jobs, env, progress, f"dp{R}-{layout}")
-        for payload in dp.values():
-            payload["wall_s"] = round(time.perf_counter() - t0, 1)
         return dp, read_stats(stats_dir)
     finally:
         shutil.rmtree(stats_dir, ignore_errors=True)

@@ -69,7 +69,7 @@ class MoonEPProbe:
             experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
             h = hashlib.sha256()
             for view in (layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight):
-                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy())
             out[name] = h.hexdigest()
         return out
 
@@ -136,11 +136,15 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
     return out
 
 
+def stats_by_rank(stats: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]:
+    """The workers' stats in EP-rank order (``{}`` for a rank that reported none)."""
+    by_rank = {s.get("ep_rank"): s for s in stats if s.get("ep_rank") is not None}
+    return [by_rank.get(r, {}) for r in ranks]
+
+
 def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
     """The load-peak fields of the summary, from every EP rank's stats (either layout)."""
-    by_rank = {s.get("ep_rank"): s for s in stats if s.get("ep_rank") is not None}
-    per = [by_rank.get(r, {}) for r in ranks]
-    layout = sorted({s.get("layout") for s in per if s.get("layout")})
+    per = stats_by_rank(stats, ranks)
     peaks = [(s.get("load_memory") or {}).get("peak_expert_bytes") for s in per]
     stores = [s.get("store") or {} for s in per]
     replicated = [s.get("replicated") or {} for s in per]
@@ -152,7 +156,6 @@ def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[st
     within = [isinstance(p, int) and isinstance(f, int) and isinstance(o, int) and p <= f + o
               for p, f, o in zip(peaks, final, one_layer)]
     return {
-        "layout_measured": layout,
         "load_peak_expert_bytes_per_rank": peaks,
         "one_layer_local_expert_bytes": one_layer[0] if len(set(one_layer)) == 1 else one_layer,
         "final_expert_bytes_per_rank": final,
@@ -166,30 +169,39 @@ def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[st
     }
 
 
-def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
-    """The ``--reload`` fields the engine itself shows: pointers, the wrong-shape refusal, and the
-    sequences generated on B and after the refusal (by prompt index; the oracle on B judges them)."""
+def _equal(before: Any, after: Any) -> bool:
+    """Both were read (non-empty) and they are equal."""
+    return bool(before) and before == after
+
+
+def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> dict[str, Any]:
+    """The ``--reload`` fields the engine itself shows: pointers and expert digests (against the fresh
+    engine on B, whose per-rank payloads are ``fresh``), the wrong-shape refusal, and the sequences generated
+    on B and after the refusal (by prompt index; the oracle on B judges them)."""
     from .engine_harness import sequences_by_prompt
 
-    pointers_same, pointers_same_after_wrong, bytes_same_after_wrong, errors, seconds = [], [], [], [], []
-    after_update: dict[int, Any] = {}
-    after_wrong: dict[int, Any] = {}
+    pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
+    bytes_as_fresh, bytes_changed, bytes_same_after_wrong = [], [], []
+    reloads = {rank: dp[rank].get("reload") or {} for rank in dp}
     for rank in sorted(dp):
-        seq = dp[rank].get("reload") or {}
-        after_update[rank] = {"generated": seq.get("generated_b") or []}
-        after_wrong[rank] = {"generated": seq.get("generated_after_wrong_shape") or []}
-        pointers_same.append(bool(seq.get("pointers_a")) and seq.get("pointers_a") == seq.get("pointers_b"))
-        pointers_same_after_wrong.append(bool(seq.get("pointers_a"))
-                                         and seq.get("pointers_a") == seq.get("pointers_after_wrong_shape"))
-        bytes_same_after_wrong.append(bool(seq.get("digest_b")) and seq.get("digest_b") == seq.get(
-            "digest_after_wrong_shape"))
+        seq = reloads[rank]
+        pointers_same.append(_equal(seq.get("pointers_a"), seq.get("pointers_b")))
+        pointers_same_after_wrong.append(_equal(seq.get("pointers_a"), seq.get("pointers_after_wrong_shape")))
+        digest_a, digest_b = seq.get("digest_a") or {}, seq.get("digest_b") or {}
+        fresh_digest = ((fresh.get(rank) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None]
+        bytes_as_fresh.append(_equal(digest_b, fresh_digest[0]))
+        bytes_changed.append(bool(digest_a) and bool(digest_b)
+                             and all(digest_a.get(layer) != d for layer, d in digest_b.items()))
+        bytes_same_after_wrong.append(_equal(digest_b, seq.get("digest_after_wrong_shape")))
         errors.append(seq.get("wrong_shape_error"))
         seconds.append(seq.get("reload_s"))
-    on_b = sequences_by_prompt(after_update, n_prompts)
-    after = sequences_by_prompt(after_wrong, n_prompts)
+    on_b = sequences_by_prompt(reloads, n_prompts, "generated_b")
+    after = sequences_by_prompt(reloads, n_prompts, "generated_after_wrong_shape")
     return {
         "reload_pointers_unchanged_by_rank": pointers_same,
         "reload_seconds_by_rank": seconds,
+        "reload_expert_bytes_match_fresh_engine_by_rank": bytes_as_fresh,
+        "reload_changes_expert_bytes_by_rank": bytes_changed,
         "wrong_shape_reload_error_by_rank": errors,
         "wrong_shape_reload_refused": bool(errors) and all(e is not None for e in errors),
         "wrong_shape_pointers_unchanged_by_rank": pointers_same_after_wrong,

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from .engine_harness import sequences_by_prompt
-from .engine_reload import load_memory_fields, reload_fields
+from .engine_reload import load_memory_fields, reload_fields, stats_by_rank
 from .oracle import RULE, TeacherForcedOracle, judge_runs, oracle_version
 
 Progress = Callable[[str], None]
@@ -114,12 +114,7 @@ VERDICT_KEYS = ("oracle", "oracle_version", "oracle_rule", "max_abs_logprob_diff
 RUN_NON_FIGURES = {"what", "layout", "missing_prompts"}
 
 
-def _per_rank(stats: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]:
-    by_rank = {s.get("ep_rank"): s for s in stats if s.get("ep_rank") is not None}
-    return [by_rank.get(r, {}) for r in ranks]
-
-
-def _remote_prefetches(dp: dict[int, Any], epn: Optional[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _remote_prefetches(dp: dict[int, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(by owner and expert, totals)`` from every rank's first-generation forward stats."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     without: dict[str, dict[str, int]] = {}
@@ -157,11 +152,10 @@ def _remote_prefetches(dp: dict[int, Any], epn: Optional[int]) -> tuple[dict[str
 
 
 def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
-    per = _per_rank(stats, ranks)
+    per = stats_by_rank(stats, ranks)
     stores = [s.get("store") or {} for s in per]
     loads = [s.get("load") or {} for s in per]
-    epn = stores[0].get("experts_per_rank") if stores and stores[0] else None
-    table, totals = _remote_prefetches(dp, epn)
+    table, totals = _remote_prefetches(dp)
     fields = {
         "expert_bytes_per_rank": [(st.get("os_bytes") or {}).get("total_bytes") for st in stores],
         "layout_bytes_per_rank": [(st.get("physical_bytes") or {}).get("total_bytes") for st in stores],
@@ -181,13 +175,12 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
             "remote_bytes_at_copy", 0)) for r in ranks],
     }
     fields.update(load_memory_fields(stats, ranks))
-    fields.pop("layout_measured", None)
     return fields
 
 
 def _replicated_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
     mem = load_memory_fields(stats, ranks)
-    per = _per_rank(stats, ranks)
+    per = stats_by_rank(stats, ranks)
     return {
         "replicated_load_peak_expert_bytes_per_rank": mem["load_peak_expert_bytes_per_rank"],
         "replicated_final_expert_bytes_per_rank": mem["final_expert_bytes_per_rank"],
@@ -249,7 +242,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
         if cfg.reload:
-            summary.update(_reload_summary(dp, fresh_engine_b or {}, n, choice, oracles,
+            summary.update(_reload_summary(dp, sequences["dp_sharded"], fresh_engine_b or {}, n, choice, oracles,
                                            runs["dp_sharded"]["checks"], progress, judge))
         owners = summary["remote_prefetch_fills"]["owners_with_real_fills"]
         if choice.name == "tiny-deepseek-v3":
@@ -288,7 +281,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
 def _sharded_checks(s: dict[str, Any], stats: list[dict[str, Any]], ranks: list[int], device: str) -> dict[str, bool]:
     found = sorted(st.get("ep_rank") for st in stats if st.get("store"))
     fills = s["remote_prefetch_fills"]
-    per = _per_rank(stats, ranks)
+    per = stats_by_rank(stats, ranks)
     store = (per[0].get("store") or {}) if per else {}
     expert_row_bytes = 3 * int(store.get("hidden") or 0) * int(store.get("intermediate") or 0) * 2
     checks = {
@@ -307,14 +300,19 @@ def _sharded_checks(s: dict[str, Any], stats: list[dict[str, Any]], ranks: list[
     return checks
 
 
-def _reload_summary(dp: dict[int, Any], fresh: dict[int, Any], n: int, choice: Any,
-                    oracles_a: dict[str, TeacherForcedOracle], checks: dict[str, bool], progress: Progress,
-                    judge: Callable[..., Any]) -> dict[str, Any]:
-    fields = reload_fields(dp, n)
+def _every(per_rank: list[bool]) -> bool:
+    """True on every rank, and there were ranks."""
+    return bool(per_rank) and all(per_rank)
+
+
+def _reload_summary(dp: dict[int, Any], first_on_a: list[Optional[dict[str, Any]]], fresh: dict[int, Any], n: int,
+                    choice: Any, oracles_a: dict[str, TeacherForcedOracle], checks: dict[str, bool],
+                    progress: Progress, judge: Callable[..., Any]) -> dict[str, Any]:
+    """The ``--reload`` fields and checks; ``first_on_a``: the DP sharded run's sequences on A by prompt."""
+    fields = reload_fields(dp, n, fresh)
     after_update = fields.pop("sequences_after_update")
     after_wrong = fields.pop("sequences_after_wrong_shape")
     on_fresh = sequences_by_prompt(fresh, n)
-    first_on_a = sequences_by_prompt(dp, n)
     progress("oracle on checkpoint B: the sequences after the in-place update, after the refused one and of "
              "the fresh engine on B")
     on_b = judge(choice.reload_dir, {"after_update": [s for s in after_update if s],
@@ -330,34 +328,25 @@ def _reload_summary(dp: dict[int, Any], fresh: dict[int, Any], n: int, choice: A
         "positive_control_checkpoint_a_rejects_b_sequences": not control["ok"],
         "checkpoint_a_on_b_sequences": _brief(control),
     }
-    # The update against a first load of B: same tokens, same expert bytes on every rank.
+    # The update against a first load of B: the same tokens (the bytes are compared in reload_fields).
     def tokens(seq: Optional[dict[str, Any]]) -> Optional[list[int]]:
         return None if seq is None else seq["token_ids"]
 
-    mismatched = [i for i in range(n) if tokens(after_update[i]) is None or tokens(after_update[i]) != tokens(on_fresh[i])]
-    digests = {r: ((fresh.get(r) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None] for r in dp}
-    bytes_match, bytes_changed = [], []
-    for rank in sorted(dp):
-        seq = dp[rank].get("reload") or {}
-        fresh_digest = digests[rank][0]
-        bytes_match.append(bool(seq.get("digest_b")) and seq.get("digest_b") == fresh_digest)
-        bytes_changed.append(bool(seq.get("digest_a")) and bool(seq.get("digest_b"))
-                             and all(seq["digest_a"].get(k) != v for k, v in seq["digest_b"].items()))
+    mismatched = [i for i in range(n) if tokens(after_update[i]) is None
+                  or tokens(after_update[i]) != tokens(on_fresh[i])]
     fields.update({
         "reload_tokens_match_fresh_engine": bool(on_fresh) and not mismatched,
         "reload_mismatched_prompts": mismatched,
         "reload_changes_tokens": any(tokens(a) is not None and tokens(a) != tokens(b)
                                      for a, b in zip(first_on_a, on_fresh)),
-        "reload_expert_bytes_match_fresh_engine_by_rank": bytes_match,
-        "reload_changes_expert_bytes_by_rank": bytes_changed,
     })
     checks.update({
         "reload_matches_oracle_on_b": all(v["ok"] for v in verdict.values()) and all(after_update),
         "reload_oracle_rejects_checkpoint_a": not control["ok"],
         "reload_tokens_match_fresh_engine": fields["reload_tokens_match_fresh_engine"],
         "reload_changes_tokens": fields["reload_changes_tokens"],
-        "reload_expert_bytes_match_fresh_engine": bool(bytes_match) and all(bytes_match),
-        "reload_changes_expert_bytes": bool(bytes_changed) and all(bytes_changed),
+        "reload_expert_bytes_match_fresh_engine": _every(fields["reload_expert_bytes_match_fresh_engine_by_rank"]),
+        "reload_changes_expert_bytes": _every(fields["reload_changes_expert_bytes_by_rank"]),
         "reload_pointers_unchanged": all(fields["reload_pointers_unchanged_by_rank"]),
         "wrong_shape_reload_refused": fields["wrong_shape_reload_refused"],
         "wrong_shape_pointers_unchanged": all(fields["wrong_shape_pointers_unchanged_by_rank"]),

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,21 +39,16 @@ import time
 import urllib.request
 from typing import Any, Optional
 
+from ..memory.accounting import is_moonep_memfd, system_shmem_bytes
+from ..memory.exchange import SOCKET_DIR_PREFIX
 from ..memory.host import MEMFD_PREFIX
 from ..vllm.stats import read_stats
+from .engine_harness import free_port
 from .launch import _proc_stat, descendants
 
-#: The fd exchange's socket directories (``memory/exchange.py``).
-SOCKET_DIR_PREFIX = "moonep-ep-fds-"
 EXIT_BOUND_S = 30.0
 CONCURRENT = 8          # completions and chats each: 16 requests in flight at once
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def leak_scan() -> dict[str, Any]:
@@ -62,7 +56,7 @@ def leak_scan() -> dict[str, Any]:
     fds, mapping_pids = 0, set()
     for link in glob.glob("/proc/[0-9]*/fd/*"):
         try:
-            if os.readlink(link).startswith(f"/memfd:{MEMFD_PREFIX}"):
+            if is_moonep_memfd(os.readlink(link)):
                 fds += 1
         except OSError:
             continue
@@ -73,14 +67,9 @@ def leak_scan() -> dict[str, Any]:
                     mapping_pids.add(maps.split("/")[2])
         except OSError:
             continue
-    shmem = None
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                shmem = int(line.split()[1]) * 1024
     return {"store_memfd_fds": fds, "processes_mapping_store_memfds": len(mapping_pids),
             "socket_dirs": sorted(glob.glob(os.path.join(tempfile.gettempdir(), SOCKET_DIR_PREFIX + "*"))),
-            "dev_shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [], "shmem_bytes": shmem}
+            "dev_shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [], "shmem_bytes": system_shmem_bytes()}
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -260,7 +249,7 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0) -> dict[str,
     result: dict[str, Any] = {"command": command, "leaks_before": leak_scan()}
     stats_dir = tempfile.mkdtemp(prefix="moonep-ep-serve-stats-")
     log_path = os.path.join(stats_dir, "server.log")
-    env = dict(os.environ, SERVE_PORT=str(_free_port()), MOONEP_EP_VLLM_STATS_DIR=stats_dir)
+    env = dict(os.environ, SERVE_PORT=str(free_port()), MOONEP_EP_VLLM_STATS_DIR=stats_dir)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
