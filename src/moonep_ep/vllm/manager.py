@@ -244,9 +244,9 @@ def convert_moonep_layer(layer: Any, moe_config: Any, w13_weight: torch.Tensor,
     if getattr(layer, "_moonep_weight_layout", None) is None:
         layer._moonep_weight_layout = vllm_moonep.MoonEPExpertWeightLayout(
             full_gate_weight=gate, full_up_weight=up, full_down_weight=down, num_prefetch_slots=store.num_slots)
-        if stats_dir() is not None:
-            STATS.data["load"]["layers_converted"] = STATS.data["load"].get("layers_converted", 0) + 1
-            STATS.set(store=store.describe())
+        if stats_dir() is not None:  # the store's summary was recorded when its pass settled
+            STATS.data["load"]["layers_converted"] += 1
+            STATS.flush()
     return gate, down
 
 

@@ -170,13 +170,9 @@ class ModelExpertStore:
         self.begin_update()  # a writer outside model.load_weights: loading.finish_weight_update settles it
         p = self.pass_
         assert p is not None
-        if p.errors:
-            p.refused += 1
-            return False
-        problem = self._check_write(layer, projection, local, src, where, p.kind)
+        problem = p.errors[0] if p.errors else self._check_write(layer, projection, local, src, where, p.kind)
         if problem is not None:
-            p.refused += 1
-            p.errors.append(problem)
+            self.refuse(problem)  # counts it; only the pass's first problem is kept
             return False
         self.store.owner_view(layer, projection)[local].copy_(src)
         p.written.add((layer, projection, local))
@@ -263,7 +259,7 @@ class ModelExpertStore:
     def poison_slots(self) -> None:
         """Fill this rank's slot pool with NaN: after a pass no slot holds an expert until a prefetch fills it."""
         for proj in PROJECTIONS:
-            self.store.gen_a(0, proj)[self.num_experts:].fill_(float("nan"))
+            self.store.slots(0, proj).fill_(float("nan"))
         self.driver.synchronize()
 
     # -- views and accounting ----------------------------------------------------------------
