@@ -199,11 +199,7 @@ def format_table(report: dict[str, Any]) -> str:
             ratio = entry["ratio_replicated_over_moonep_ep"]
             row.append(f"{ratio:.1f}x" if ratio else "-")
             rows.append(row)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        for i, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
-            if i == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += _render(rows)
         unsupported = [e["reason"] for e in mf["ep"].values() if not e["supported"]]
         if unsupported:
             lines.append(f"  n/a: {unsupported[0]}")
@@ -221,12 +217,15 @@ def _load_peak_table(mf: dict[str, Any], cols: list[str]) -> list[str]:
                             f"[{entry['schemes'][c]['load_peak_smallest_gpu'] or '-'}]" for c in cols])
     if len(rows) == 1:
         return []
+    return ["  load peak, GB per GPU (derived from each scheme's load sequence; moonep_ep loads zero-copy):",
+            *_render(rows)]
+
+
+def _render(rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns, indented two spaces, a dash rule under the header row."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  load peak, GB per GPU (derived from each scheme's load sequence; moonep_ep loads zero-copy):"]
-    for i, r in enumerate(rows):
-        out.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        if i == 0:
-            out.append("  " + "  ".join("-" * w for w in widths))
+    out = ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    out.insert(1, "  " + "  ".join("-" * w for w in widths))
     return out
 
 

@@ -456,13 +456,11 @@ def format_report(s: dict[str, Any]) -> str:
 
 def resolve_config(*, ranks: int, skew: float, model: str, tokens: int, slots: Optional[int], driver: str,
                    granularity: Optional[int], layers: Optional[int], seed: int) -> DemoConfig:
-    """Build a :class:`DemoConfig` from CLI values (raises ConfigError on a bad model/size)."""
+    """Build a :class:`DemoConfig` from CLI values (raises ConfigError on a bad model/size). ``driver`` is
+    "host" or "cuda", as ``launch.plan_one_gpu_per_rank`` resolved it."""
     from ..errors import ConfigError
 
     spec = get_model(model)
-    if driver == "auto":
-        driver = "cuda" if (envs.MOONEP_EP_CUDA_EMULATOR or torch.cuda.is_available() and
-                            torch.cuda.device_count() >= ranks) else "host"
     if granularity is None and driver == "host":
         granularity = envs.MOONEP_EP_HOST_GRANULARITY  # None: HostDriver's own default (2 MiB)
     cfg = DemoConfig.for_model(spec, ranks=ranks, skew=skew, tokens=tokens, slots=slots, driver=driver,

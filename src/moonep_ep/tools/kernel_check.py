@@ -176,10 +176,11 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
 
     # -- load and convert: sharded (plugin) and replicated (vLLM's all-gather), vLLM's own layers ----
     def load(model: Any, recorder: Any) -> None:
-        for _, _, t in checkpoint(case, case.seed, rank=rank):
-            recorder.register(t)  # a collective carrying these bytes is counted
+        weights = list(checkpoint(case, case.seed, rank=rank))
+        for _, _, t in weights:
+            recorder.register(t)  # a collective carrying these bytes (or aliasing these tensors) is counted
         with recorder:
-            model.load_weights(checkpoint(case, case.seed, rank=rank))
+            model.load_weights(weights)
             for layer in model.layers:
                 layer.quant_method.process_weights_after_loading(layer)
 

@@ -177,17 +177,11 @@ def build_tiny_qwen3_moe(out_dir: str, config: TinyMoEConfig | None = None) -> s
 
 def demo_prompts(n: int = 6, vocab: int = 1024) -> list[str]:
     """``n`` distinct prompts of the WordLevel vocabulary; the last one is long (200 words)."""
-    prompts = []
-    for i in range(max(n - 1, 0)):
-        start = 4 + (37 * i) % (vocab - 64)
-        prompts.append(" ".join(f"w{start + j * (i + 1) % 50}" for j in range(4 + 3 * i)))
-    if n:
-        prompts.append(" ".join(f"w{4 + (j * 7) % (vocab - 4)}" for j in range(200)))
-    return prompts[:n]
+    return [" ".join(f"w{t}" for t in ids) for ids in mixed_prompt_ids(n, vocab)]
 
 
 def mixed_prompt_ids(n: int = 6, vocab: int = 1024) -> list[list[int]]:
-    """:func:`demo_prompts` as token ids (word ``wN`` is id ``N``), for any vocabulary of at least 128."""
+    """Token ids of :func:`demo_prompts` (word ``wN`` is id ``N``), for any vocabulary of at least 128."""
     out = []
     for i in range(max(n - 1, 0)):
         start = 4 + (37 * i) % (vocab - 64)

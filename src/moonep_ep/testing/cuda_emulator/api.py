@@ -228,11 +228,17 @@ class EmulatedCudaApi:
     def _ht(self, name: str) -> int:
         return int(getattr(self._real.CUmemAllocationHandleType, f"CU_MEM_HANDLE_TYPE_{name}"))
 
-    def _min_granularity(self, handle_types: int) -> int:
+    def _granularity(self, handle_types: int, recommended: bool = False) -> int:
+        """The profile's granularity for an allocation exportable as ``handle_types``: the largest of
+        the requested types' (POSIX fd when none is requested)."""
         p = self.node.profile
         fd, fabric = self._ht("POSIX_FILE_DESCRIPTOR"), self._ht("FABRIC")
-        gran = p.fd_min if handle_types & fd or not handle_types & fabric else 0
-        return max(gran, p.fabric_min if handle_types & fabric else 0)
+        values = []
+        if handle_types & fd or not handle_types & fabric:
+            values.append(p.fd_rec if recommended else p.fd_min)
+        if handle_types & fabric:
+            values.append(p.fabric_rec if recommended else p.fabric_min)
+        return max(values)
 
     @staticmethod
     def _aligned(what: str, value: int, gran: int) -> None:
@@ -388,14 +394,7 @@ class EmulatedCudaApi:
         _, types = self._check_prop(prop)
         recommended = int(option) == int(
             self.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
-        p = self.node.profile
-        fd, fabric = self._ht("POSIX_FILE_DESCRIPTOR"), self._ht("FABRIC")
-        values = []
-        if types & fd or not types & fabric:
-            values.append(p.fd_rec if recommended else p.fd_min)
-        if types & fabric:
-            values.append(p.fabric_rec if recommended else p.fabric_min)
-        return max(values)
+        return self._granularity(types, recommended)
 
     @_api(1)
     def cuMemCreate(self, size, prop, flags=0):
@@ -403,7 +402,7 @@ class EmulatedCudaApi:
         size = int(size)
         if int(flags) != 0 or size <= 0:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "size > 0 and flags 0 expected")
-        gran = self._min_granularity(types)
+        gran = self._granularity(types)
         self._aligned("size", size, gran)
         if types & self._ht("FABRIC") and not self.node.fabric_attribute:
             raise _Fail("CUDA_ERROR_NOT_SUPPORTED", "this device/driver has no FABRIC handle support")
