@@ -10,6 +10,8 @@ too, and the KV cache it chose leaves them out of the requested memory.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moonep_ep.tools.kv_accounting import check
@@ -30,6 +32,7 @@ def _gpus() -> int:
 @pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs (the DP=2 moonep engine)")
 def test_vllm_counts_the_store_as_model_memory_and_sizes_kv_around_it():
     out = run_json("vllm", ["-m", "moonep_ep.tools.kv_accounting", "--json"], timeout=580)
+    print(json.dumps(out))  # scripts/gpu_checks/kv_accounting.sh keeps it (pytest -s)
     assert len(out["workers"]) == 2
     for w in out["workers"]:
         assert w["store_bytes"] > 1 << 30  # the default model's store is ~1.7 GB per rank
