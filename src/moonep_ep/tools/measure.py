@@ -86,7 +86,7 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
 
 def measure_footprint(args: argparse.Namespace) -> int:
     from ..layout.footprint import default_slots
-    from .launch import check_rank_count, plan_launch, run_ranks
+    from .launch import admit_ranks, plan_one_gpu_per_rank, run_ranks
     from ..models import get_model, load_hf_config
 
     names = [n for item in (args.model or []) for n in str(item).split(",") if n]
@@ -96,8 +96,8 @@ def measure_footprint(args: argparse.Namespace) -> int:
                           "Fix: pass one --model NAME (e.g. tiny) or one --config PATH")
     model = get_model(names[0]) if names else load_hf_config(configs[0])
     ranks = args.ranks or 4
-    for line in check_rank_count(ranks, "moonep-ep footprint --measure"):  # raises beyond MoonEP's limit
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+    if not admit_ranks(ranks, "moonep-ep footprint --measure"):
+        return 2
     layers = args.layers or model.num_moe_layers
     if model.num_experts % ranks:
         raise ConfigError(f"{model.name}: {model.num_experts} experts do not split over --ranks {ranks}. "
@@ -108,7 +108,10 @@ def measure_footprint(args: argparse.Namespace) -> int:
     rb = model.moe_intermediate_size * model.hidden_size * 2
     repl_slots = default_slots("replicated", epn)
     replicated = layers * (model.num_experts + repl_slots) * 3 * rb
-    plan = plan_launch(getattr(args, "driver", "host") or "host", ranks)
+    # One GPU per rank: on a real GPU the measure is cuMemGetInfo, which counts every rank on the device.
+    plan = plan_one_gpu_per_rank(getattr(args, "driver", "host") or "host", ranks, "moonep-ep footprint --measure")
+    if plan is None:
+        return 2
 
     def progress(msg: str) -> None:
         print(f"[measure] {msg}", file=sys.stderr, flush=True)
