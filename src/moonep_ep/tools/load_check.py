@@ -102,16 +102,15 @@ def _error_of(fn: Any) -> str:
     return "no error"
 
 
-def load_rank(ctx: Any, case_dict: dict[str, Any]) -> dict[str, Any]:
-    stats = tempfile.mkdtemp(prefix="moonep-ep-lstats-")
-    try:
-        return _load_rank(ctx, KernelCase(**case_dict), stats)
-    finally:
-        shutil.rmtree(stats, ignore_errors=True)
+def load_rank(ctx: Any, case_dict: dict[str, Any], work_dir: str) -> dict[str, Any]:
+    """One rank; its stats and the checkpoints it writes go under ``work_dir/rank<r>`` (``run`` removes it)."""
+    work = os.path.join(work_dir, f"rank{ctx.rank}")
+    os.makedirs(os.path.join(work, "stats"))
+    return _load_rank(ctx, KernelCase(**case_dict), work)
 
 
-def _load_rank(ctx: Any, case: KernelCase, stats_dir: str) -> dict[str, Any]:
-    os.environ["MOONEP_EP_VLLM_STATS_DIR"] = stats_dir
+def _load_rank(ctx: Any, case: KernelCase, work: str) -> dict[str, Any]:
+    os.environ["MOONEP_EP_VLLM_STATS_DIR"] = os.path.join(work, "stats")
     rank = ctx.rank
     from moonep_ep.vllm import plugin
 
@@ -182,8 +181,10 @@ def _load_rank(ctx: Any, case: KernelCase, stats_dir: str) -> dict[str, Any]:
     out["rows_are_b_after_wrong_shape"] = _rows_equal(case, model, SEED_B)
     out["pointers_unchanged_after_wrong_shape"] = _pointers(model) == ptr_a
     out["forward_after_wrong_shape"] = _forward(case, model, rank, SEED_B)
-    out["precheck_error"] = _error_of(lambda: loading.precheck_reload(model, _wrong_shape_dir(case, rank)))
-    out["precheck_same_shape"] = _error_of(lambda: loading.precheck_reload(model, _same_shape_dir(case, rank)))
+    out["precheck_error"] = _error_of(lambda: loading.precheck_reload(
+        model, _write_checkpoint(case, os.path.join(work, "wrong"), case.intermediate // 2)))
+    out["precheck_same_shape"] = _error_of(lambda: loading.precheck_reload(
+        model, _write_checkpoint(case, os.path.join(work, "same"), None)))
     out["passes"] = list(store.settled)
 
     # 6. a first load that skips a layer's experts; a model built later gets its own store.
@@ -245,15 +246,6 @@ def _write_checkpoint(case: KernelCase, path: str, intermediate: int | None) -> 
     return path
 
 
-def _wrong_shape_dir(case: KernelCase, rank: int) -> str:
-    return _write_checkpoint(case, os.path.join(tempfile.gettempdir(), f"moonep-ep-lc-wrong-{os.getpid()}"),
-                             case.intermediate // 2)
-
-
-def _same_shape_dir(case: KernelCase, rank: int) -> str:
-    return _write_checkpoint(case, os.path.join(tempfile.gettempdir(), f"moonep-ep-lc-same-{os.getpid()}"), None)
-
-
 def verdict(results: list[dict[str, Any]], layers: int) -> list[str]:
     """Every failed check of a load-check run, by rank ("ok" is true only when this is empty)."""
     failed = []
@@ -298,14 +290,12 @@ def run(case: KernelCase) -> list[dict[str, Any]]:
     from moonep_ep.tools.launch import run_ranks
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    work_dir = tempfile.mkdtemp(prefix="moonep-ep-lc-")  # this run's alone: removed even if a rank died
     try:
-        return run_ranks(load_rank, case.ranks, args=(case.__dict__,), timeout_s=600,
+        return run_ranks(load_rank, case.ranks, args=(case.__dict__, work_dir), timeout_s=600,
                          env={"VLLM_TARGET_DEVICE": "cpu", "MOONEP_EP_CPU": "1"})
     finally:
-        for pattern in ("moonep-ep-lc-wrong-", "moonep-ep-lc-same-"):
-            for name in os.listdir(tempfile.gettempdir()):
-                if name.startswith(pattern):
-                    shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
