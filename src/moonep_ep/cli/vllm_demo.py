@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reload", action="store_true",
                    help="after the first generation, update the dp_sharded engines in place to checkpoint B (same "
                         "shapes, other values; judged by the oracle on B, and compared with a fresh engine started "
-                        "on B: same tokens, same expert bytes), then try a checkpoint of another shape, which must "
+                        "on B: same expert bytes), then try a checkpoint of another shape, which must "
                         "be refused while B keeps serving (tiny models only)")
     p.set_defaults(run=run)
 

@@ -5,7 +5,7 @@
    moonep_ep's sharded store (the plugin); with ``--reload`` this engine is
    then updated in place to checkpoint B and offered a checkpoint of another
    shape (``engine_reload.py``), and a fresh DP sharded engine on B shows
-   what the update must equal (tokens and expert bytes);
+   what the update must equal (expert bytes; tokens reported);
 3. **dp_replicated** — the same with ``MOONEP_EP_LAYOUT=replicated``: vLLM
    0.33.0's own all-gathered layout (its load peak, side by side).
 

@@ -22,8 +22,9 @@ did. The oracle for steps 3 and 4 is HF transformers on checkpoint B (the
 summary judges those sequences like every other run's,
 ``tools/engine_summary.py``); whether step 4 repeats step 3's tokens is
 reported beside it. ``vllm-demo --reload`` also starts a fresh DP engine on
-B (same layout, prompts and phases): the updated engine must generate the
-same tokens and hold the same expert bytes (digests per rank). That is an
+B (same layout, prompts and phases): the updated engine must hold the same
+expert bytes (digests per rank); its tokens are compared and reported (a
+near-tie token can flip with the DP batching on the CPU engine). That is an
 equivalence of two load paths, the update and a first load, not a
 correctness verdict; the oracle on B is the verdict for both.
 :func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
