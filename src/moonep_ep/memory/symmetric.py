@@ -47,6 +47,7 @@ import torch
 
 from .. import envs
 from ..errors import CollectiveError, ConfigError, DriverError, PeerLostError
+from .domain import refusal as domain_refusal
 from .driver import MemoryDriver, round_up
 from .exchange import ExchangeDecision, HandleExchanger, local_vote, vote
 from .fabric import fabric_trial
@@ -205,6 +206,11 @@ class SymmetricMemory:
                 if len(self.tags) != len(requested):
                     raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(requested)} chunks")
             self.decision = vote(voting.gathered, rank, want_multicast=multicast)
+            if self.decision.verify_domain:
+                # Ranks span hosts and not every driver names its NVLink clique: prove the domain.
+                refused = fabric_trial(self.comm, driver)
+                if refused:
+                    raise domain_refusal(voting.gathered, refused, rank)
             if self.decision.fallback is not None:
                 # The device attribute is not proof: try fabric for real, on every rank together.
                 refused = fabric_trial(self.comm, driver)

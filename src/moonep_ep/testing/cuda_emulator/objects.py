@@ -28,12 +28,12 @@ from typing import Any
 MEM_PREFIX = "cudaemu.mem"
 MC_PREFIX = "cudaemu.mc"
 FABRIC_MAGIC = b"CUDAEMU1"
-#: kind (0 memory, 1 multicast), pid, fd, inode, size
-FABRIC_LAYOUT = struct.Struct("<8sBiiQQ")
+#: kind (0 memory, 1 multicast), pid, fd, inode, size, the exporter's domain GPU (its host and clique)
+FABRIC_LAYOUT = struct.Struct("<8sBiiQQi")
 
 _TABLE_BYTES = 4096
 _MAGIC = 0x43454D55  # "CEMU"
-_MAX_TEAM = 16
+_MAX_TEAM = 72  # an NVL72 clique
 # magic, size, num_devices, handle_types, creator_alive, added count, added gpu+1 x16
 _HEADER = struct.Struct("<IQIIII" + "I" * _MAX_TEAM)
 # in_use, gpu, pid, fd, inode, mem_offset, mc_offset, size
