@@ -473,7 +473,10 @@ class SymmetricMemory:
             raise ConfigError(f"[rank {self.rank}] multicast write [{offset}, +{data.numel()}) exceeds "
                               f"the {mc.size}-byte multicast object")
         if mc.va is not None:
-            self.driver.multimem_store(mc.va[0] + offset, data.to(self.driver.torch_device))
+            data = data.to(self.driver.torch_device)
+            if data.data_ptr() % 16:  # a view at an odd offset: multimem's v4 loads need 16-byte alignment
+                data = data.clone()
+            self.driver.multimem_store(mc.va[0] + offset, data)
         else:
             self.driver.multicast_write(mc.handle, offset, data.cpu())
 

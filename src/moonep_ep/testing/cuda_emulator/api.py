@@ -19,12 +19,14 @@ import functools
 import importlib
 import os
 import threading
+import zlib
 from typing import Any, Callable
 
 from ...memory import vm
 from . import kernels
 from .node import CLIQUE_CALLS_CUDA_VERSION, NodeSpec, host_of_process, visible_gpus
-from .objects import FABRIC_LAYOUT, FABRIC_MAGIC, Allocation, Mapping, MulticastRef, Table, open_peer_fd
+from .objects import (FABRIC_LAYOUT, FABRIC_MAGIC, Allocation, Mapping, MulticastRef, Table, node_bytes_in_use,
+                      open_peer_fd)
 
 _CTX_BASE = 0xC0DE_0000
 _MODULE_BASE = 0x4D0D_0000
@@ -71,7 +73,9 @@ def _api(n_out: int, *, context: bool = True, init: bool = True) -> Callable:
                 if init and not self._initialized:
                     raise _Fail("CUDA_ERROR_NOT_INITIALIZED", "cuInit has not been called in this process")
                 if context:
-                    self._current_gpu()
+                    sticky = self._sticky.get(self._current_gpu())
+                    if sticky:  # a kernel faulted: the context is unusable for the process's lifetime
+                        raise _Fail(*sticky)
                 out = fn(self, *args)
             except _Fail as fail:
                 self.errors.append((name, fail.code, fail.why))
@@ -112,6 +116,7 @@ class EmulatedCudaApi:
             node = envs.MOONEP_EP_CUDA_EMULATOR_NODE
         self.node = node if isinstance(node, NodeSpec) else NodeSpec.parse(node)
         self.host = host_of_process(self.node, None if host is None else str(host))
+        self._node_tag = zlib.crc32(self.node.node.encode())  # names this node's memfds (cuMemGetInfo)
         self._visible_override = visible
         self.visible: list[int] = []
         self.bindings_major = int(self._real.CUDA_VERSION) // 1000
@@ -120,6 +125,8 @@ class EmulatedCudaApi:
         self.errors: list[tuple[str, str, str]] = []
         self.last_error = ""
         self._faults: dict[str, list] = {}
+        #: gpu -> (code, why) of a kernel fault: every later call in that context fails with it
+        self._sticky: dict[int, tuple[str, str]] = {}
         self._initialized = False
         self._ctx_refs: dict[int, int] = {}             # gpu -> primary context retains
         self._thread = threading.local()
@@ -435,8 +442,10 @@ class EmulatedCudaApi:
 
     @_api(2)
     def cuMemGetInfo(self):
+        # Device-wide, as the driver reports it: every process's live allocations on this GPU
+        # (read from their memfds), not only this process's.
         total = self.node.profile.memory_bytes
-        return total - self.device_bytes_in_use(self._current_gpu()), total
+        return total - node_bytes_in_use(self._node_tag, self._current_gpu()), total
 
     # -- physical memory --------------------------------------------------------------------
     def _check_prop(self, prop: Any) -> tuple[int, int]:
@@ -473,7 +482,7 @@ class EmulatedCudaApi:
                                                     "(/dev/nvidia-caps-imex-channels); this node has none")
         if size > self.node.profile.memory_bytes - self.device_bytes_in_use(gpu):
             raise _Fail("CUDA_ERROR_OUT_OF_MEMORY", f"{size} bytes do not fit on GPU {gpu}")
-        fd = os.memfd_create(Allocation.name(gpu, types, gran), os.MFD_CLOEXEC)
+        fd = os.memfd_create(Allocation.name(self._node_tag, gpu, types, gran), os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             poison = bytes([_POISON]) * min(size, _POISON_LIMIT // 2)
@@ -667,12 +676,25 @@ class EmulatedCudaApi:
         covered = self._covering(ptr, size)
         if covered[0].addr < ptr or covered[-1].addr + covered[-1].size > ptr + size:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "access is set on whole mappings")
+        for m in covered:
+            for gpu in grants:
+                self._check_peer_path(gpu, m)
         rw = int(self.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         for m in covered:
             m.access.update(grants)
             if not m.multicast:
                 prot = vm.PROT_READ | vm.PROT_WRITE if rw in m.access.values() else vm.PROT_NONE
                 vm.protect(m.addr, m.size, prot)
+
+    def _check_peer_path(self, gpu: int, m: Mapping) -> None:
+        """Granting ``gpu`` access to memory of another GPU of its host needs a peer path
+        (``cuDeviceCanAccessPeer``), as ``cudaDeviceEnablePeerAccess`` does; GPUs of other hosts
+        in the clique reach each other over the NVLink fabric (fabric handles checked the clique)."""
+        if m.multicast or gpu == m.obj.gpu or self.node.peer_access:
+            return
+        if self.node.host_of_gpu(gpu) == self.node.host_of_gpu(m.obj.gpu):
+            raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"GPU {gpu} cannot access GPU {m.obj.gpu}'s memory: no peer "
+                                                     "path between them (cuDeviceCanAccessPeer is 0)")
 
     # -- the seam: host code reading or writing emulated device memory ------------------------
     def check_host_access(self, addr: int, nbytes: int) -> None:
@@ -703,6 +725,11 @@ class EmulatedCudaApi:
     @_api(1, context=False)
     def cuMulticastGetGranularity(self, prop, option):
         self._check_mc_prop(prop)
+        if int(prop.size) <= 0:
+            # NCCL (nvls.cc) and PyTorch set the object's size before they query; a zero-size prop
+            # describes no multicast object (stricter than an unknown driver behaviour, never laxer).
+            raise _Fail("CUDA_ERROR_INVALID_VALUE", "prop.size is 0: set the multicast object's size before "
+                                                    "querying its granularity")
         recommended = int(option) == int(
             self.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)
         return self.node.profile.mc_rec if recommended else self.node.profile.mc_min
@@ -814,7 +841,13 @@ class EmulatedCudaApi:
         if int(shared_bytes) != 0 or extra not in (None, 0):
             raise kernels.UnsupportedKernel(f"{spec.name} is launched without shared memory or extra options")
         dst, src, vectors = kernels.launch_arguments(spec, kernel_params)
-        self._multimem_store(dst, src, vectors * 16)
+        try:
+            self._multimem_store(dst, src, vectors * 16)
+        except _Fail as fault:
+            # A fault inside a kernel is asynchronous: the launch succeeds, the fault surfaces at the
+            # next call (cuCtxSynchronize, or any other) and poisons the context for good.
+            self._sticky[self._current_gpu()] = (fault.code, f"a kernel launched earlier faulted: {fault.why}")
+            self.errors.append(("cuLaunchKernel", fault.code, "asynchronous: " + fault.why))
 
     def _multimem_store(self, dst: int, src: int, nbytes: int) -> None:
         """``multimem.st`` of ``nbytes`` at multicast address ``dst``: one store lands in every
