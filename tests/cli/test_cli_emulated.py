@@ -69,12 +69,22 @@ def test_footprint_measure_over_the_emulator_matches_the_prediction(emulator):
     assert out["ok"] and out["driver"] == "cuda" and out["emulated"]
     assert out["measured_bytes_per_rank"] == out["predicted_bytes_per_rank"]
     assert all(r["measured_bytes"] > 0 and r["emulated"] for r in out["per_rank"])
+    # Which measure: the store's own handles; cross-checked device-wide (cuMemGetInfo, every process on
+    # the GPU, after warm-up) and by the emulator's own count of what was created, both exact here.
+    assert out["measure"] == "the store's own cuMemCreate handles' sizes" and "cuMemGetInfo" in out["device_wide_measure"]
+    assert out["device_wide_drift_bytes_per_rank"] == [0] * 4
+    assert [r["emulator_created_bytes"] for r in out["per_rank"]] == out["predicted_bytes_per_rank"]
 
 
 def test_bench_prefetch_over_the_emulator(emulator):
     out = moonep_ep_json("bench", "prefetch", "--ranks", "2", "--reps", "1", "--driver", "cuda", timeout=400)
     assert out["ok"] and out["driver"] == "cuda" and out["emulated"] and out["backend"] == "gloo"
-    assert all(v > 0 for row in out["sizes"] for v in row["remote_gbps"])
+    for row in out["sizes"]:
+        # Every trial pulls both slots' worth of a peer's rows, all three projections (bf16).
+        assert row["bytes_per_trial"] == [out["experts_per_rank"] * 3 * row["H"] * row["I"] * 2] * 2, row
+        # Both sides are CPU memcpy over the emulator: neither can be free nor beyond a machine's DRAM.
+        assert all(0 < v < 1000 for v in row["remote_gbps"] + row["local_gbps"]), row
+        assert all(0.05 < v < 20 for v in row["remote_over_local"]), row
 
 
 def test_check_names_a_driver_older_than_the_bindings_and_the_fix(monkeypatch, emulator):
@@ -111,6 +121,19 @@ def test_selftest_fabric_trial_per_imex_mode(monkeypatch, emulator, imex, handle
     monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H200x4,imex={imex}")
     out = moonep_ep_json("selftest", "--ranks", "2", "--driver", "cuda")
     assert out["ok"] and out["handle_type"] == handle_type and why in out["multicast"]["reason"]
+    if imex == "channel":  # the trial (a peer's import) decided, not the allocation's own fall-back
+        assert "fabric failed in the fabric trial on rank(s) [0, 1]" in out["multicast"]["reason"]
+
+
+def test_selftest_keeps_fabric_on_a_node_whose_fabric_granularity_is_larger(monkeypatch, emulator):
+    """FABRIC memory's granularity (4 MiB here) differs from POSIX fds' (2 MiB): chunks are planned with
+    the voted handle type's granularity, so fabric stays in use (no silent fall-back to fds), and a
+    2 MiB chunk becomes one 4 MiB page."""
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", "H100x2,imex=domain,fabric_min=4MiB,fabric_rec=4MiB")
+    out = moonep_ep_json("selftest", "--ranks", "2", "--driver", "cuda", "--chunk-mib", "2")
+    assert out["ok"] and out["handle_type"] == "fabric", out["multicast"]["reason"]
+    assert "fell back" not in out["multicast"]["reason"]
+    assert out["physical_bytes_per_rank"] == [4 * MiB, 8 * MiB]
 
 
 def test_selftest_eight_ranks_on_two_hosts_of_an_nvl72_domain_over_fabric(monkeypatch, emulator):

@@ -129,7 +129,8 @@ def driver_holdings(driver, rank: int | None = None) -> DriverHoldings:
                               "CUDA emulator: its live handles, mappings, reservations and device bytes")
     free, total = driver.memory_info()
     return DriverHoldings(None, None, total - free, {},
-                          "GPU: the CUDA driver lists no handles or mappings; device bytes from cuMemGetInfo")
+                          "GPU: the CUDA driver lists no handles or mappings; device bytes from cuMemGetInfo, "
+                          "device-wide (every process on the GPU), read after every rank's cleanup")
 
 
 def own_physical_bytes(rank: int | None) -> int:

@@ -4,10 +4,17 @@ closed-form prediction (``layout.footprint.rank_bytes_closed_form``, derived
 independently of the allocator's page plan) and with vLLM 0.33.0's replicated
 layout. Passes only when measured equals predicted on every rank.
 
-Measured: the host driver's memfd sizes from the OS; the CUDA driver's device
-bytes from the driver itself (``cuMemGetInfo``; over the emulator, its
-allocations), read right after the store is built (CUDA commits memory at
-``cuMemCreate``). The prediction uses the driver's granularity (CUDA: queried).
+Measured: the host driver's memfd sizes from the OS. CUDA: the sizes of the
+store's own physical allocations (its ``cuMemCreate`` handles, as the driver
+accepted them), the figure that must equal the prediction; cross-checked by
+the device-wide used bytes (``cuMemGetInfo``) before and after the store is
+built. ``cuMemGetInfo`` counts everything on the GPU -- on a GPU also the
+NCCL communicator and torch's caching-allocator segment that the store's
+first collective creates -- so the group and the allocator are warmed up
+first (two metadata collectives) and the device-wide figure may drift by
+less than one page; over the emulator (whose ``cuMemGetInfo`` counts every
+process's emulated allocations on the GPU) it must match too. The
+prediction uses the driver's granularity (CUDA: queried).
 """
 
 from __future__ import annotations
@@ -33,15 +40,26 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
     from ..memory.accounting import driver_holdings, snapshot
     from ..layout.store import ShardedExpertStore, ffn_projections
 
+    from ..memory.group import GroupComm
+
     kwargs = {"granularity": granularity} if driver_name == "host" else {}
     with make_driver(driver_name, rank=ctx.rank, **kwargs) as driver:
         projs = ffn_projections(hidden, inter)
+        cuda = driver.name != "host"
+        if cuda:  # the group's communicator and the allocator's first segment, before the window
+            warm = GroupComm()
+            warm.barrier("footprint: warm up the group")
+            warm.barrier("footprint: warmed up")
+            device_before = _device_used(driver)
         before = driver_holdings(driver, ctx.rank).bytes_held
         store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=slots,
                                    slot_pools=slot_pools, driver=driver)
-        # CUDA commits physical memory at cuMemCreate; read the device figure now, before the
+        # CUDA commits physical memory at cuMemCreate; read the device figures now, before the
         # loader's temporary tensors take device memory through torch's caching allocator.
-        device_bytes = driver_holdings(driver, ctx.rank).bytes_held - before if driver.name != "host" else None
+        if cuda:
+            handle_bytes = sum(driver.handle_size(h) for h in store.symm.own_handles())
+            device_wide = _device_used(driver) - device_before
+            below = driver_holdings(driver, ctx.rank).bytes_held - before if driver.emulated else None
         try:
             filled = store.physical_bytes()["total_bytes"] <= FILL_LIMIT_BYTES
             if filled:
@@ -65,13 +83,17 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
                 by_category = {"expert_bytes": os_view.own_bytes_by_tag.get("experts", 0),
                                "slot_bytes": os_view.own_bytes_by_tag.get("slots", 0)}
             else:  # the driver has no per-allocation names: the total only
-                measured, resident, by_category = device_bytes, None, None
+                measured, resident, by_category = handle_bytes, None, None
             return {
                 "rank": ctx.rank,
                 "driver": driver.name,
                 "emulated": bool(getattr(driver, "emulated", False)),
                 "granularity": store.granularity,
                 "measured_bytes": measured,
+                "measure": ("OS: this rank's memfd sizes" if not cuda else
+                            "the store's own cuMemCreate handles' sizes"),
+                "device_wide_bytes": device_wide if cuda else None,
+                "emulator_created_bytes": below if cuda else None,
                 "measured_by_category": by_category,
                 "resident_bytes": resident,
                 "predicted": predicted,
@@ -82,6 +104,13 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
             }
         finally:
             store.close()
+
+
+def _device_used(driver: Any) -> int:
+    """Device-wide used bytes (``cuMemGetInfo``) once this rank's queued work is done."""
+    driver.synchronize()
+    free, total = driver.memory_info()
+    return total - free
 
 
 def measure_footprint(args: argparse.Namespace) -> int:
@@ -133,8 +162,20 @@ def measure_footprint(args: argparse.Namespace) -> int:
                      "relative_error": err, "replicated_bytes": replicated,
                      "replicated_over_measured": replicated / res["measured_bytes"] if res["measured_bytes"] else None})
     worst = max(r["relative_error"] for r in rows)
+    # CUDA cross-checks: device-wide bytes within one page of the plan (NCCL and the caching allocator
+    # were warmed up), and over the emulator the emulator's own count of created bytes exactly.
+    for r in rows:
+        r["device_wide_drift_bytes"] = (None if r["device_wide_bytes"] is None
+                                        else r["device_wide_bytes"] - r["predicted_bytes"])
+    cross_ok = all((r["device_wide_drift_bytes"] is None or abs(r["device_wide_drift_bytes"]) < granularity)
+                   and r["emulator_created_bytes"] in (None, r["predicted_bytes"]) for r in rows)
     summary = {
-        "ok": all(r["measured_bytes"] == r["predicted_bytes"] for r in rows),
+        "ok": all(r["measured_bytes"] == r["predicted_bytes"] for r in rows) and cross_ok,
+        "measure": rows[0]["measure"],
+        "device_wide_measure": (None if plan.driver == "host" else
+                                "cuMemGetInfo used bytes after minus before the store, after two warm-up collectives "
+                                "(every process on the GPU counts; must be within one page of the plan)"),
+        "device_wide_drift_bytes_per_rank": [r["device_wide_drift_bytes"] for r in rows],
         "driver": plan.driver, "emulated": plan.emulated,
         "model": model.name, "ranks": ranks, "layers": layers, "num_slots": slots,
         "slot_pools": args.slot_pools, "granularity": granularity,
@@ -150,7 +191,9 @@ def measure_footprint(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        source = "the OS (memfd sizes)" if plan.driver == "host" else "the CUDA driver (device bytes)"
+        source = ("the OS (memfd sizes)" if plan.driver == "host" else
+                  "the store's own cuMemCreate handles (device-wide cuMemGetInfo drift per rank: "
+                  f"{summary['device_wide_drift_bytes_per_rank']} B)")
         print(f"{model.name}: {layers} MoE layers, E={model.num_experts}, R={ranks}, B={slots}; "
               f"bytes per rank measured by {source}")
         print(f"  {'rank':>4} {'measured':>14} {'predicted':>14} {'err':>8} {'resident':>14} {'replicated':>14} {'ratio':>7}")

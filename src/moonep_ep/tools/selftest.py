@@ -159,7 +159,13 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
     else:  # a real GPU: cuMemGetInfo needs the driver's context; torch's cached blocks are not ours
         gc.collect()
         torch.cuda.empty_cache()
+        driver.synchronize()
+        # cuMemGetInfo is device-wide: read it only once every rank has cleaned up, or a rank sharing
+        # the GPU counts another's not-yet-freed temporaries as its own leak; and nobody allocates
+        # again before every rank has read.
+        comm.barrier("selftest: every rank cleaned up")
         held_after = driver_holdings(driver, ctx.rank)
+        comm.barrier("selftest: every rank read its device bytes")
         if inject_leak != "context":
             driver.close()
     live = driver.live_objects()  # after close(): the driver's own objects (multimem module) are gone too
