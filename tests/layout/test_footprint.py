@@ -447,3 +447,12 @@ def test_load_peak_table_is_printed(capsys):
     peak_lines = out.split("load peak, GB per GPU", 1)[1].splitlines()
     row = next(l for l in peak_lines if l.strip().startswith("64 "))
     assert row.split()[-2:] == ["86.01", "[H200]"] and "5,529.9" in row
+
+
+def test_eplb_rounds_a_rank_that_holds_one_more_expert_up(capsys):
+    """(E + N) % R != 0: the most-loaded rank holds ceil((E + N) / R) experts per layer, one more than the
+    floor (qwen3-30b-a3b, E = 128, N = 3 at EP4: 131 / 4 -> 33 per rank, not 32)."""
+    report = _run_json(capsys, "--model", "qwen3-30b-a3b", "--ep", "4", "--eplb-redundant", "3")
+    eplb = report["models"]["qwen3-30b-a3b"]["ep"]["4"]["schemes"]["eplb"]
+    assert eplb["experts_per_rank_per_layer"] == 33
+    assert eplb["bytes"] == 48 * 33 * 3 * _row(2048, 768)

@@ -250,5 +250,5 @@ def test_bench_layout_reports_mapping_time_and_one_exchange_round():
     out = moonep_ep_json("bench", "layout", "--ranks", "4", "--layers", "60", "--experts", "384")
     assert out["ok"] and out["handle_exchange_rounds"] == 1
     assert out["mappings_per_rank"] == [60 * 3 * (4 + 1)] * 4  # R owner runs + 1 slot pool per view
-    assert all(t > 0 for t in out["map_s_per_rank"])
+    assert all(0 < t < 60 for t in out["map_s_per_rank"])  # 900 mappings per rank: milliseconds each at most
 

@@ -32,6 +32,7 @@ import time
 
 import pytest
 
+from moonep_ep.tools.oracle import RULE
 from tests.support.vllm_envs import ROOT, python_of, run_in, run_json
 
 pytestmark = pytest.mark.slow
@@ -126,7 +127,10 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
     # the CPU engine a near-tie token can flip with how the DP steps batch (seen once in 11 runs).
     print(f"[engine tier] tokens after the update equal a fresh engine's: {out['reload_tokens_match_fresh_engine']}"
           f" (mismatched prompts {out['reload_mismatched_prompts']})")
-    assert isinstance(out["reload_tokens_match_fresh_engine"], bool)
+    # Reported, and bounded: at most one prompt may flip at a near-tie (seen once in 11 runs); both engines'
+    # sequences pass the oracle on B below whatever the tokens are.
+    assert out["reload_tokens_match_fresh_engine"] is (not out["reload_mismatched_prompts"])
+    assert len(out["reload_mismatched_prompts"]) <= 1, out["reload_mismatched_prompts"]
     assert out["reload_changes_tokens"] is True
     assert out["reload_expert_bytes_match_fresh_engine_by_rank"] == [True] * R
     assert out["reload_changes_expert_bytes_by_rank"] == [True] * R
@@ -165,7 +169,8 @@ def test_vllm_demo_runs_a_checkpoint_written_by_transformers(tmp_path, capsys):
     assert out["oracle"] == "transformers" and out["ok"] is True, out["deviating_runs"]
     for name in ("single", "dp_sharded", "dp_replicated"):
         assert out["runs"][name]["ok"] is True, (name, out["runs"][name]["checks"])
-        assert out["max_abs_logprob_diff_at_matching_tokens"][name] is not None
+        # Measured at matching tokens, and within the oracle rule's bound on every |dlogprob|.
+        assert 0 <= out["max_abs_logprob_diff_at_matching_tokens"][name] <= RULE.abs_max, name
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"]
     assert out["remote_prefetch_fills"]["fills"] > 0
     with capsys.disabled():

@@ -30,7 +30,8 @@ def test_real_vllm_kernel_over_the_cuda_store_driver_on_the_emulator():
         assert r["load_weight_bytes_sharded"] == 0 and r["bad_rows"] == 0
         assert r["store"]["collective_rounds"]["handle_exchange"] == 1  # all layers, one round
         for layer in r["layers"]:
-            assert layer["within_tolerance"] and layer["sharded_equals_replicated"] and layer["slot_contents_ok"]
+            assert layer["within_tolerance"] and layer["sharded_equals_replicated"]
+            assert layer["slot_contents_ok"] is (True if layer["slots"] else None), layer  # None: no slot filled
         # Bytes the emulated driver holds for this rank == the store's allocation < the replicated layout.
         assert r["sharded_bytes_measured_os"] == r["sharded_bytes"] > 0
         assert r["sharded_bytes_measured_os"] < r["replicated_bytes_measured"]
@@ -38,3 +39,4 @@ def test_real_vllm_kernel_over_the_cuda_store_driver_on_the_emulator():
         assert r["store_released"]
         assert r["view_shapes"] == [[E + r["store"]["slots"], 128, 256]] * 2 + [[E + r["store"]["slots"], 256, 128]]
     assert sum(r["remote_prefetched"] for r in out["ranks"]) > 0
+    assert sum(len(layer["slots"]) for r in out["ranks"] for layer in r["layers"]) > 0  # slots were checked
