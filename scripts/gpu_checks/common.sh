@@ -3,6 +3,7 @@
 # With fewer than 2 GPUs the check is skipped (exit 0, the reason in $OUT/$CHECK.txt).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"   # the tests run from the tree (python3, no venv)
 OUT="${OUT:-gpu-check-out}"
 mkdir -p "$OUT"
 status=0

@@ -8,7 +8,7 @@ CHECK=kv-accounting
 source "$(dirname "$0")/common.sh"
 
 echo "== kv accounting: store bytes vs vLLM's model memory and KV cache (cuda/multi_gpu test)"
-timeout 600 .venv/bin/python -m pytest tests/vllm/test_gpu_kv_accounting.py -m "cuda and multi_gpu" -rs -q -s \
+timeout "${TIMEOUT_S:-600}" "${PYTHON:-python3}" -m pytest tests/vllm/test_gpu_kv_accounting.py -m "cuda and multi_gpu" -rs -q -s \
   2>&1 | tee "$OUT/pytest-kv-accounting.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 grep '^{' "$OUT/pytest-kv-accounting.txt" | tail -1 > "$OUT/kv-accounting.json" || true

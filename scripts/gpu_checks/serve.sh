@@ -10,7 +10,7 @@ CHECK=serve
 source "$(dirname "$0")/common.sh"
 
 echo "== serve test: make serve on the CUDA engine"
-MOONEP_EP_VLLM_CPU_PYTHON="$PWD/$PY" timeout 660 .venv/bin/python -m pytest tests/vllm/test_serve.py -k make_serve -rs -q \
+MOONEP_EP_VLLM_CPU_PYTHON="$PWD/$PY" timeout "${TIMEOUT_S:-660}" "${PYTHON:-python3}" -m pytest tests/vllm/test_serve.py -k make_serve -rs -q \
   2>&1 | tee "$OUT/pytest-serve.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "serve: exit $status"

@@ -1,0 +1,42 @@
+"""The GPU-marked tests this machine can run, none of which may skip (scripts/gpu_check.sh part 1).
+
+``python3 scripts/gpu_checks/pytest_gpu.py OUT GPUS``: runs ``pytest -m cuda`` (plus ``multi_gpu`` with
+>= 2 GPUs, ``nvswitch`` when multicast is supported) over the memory and layout tiers (the vLLM tier's
+GPU test needs vLLM's engine: part 4), then prints one JSON line: tests, skipped, failures, ok.
+"""
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main() -> int:
+    out_dir, gpus = sys.argv[1], int(sys.argv[2])
+    marks = "cuda and not multi_gpu and not nvswitch"
+    if gpus >= 2:
+        marks = "cuda or multi_gpu"
+        probe = subprocess.run([sys.executable, "-m", "moonep_ep", "check", "--json"], capture_output=True, text=True)
+        try:
+            if json.loads(probe.stdout)["cuda"].get("multicast"):
+                marks = "cuda or multi_gpu or nvswitch"
+        except (ValueError, KeyError):
+            pass
+    junit = f"{out_dir}/gpu-tests.xml"
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-m", marks, "-q", "-rs", "-p", "no:cacheprovider",
+                         f"--junitxml={junit}", "tests/memory", "tests/layout", "tests/ops", "tests/cli"]).returncode
+    try:
+        root = ET.parse(junit).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        tests, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+        failures = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+    except (OSError, ET.ParseError, AttributeError) as exc:
+        print(json.dumps({"ok": False, "error": f"no junit report: {exc}", "rc": rc}))
+        return 1
+    ok = rc == 0 and tests > 0 and skipped == 0 and failures == 0
+    print(json.dumps({"ok": ok, "marks": marks, "tests": tests, "skipped": skipped, "failures": failures, "rc": rc}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
