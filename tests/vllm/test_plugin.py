@@ -157,6 +157,31 @@ def test_auto_takes_the_real_moonep_only_when_it_can_serve_vllm_0_33(monkeypatch
     assert choice.kind == "reference" and "multicast" in choice.reason
 
 
+def test_the_reference_buffer_on_a_gpu_warns_once_at_start_up(monkeypatch, caplog):
+    """MOONEP_EP_BUFFER=auto without the MoonEP library on a GPU: the reference buffer serves, with one
+    warning that it is for correctness and how to install MoonEP; on CPU, or with MoonEP, no warning."""
+    import logging
+
+    from moonep_ep.vllm import buffers
+
+    monkeypatch.setenv("MOONEP_EP_BUFFER", "auto")
+    monkeypatch.setitem(sys.modules, "moonep", None)         # not installed
+    monkeypatch.setattr(buffers, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="vllm.moonep_ep"):
+        assert buffers.select_buffer("cpu").kind == "reference"
+        assert buffers.select_buffer("cuda").kind == "reference"
+        assert buffers.select_buffer("cuda").kind == "reference"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [buffers.REFERENCE_ON_GPU_WARNING]
+    assert "for correctness" in warnings[0] and "Using a GPU" in warnings[0] and "moonep-ep check" in warnings[0]
+    caplog.clear()
+    monkeypatch.setattr(buffers, "_logged", set())
+    _fake_moonep(monkeypatch, pull_api=True, multicast=True)
+    with caplog.at_level(logging.INFO, logger="vllm.moonep_ep"):
+        assert buffers.select_buffer("cuda").kind == "moonep"
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def test_gpu_system_check_names_every_missing_capability(monkeypatch):
     import torch
 

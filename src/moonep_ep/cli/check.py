@@ -59,6 +59,14 @@ def collect() -> dict[str, Any]:
     report["moonep"] = {"importable": moonep,
                         "reason": None if moonep else "the MoonEP CUDA library is not installed (it is built from "
                         "source); the reference buffer serves instead"}
+    from ..vllm.buffers import select_buffer
+
+    try:  # which Buffer the vLLM plugin would serve with in this process, and why
+        device = "cuda" if report.get("torch", {}).get("cuda_available") else "cpu"
+        choice = select_buffer(device)
+        report["buffer"] = {"serves": choice.kind, "device": device, "reason": choice.reason}
+    except Exception as exc:  # noqa: BLE001 - e.g. MOONEP_EP_BUFFER=moonep without the library
+        report["buffer"] = {"serves": None, "reason": f"{type(exc).__name__}: {exc}"}
     from ..vllm.compat import check_vllm
 
     vllm = check_vllm()  # files only: does not import vLLM
@@ -95,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {'granularity':<22} {caps['granularity']} bytes")
     print(f"torch: {report['torch'].get('version')}  cuda-bindings: {report['cuda_bindings']}")
     line("moonep importable", report["moonep"]["importable"], report["moonep"]["reason"])
+    buf = report["buffer"]
+    print(f"  {'buffer that serves':<22} {buf['serves']}   ({buf['reason']})")
     v = report["vllm"]
     line(f"vLLM {v['version'] or ''}".strip(), v["version"], v["reason"])
     return 0

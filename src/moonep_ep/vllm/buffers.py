@@ -92,7 +92,16 @@ def select_buffer(device_type: str) -> BufferChoice:
     if line not in _logged:
         _logged.add(line)
         logger.info(line)
+        if choice.kind == "reference" and device_type == "cuda":
+            logger.warning(REFERENCE_ON_GPU_WARNING)
     return choice
+
+
+#: Logged once per process when the reference buffer serves on a GPU.
+REFERENCE_ON_GPU_WARNING = (
+    "moonep_ep: the reference MoonEP buffer serves on a GPU. It is for correctness: it gathers Python objects "
+    "over the EP group on every dispatch and combine, which is slow on GPUs. Fix: install the MoonEP library "
+    "at the commit vLLM pins (README, 'Using a GPU'); `moonep-ep check` says which buffer would serve")
 
 
 def system_check(device_type: str, buffer_kind: str) -> dict[str, Any]:
