@@ -38,6 +38,10 @@ $(PY):
 
 $(VENV)/.torch: | $(PY)
 	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
+	elif test -n "$(DRIVER_MAJOR)" && test "$(DRIVER_MAJOR)" -lt 580 2>/dev/null; then \
+	  echo "NVIDIA driver $(DRIVER_MAJOR) (older than R580, CUDA 12.x): the index's default torch is built for CUDA 13 and"; \
+	  echo "would not see the GPU. Fix: install a torch build for CUDA 12.x (PyTorch's cu128 wheels) into $(VENV) first,"; \
+	  echo "e.g. $(PIP) install torch --index-url <PyTorch's cu128 wheel index>, then run make again"; exit 1; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the project"; \
 	else $(PIP) install "$(TORCH_CPU_SPEC)"; fi
 	@touch $@
