@@ -152,22 +152,22 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
         _inject_leak(driver, inject_leak, driver.granularity(HandleType.POSIX_FD))
     comm.barrier("selftest: every rank torn down")
     emulated = bool(getattr(driver, "emulated", False))
-    if emulated or driver.name == "host":  # the emulator and the OS are readable after close()
+    readable_after_close = emulated or driver.name == "host"  # the emulator and the OS; cuMemGetInfo needs a context
+    if readable_after_close:
         if inject_leak != "context":
             driver.close()
-        held_after = driver_holdings(driver, ctx.rank)
-    else:  # a real GPU: cuMemGetInfo needs the driver's context; torch's cached blocks are not ours
+    else:  # a real GPU: torch's cached blocks are not ours
         gc.collect()
         torch.cuda.empty_cache()
         driver.synchronize()
-        # cuMemGetInfo is device-wide: read it only once every rank has cleaned up, or a rank sharing
-        # the GPU counts another's not-yet-freed temporaries as its own leak; and nobody allocates
-        # again before every rank has read.
-        comm.barrier("selftest: every rank cleaned up")
-        held_after = driver_holdings(driver, ctx.rank)
-        comm.barrier("selftest: every rank read its device bytes")
-        if inject_leak != "context":
-            driver.close()
+    # What is below the library may be device-wide (cuMemGetInfo; the emulator's too): read it only once
+    # every rank has cleaned up, or a rank sharing the GPU counts another's not-yet-freed temporaries as
+    # its own leak; and nobody allocates again before every rank has read.
+    comm.barrier("selftest: every rank cleaned up")
+    held_after = driver_holdings(driver, ctx.rank)
+    comm.barrier("selftest: every rank read what it holds")
+    if not readable_after_close and inject_leak != "context":
+        driver.close()
     live = driver.live_objects()  # after close(): the driver's own objects (multimem module) are gone too
     leaked_driver = {k: v - live_before.get(k, 0) for k, v in live.items() if v != live_before.get(k, 0)}
     if getattr(driver, "holds_context", lambda: False)():
