@@ -36,6 +36,7 @@ not a store tensor and is not counted here.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from ..errors import ConfigError
 from .store import ProjectionSpec
 
 __all__ = ["ExpertFormat", "FORMATS", "FORMAT_NAMES", "get_format", "expert_projections",
-           "expert_format_bytes", "projection_bytes"]
+           "store_projections", "expert_format_bytes", "projection_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +137,18 @@ _ALIASES = {"bfloat16": "bf16", "fp8": "fp8-block", "fp8block": "fp8-block", "fp
 
 
 def get_format(name: str | ExpertFormat) -> ExpertFormat:
-    """A format by name (``bf16``, ``fp8-block``, ``int4-g32``, ``mxfp4``; a few aliases)."""
+    """A format by name (``bf16``, ``fp8-block``, ``int4-g32``, ``mxfp4``; a few aliases;
+    ``int4-g<N>`` for another INT4 group size, N a multiple of 8)."""
     if isinstance(name, ExpertFormat):
         return name
     key = str(name).strip().lower()
     fmt = FORMATS.get(key) or FORMATS.get(_ALIASES.get(key, ""))
+    group = re.fullmatch(r"int4[-_]?g(\d+)", key)
+    if fmt is None and group and int(group.group(1)) > 0 and int(group.group(1)) % 8 == 0:
+        # Other INT4 group sizes (compressed-tensors' W4A16 preset uses 128) size alike.
+        fmt = dataclasses.replace(FORMATS["int4-g32"], name=f"int4-g{int(group.group(1))}",
+                                  label=f"INT4 W4A16, group {int(group.group(1))} (bf16 scales)",
+                                  scale_block=(1, int(group.group(1))))
     if fmt is None:
         raise ConfigError(f"unknown expert format {name!r}. Fix: use one of {', '.join(FORMAT_NAMES)}")
     return fmt
@@ -198,6 +206,18 @@ def expert_projections(fmt: str | ExpertFormat, hidden: int, intermediate: int, 
     else:
         w13 = _tensors(f, "w13_", 2 * I, H, wname, f.scale_name)
     return w13 + _tensors(f, "w2_", H, I, wname, f.scale_name)
+
+
+def store_projections(fmt: str | ExpertFormat, hidden: int, intermediate: int) -> list[ProjectionSpec]:
+    """The tensors the sharded store holds per expert in ``fmt`` (what ``footprint`` sizes).
+
+    BF16: ``gate``, ``up``, ``down`` apart (the plugin's BF16 store; MoonEP's
+    experts read gate and up apart). Quantized: vLLM's fused ``w13``/``w2``
+    weights and scales (its quantized methods and kernels read ``w13`` whole).
+    Fused or split hold the same bytes; only page padding can differ.
+    """
+    f = get_format(fmt)
+    return expert_projections(f, hidden, intermediate, split_w13=not f.quantized)
 
 
 def projection_bytes(specs: list[ProjectionSpec]) -> dict[str, int]:
