@@ -7,9 +7,11 @@ experts per MoE layer (``E``), top-k (``K``) and the number of MoE layers
 ``[I, H]`` and down ``[H, I]``, i.e. ``3*H*I`` parameters.
 
 Shapes come from each model's released config; docs/design/models.md §1
-names the source of every one. Sizes are
-computed for BF16 (``dtype_bytes = 2``), the dtype of the MoonEP BF16 expert
-path; ``native_dtype`` records what the checkpoint ships in, for information.
+names the source of every one. ``row_bytes`` / ``expert_bytes`` here are
+BF16 (``dtype_bytes = 2``); ``expert_format`` names the format the released
+checkpoint stores its routed experts in (``bf16``, ``fp8-block``,
+``int4-g32``, ``mxfp4``; ``moonep_ep.layout.formats`` sizes each, scales
+included), and ``footprint`` uses it by default.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "load_hf_config",
     "parse_hf_config",
     "expert_bytes",
+    "expert_format_of",
 ]
 
 
@@ -49,8 +52,12 @@ class MoEModelConfig:
         num_moe_layers: ``L``, decoder layers that have routed experts
             (dense layers and MTP layers excluded).
         dtype_bytes: bytes per parameter used for sizing (2 = BF16).
-        native_dtype: dtype the released checkpoint stores routed experts in.
+        native_dtype: dtype the released checkpoint stores routed experts in (free text).
         notes: provenance and caveats.
+        expert_format: the routed experts' storage format in the released checkpoint
+            (``layout.formats`` name); ``""`` when a parsed config's quantization is not
+            one of them (``quantization`` says why).
+        quantization: the checkpoint's quantization, in words (``""`` for none).
     """
 
     name: str
@@ -62,6 +69,8 @@ class MoEModelConfig:
     dtype_bytes: int = 2
     native_dtype: str = "bf16"
     notes: str = ""
+    expert_format: str = "bf16"
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k",
@@ -114,13 +123,21 @@ _REF = "models.md §1, source"
 MODELS: dict[str, MoEModelConfig] = {m.name: m for m in [
     MoEModelConfig("kimi-k3", 3584, 3072, 896, 16, 92, native_dtype="mxfp4",
                    notes=f"H = latent routed-expert width 3584 (model width 7168); 93 layers, "
-                         f"92 MoE; 2 shared experts not counted ({_REF}s 1-5)"),
+                         f"92 MoE; 2 shared experts not counted ({_REF}s 1-5)",
+                   expert_format="mxfp4", quantization="compressed-tensors mxfp4-pack-quantized"),
     MoEModelConfig("kimi-k2", 7168, 2048, 384, 8, 60, native_dtype="fp8",
-                   notes=f"61 layers, first_k_dense_replace=1; 1 shared expert not counted; "
-                         f"K2-Thinking/K2.5+ ship routed experts INT4 W4A16 ({_REF}s 6-10)"),
+                   notes=f"K2-Instruct/Base; 61 layers, first_k_dense_replace=1; 1 shared expert not "
+                         f"counted; K2-Thinking/K2.5+ are kimi-k2-thinking ({_REF}s 6-10)",
+                   expert_format="fp8-block", quantization="fp8, weight_block_size [128, 128]"),
+    MoEModelConfig("kimi-k2-thinking", 7168, 2048, 384, 8, 60, native_dtype="int4",
+                   notes=f"K2-Thinking, K2.5, K2.6, K2.7-Code: K2's MoE with routed experts INT4 W4A16 "
+                         f"(attention, shared expert, lm_head BF16) ({_REF}s 7, 9, 10)",
+                   expert_format="int4-g32",
+                   quantization="compressed-tensors pack-quantized, int4, group 32, symmetric"),
     MoEModelConfig("deepseek-v3", 7168, 2048, 256, 8, 58, native_dtype="fp8",
                    notes=f"61 layers, 3 dense; MTP layer not counted; same MoE for R1, V3.1, "
-                         f"V3.2 ({_REF}s 7, 11)"),
+                         f"V3.2 ({_REF}s 7, 11)",
+                   expert_format="fp8-block", quantization="fp8, weight_block_size [128, 128]"),
     MoEModelConfig("qwen3-235b-a22b", 4096, 1536, 128, 8, 94, native_dtype="bf16",
                    notes=f"no shared experts ({_REF} 12)"),
     MoEModelConfig("qwen3-30b-a3b", 2048, 768, 128, 8, 48, native_dtype="bf16",
@@ -133,7 +150,8 @@ MODELS: dict[str, MoEModelConfig] = {m.name: m for m in [
     MoEModelConfig("llama-4-maverick", 5120, 8192, 128, 1, 24, native_dtype="bf16",
                    notes=f"48 blocks, interleave_moe_layer_step=2 ({_REF}s 19, 20)"),
     MoEModelConfig("gpt-oss-120b", 2880, 2880, 128, 4, 36, native_dtype="mxfp4",
-                   notes=f"experts ship MXFP4 ({_REF}s 22, 23)"),
+                   notes=f"experts ship MXFP4 ({_REF}s 22, 23); per-expert biases not counted",
+                   expert_format="mxfp4", quantization="mxfp4"),
     MoEModelConfig("olmoe-1b-7b", 2048, 1024, 64, 8, 16, native_dtype="bf16",
                    notes=f"OLMoE-1B-7B-0924; used by the vLLM MoonEP PR for DP4/EP4 ({_REF} 24)"),
     MoEModelConfig("mixtral-8x22b", 6144, 16384, 8, 2, 56, native_dtype="bf16",
@@ -150,7 +168,8 @@ DEFAULT_MODELS: tuple[str, ...] = tuple(n for n in MODELS if n != "tiny")
 _ALIASES = {
     "kimik3": "kimi-k3", "kimik31": "kimi-k3", "kimik31pro": "kimi-k3",
     "kimik2": "kimi-k2", "kimik2instruct": "kimi-k2", "kimik2base": "kimi-k2",
-    "kimik2thinking": "kimi-k2", "kimik25": "kimi-k2", "kimik26": "kimi-k2",
+    "kimik2thinking": "kimi-k2-thinking", "kimik25": "kimi-k2-thinking", "kimik26": "kimi-k2-thinking",
+    "kimik27": "kimi-k2-thinking", "kimik27code": "kimi-k2-thinking", "k2thinking": "kimi-k2-thinking",
     "deepseekv3": "deepseek-v3", "deepseekr1": "deepseek-v3", "deepseekv31": "deepseek-v3",
     "deepseekv32": "deepseek-v3", "dsv3": "deepseek-v3",
     "qwen3235b": "qwen3-235b-a22b", "qwen3235ba22b": "qwen3-235b-a22b",
@@ -273,6 +292,74 @@ def _native_dtype(cfg: Mapping[str, Any]) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bf16")
 
 
+def _expert_group(groups: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The compressed-tensors config group that quantizes the routed experts' Linear layers.
+
+    A group whose targets name experts wins; otherwise the one targeting ``Linear``
+    (K2-Thinking: ``targets ["Linear"]`` and ``ignore`` lists attention and shared experts)."""
+    candidates = [g for g in groups.values() if isinstance(g, Mapping) and isinstance(g.get("weights"), Mapping)]
+    for g in candidates:
+        if any("expert" in str(t).lower() for t in g.get("targets") or []):
+            return g
+    for g in candidates:
+        if any(str(t) == "Linear" for t in g.get("targets") or []):
+            return g
+    return candidates[0] if candidates else None
+
+
+def expert_format_of(qcfg: Any) -> tuple[str, str]:
+    """``(expert_format, description)`` of a ``quantization_config`` (``None``: unquantized).
+
+    Reads the two forms the supported checkpoints use:
+
+    * vLLM/DeepSeek native ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``
+      -> ``fp8-block``; gpt-oss ``{"quant_method": "mxfp4"}`` -> ``mxfp4``;
+    * compressed-tensors ``config_groups``: the experts' group's ``weights`` args —
+      int 4-bit, ``strategy group``, symmetric, no act-order -> ``int4-g<group_size>``
+      (K2-Thinking: g32); float 4-bit group 32 (E8M0 scales) -> ``mxfp4`` (Kimi K3);
+      float 8-bit ``strategy block`` ``[128, 128]`` -> ``fp8-block``.
+
+    Anything else gives ``("", why)``: the caller sizes it with an explicit format.
+    """
+    if qcfg is None:
+        return "bf16", ""
+    if not isinstance(qcfg, Mapping):
+        return "", f"quantization_config is not an object ({qcfg!r})"
+    method = str(qcfg.get("quant_method") or "").lower()
+    if method == "fp8":
+        block = qcfg.get("weight_block_size")
+        desc = f"fp8, weight_block_size {block}"
+        if block is not None and [int(b) for b in block] == [128, 128]:
+            return "fp8-block", desc
+        return "", f"{desc}: only 128x128 block FP8 is supported (per-tensor/channel FP8 is not)"
+    if method == "mxfp4":
+        return "mxfp4", "mxfp4"
+    if method != "compressed-tensors":
+        return "", f"quant_method {method or '?'!r} is not one of fp8 (block), mxfp4, compressed-tensors"
+    fmt = str(qcfg.get("format") or "")
+    group = _expert_group(qcfg.get("config_groups") or {})
+    if group is None:
+        return "", f"compressed-tensors {fmt}: no config group with weight quantization"
+    w = group["weights"]
+    bits, kind, strategy = w.get("num_bits"), str(w.get("type") or "int"), str(w.get("strategy") or "")
+    gs, symmetric, actorder = w.get("group_size"), w.get("symmetric", True), w.get("actorder")
+    desc = (f"compressed-tensors {fmt}, {kind}{bits}, {strategy}"
+            + (f" {gs}" if gs else "") + (f" {w.get('block_structure')}" if w.get("block_structure") else "")
+            + ("" if symmetric else ", asymmetric") + (f", actorder {actorder}" if actorder else ""))
+    if kind == "int" and bits == 4 and strategy == "group" and isinstance(gs, int) and gs > 0:
+        if not symmetric:
+            return "", f"{desc}: zero points (asymmetric INT4) are not supported"
+        if actorder:
+            return "", f"{desc}: act-order (g_idx) is not supported"
+        return f"int4-g{gs}", desc
+    if kind == "float" and bits == 4 and strategy == "group" and gs == 32:
+        return "mxfp4", desc
+    if kind == "float" and bits == 8 and strategy == "block" and \
+            [int(b) for b in (w.get("block_structure") or [])] == [128, 128]:
+        return "fp8-block", desc
+    return "", f"{desc}: not one of INT4 W4A16 group-wise, MXFP4, 128x128 block FP8"
+
+
 def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
                     name: str | None = None) -> MoEModelConfig:
     """Build a MoEModelConfig from a parsed HuggingFace ``config.json`` dict.
@@ -291,7 +378,8 @@ def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
     * ``L``: ``num_hidden_layers`` filtered by the dense-layer keys (see
       ``_moe_layer_count``).
 
-    Sizes use BF16 (``dtype_bytes = 2``) whatever the checkpoint dtype; the
+    ``row_bytes`` are BF16 (``dtype_bytes = 2``) whatever the checkpoint dtype;
+    ``quantization_config`` sets ``expert_format`` (``expert_format_of``) and the
     checkpoint's dtype or quantization goes to ``native_dtype``.
 
     Raises ConfigError naming the missing or bad key and the fix.
@@ -352,9 +440,11 @@ def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
     notes = (f"parsed from {path}: H from {hkey}, I from {ikey}, E from {ekey}, K from {kkey}, "
              f"{moe_layers}/{num_layers} MoE layers ({rule}); model_type "
              f"{merged.get('model_type', '?')}")
+    fmt, quant = expert_format_of(merged.get("quantization_config"))
     return MoEModelConfig(name=name, hidden_size=hidden, moe_intermediate_size=inter,
                           num_experts=num_experts, top_k=top_k, num_moe_layers=moe_layers,
-                          dtype_bytes=2, native_dtype=_native_dtype(merged), notes=notes)
+                          dtype_bytes=2, native_dtype=_native_dtype(merged), notes=notes,
+                          expert_format=fmt, quantization=quant)
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> MoEModelConfig:

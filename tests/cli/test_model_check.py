@@ -72,3 +72,20 @@ def test_unsupported_untested_and_unreadable_checkpoints(tmp_path):
     assert _keys(check_model_dir(str(tmp_path / "j"), ep_size=2)[0]) == ["config.json"]
     assert _keys(check_model_dir(str(tmp_path / "missing"), ep_size=2)[0]) == ["--model"]
     assert _keys(check_model_dir(_ckpt(tmp_path / "e", QWEN3), ep_size=200)[0]) == ["data-parallel size"]
+
+
+@pytest.mark.parametrize("rope,warned", [
+    ({"rope_scaling": {"type": "yarn", "factor": 32.0}}, False),                        # transformers 4
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 10000.0}}, False),  # transformers 5
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}}, False),  # per attention type
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, True),      # transformers 5, plain
+    ({"rope_scaling": None}, True),
+    ({}, True),
+])
+def test_rope_scaling_is_read_from_rope_scaling_and_rope_parameters(tmp_path, rope, warned):
+    """A YaRN checkpoint saved by transformers 5 carries rope_parameters, not rope_scaling: no plain-RoPE warning."""
+    cfg = {k: v for k, v in DSV3.items() if k != "rope_scaling"}
+    cfg.update(rope)
+    problems, _ = check_model_dir(_ckpt(tmp_path, cfg), ep_size=2, engine="vllm-cpu")
+    assert _keys(problems) == []
+    assert _keys(problems, "warning") == (["rope_scaling"] if warned else [])

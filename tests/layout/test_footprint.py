@@ -232,7 +232,7 @@ def test_cli_qwen3_30b_ep4_json(capsys):
 
 
 def test_cli_kimi_k2_ep64_json(capsys):
-    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64")
+    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64", "--format", "bf16")
     entry = report["models"]["kimi-k2"]["ep"]["64"]
     s = entry["schemes"]
     H, I, E, L, R = 7168, 2048, 384, 60, 64
@@ -270,7 +270,7 @@ REFERENCE_GB = {
 @pytest.mark.parametrize("name", sorted(REFERENCE_GB))
 def test_matches_reference_table(name):
     repl, per_layer, shared, eplb = REFERENCE_GB[name]
-    report = footprint_report([MODELS[name]], [8, 16, 32, 64])
+    report = footprint_report([MODELS[name]], [8, 16, 32, 64], FootprintOptions(expert_format="bf16"))
     for i, ep in enumerate(("8", "16", "32", "64")):
         s = report["models"][name]["ep"][ep]["schemes"]
         tol = dict(rel=2e-3, abs=0.06)
@@ -283,7 +283,7 @@ def test_matches_reference_table(name):
 def test_eplb_fixed_32_redundant_matches_reference_variant(capsys):
     # docs/design/models.md §2.2 variant: N = 32 at EP8 = +4 experts/rank/layer: K2 274.8, DSV3 183.9 GB.
     report = _run_json(capsys, "--model", "kimi-k2,deepseek-v3", "--ep", "8",
-                       "--eplb-redundant", "32")
+                       "--eplb-redundant", "32", "--format", "bf16")
     k2 = report["models"]["kimi-k2"]["ep"]["8"]["schemes"]["eplb"]
     ds = report["models"]["deepseek-v3"]["ep"]["8"]["schemes"]["eplb"]
     assert k2["experts_per_rank_per_layer"] == (384 + 32) // 8
@@ -310,7 +310,7 @@ def test_explicit_slots_and_pools_and_padding():
 
 
 def test_reserve_changes_fits(capsys):
-    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64", "--reserve-gb", "50")
+    report = _run_json(capsys, "--model", "kimi-k2", "--ep", "64", "--reserve-gb", "50", "--format", "bf16")
     ours = report["models"]["kimi-k2"]["ep"]["64"]["schemes"]["moonep_ep"]
     assert ours["fits"]["H100"] is False and ours["fits"]["H200"] is True   # 32.2 + 50 > 80
     assert ours["smallest_gpu"] == "H200"
@@ -399,7 +399,8 @@ def test_plot_has_one_panel_per_model_with_every_scheme_and_gpu_line(tmp_path):
 
     report = footprint_report([MODELS[n] for n in ("kimi-k2", "qwen3-30b-a3b")], [8, 16, 32, 64])
     drawn = cli.write_plot(report, str(tmp_path / "p.png"))
-    assert [t.split()[0] for t in drawn["panels"]] == ["kimi-k2", "qwen3-30b-a3b"]
+    assert [t.split(",")[0] for t in drawn["panels"]] == ["kimi-k2", "qwen3-30b-a3b"]
+    assert "fp8-block" in drawn["panels"][0] and "bf16" in drawn["panels"][1]  # each figure's format
     for labels in drawn["series"]:
         assert set(cli._SCHEME_LABEL[s] for s in SCHEMES) <= set(labels)  # one bar series per scheme
         assert [g for g in GPU_CAPACITY_GB if any(lab.startswith(f"{g} HBM") for lab in labels)] == \
@@ -413,7 +414,7 @@ def test_wired_into_moonep_ep_command():
     import subprocess
 
     proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "footprint", "--model",
-                           "kimi-k2", "--ep", "64", "--json"],
+                           "kimi-k2", "--ep", "64", "--json", "--format", "bf16"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     s = json.loads(proc.stdout)["models"]["kimi-k2"]["ep"]["64"]["schemes"]
@@ -424,7 +425,7 @@ def test_wired_into_moonep_ep_command():
 
 def test_load_peak_per_scheme_kimi_k3_ep64(capsys):
     """The issue's figure: Kimi K3 BF16 at EP64 is 86 GB final; copying in at the first layer peaked at ~2x."""
-    report = _run_json(capsys, "--model", "kimi-k3", "--ep", "64")
+    report = _run_json(capsys, "--model", "kimi-k3", "--ep", "64", "--format", "bf16")
     s = report["models"]["kimi-k3"]["ep"]["64"]["schemes"]
     H, I, E, L, R = 3584, 3072, 896, 92, 64
     per_expert, epn = 3 * H * I * 2, E // R
@@ -442,7 +443,7 @@ def test_load_peak_per_scheme_kimi_k3_ep64(capsys):
 
 
 def test_load_peak_table_is_printed(capsys):
-    rc, out, _ = _run(capsys, "--model", "kimi-k3", "--ep", "64")
+    rc, out, _ = _run(capsys, "--model", "kimi-k3", "--ep", "64", "--format", "bf16")
     assert rc == 0 and "load peak, GB per GPU" in out
     peak_lines = out.split("load peak, GB per GPU", 1)[1].splitlines()
     row = next(l for l in peak_lines if l.strip().startswith("64 "))
@@ -456,3 +457,156 @@ def test_eplb_rounds_a_rank_that_holds_one_more_expert_up(capsys):
     eplb = report["models"]["qwen3-30b-a3b"]["ep"]["4"]["schemes"]["eplb"]
     assert eplb["experts_per_rank_per_layer"] == 33
     assert eplb["bytes"] == 48 * 33 * 3 * _row(2048, 768)
+
+
+# ----------------------------------------------------------------------------- expert formats
+
+# One expert, weights + scales, in vLLM's in-memory layout (issue 17's table; K3 latent H 3584, I 3072).
+PER_EXPERT = {"kimi-k3": ("mxfp4", 16_515_072, 1_032_192), "kimi-k2": ("fp8-block", 44_040_192, 10_752),
+              "kimi-k2-thinking": ("int4-g32", 22_020_096, 2_752_512)}
+# docs/design/models.md §2.3 (derived, data only, GB, 3 significant digits; FP8 at ~1 B/param): shared pool.
+NATIVE_REFERENCE_GB = {"kimi-k3": (182.8, 91.4, 45.7, 22.8), "kimi-k2": (128.9, 64.5, 32.2, 16.1),
+                       "kimi-k2-thinking": (72.5, 36.3, 18.1, 9.07), "deepseek-v3": (83.1, 41.6, 20.8, 10.4),
+                       "gpt-oss-120b": (7.83, 3.91, 1.96, 0.98)}
+
+
+def test_each_model_is_sized_in_its_published_format_by_default():
+    want = {"kimi-k3": "mxfp4", "kimi-k2": "fp8-block", "kimi-k2-thinking": "int4-g32",
+            "deepseek-v3": "fp8-block", "gpt-oss-120b": "mxfp4", "qwen3-30b-a3b": "bf16", "glm-4.5": "bf16"}
+    report = footprint_report([MODELS[n] for n in want], [8])
+    for name, fmt in want.items():
+        cfg = report["models"][name]["config"]
+        assert (cfg["format"], cfg["format_source"]) == (fmt, "checkpoint"), name
+        assert cfg["expert_bytes"] == cfg["expert_weight_bytes"] + cfg["expert_scale_bytes"]
+        assert (cfg["expert_scale_bytes"] > 0) == (fmt != "bf16")
+        assert report["models"][name]["ep"]["8"]["schemes"]["moonep_ep"]["format"] == fmt
+    assert lookup_model("Kimi-K2-Thinking") is MODELS["kimi-k2-thinking"]
+    assert lookup_model("kimi-k2.5") is MODELS["kimi-k2-thinking"]
+    assert lookup_model("Kimi-K2-Instruct") is MODELS["kimi-k2"]
+
+
+def test_must_show_kimi_real_formats_per_gpu_with_scales_apart(capsys):
+    """``footprint --model kimi-k3,kimi-k2,kimi-k2-thinking --ep 8,16,32,64 --json``."""
+    from moonep_ep.layout.footprint import rank_bytes_closed_form
+    from moonep_ep.layout.formats import store_projections
+
+    report = _run_json(capsys, "--model", "kimi-k3,kimi-k2,kimi-k2-thinking", "--ep", "8,16,32,64")
+    assert "counted apart from weights" in report["assumptions"]["scales"]
+    for name, (fmt, weight, scale) in PER_EXPERT.items():
+        m, mf = MODELS[name], report["models"][name]
+        cfg = mf["config"]
+        assert (cfg["format"], cfg["expert_weight_bytes"], cfg["expert_scale_bytes"]) == (fmt, weight, scale)
+        tensors = store_projections(fmt, m.hidden_size, m.moe_intermediate_size)
+        for i, ep in enumerate((8, 16, 32, 64)):
+            s = mf["ep"][str(ep)]["schemes"]
+            ours = s["moonep_ep"]
+            epn, L, E = m.num_experts // ep, m.num_moe_layers, m.num_experts
+            # Scales apart from weights, in every scheme's figure.
+            for d in s.values():
+                assert d["bytes"] == d["weight_bytes"] + d["scale_bytes"] and d["scale_bytes"] > 0
+                assert d["format"] == fmt
+            assert s["replicated"]["scale_bytes"] == L * (E + 4) * scale
+            # Closed form without pages: (L*epn + B)*(weights + scales); the plan is within one page per boundary.
+            data = (L * epn + epn) * (weight + scale)
+            assert ours["data_bytes"] == data
+            assert ours["page_boundaries"] == (2 * L + 1) * len(tensors)  # start and end of each run, pool tails
+            assert abs(ours["bytes"] - data) <= ours["page_boundaries"] * GRAN
+            assert ours["within_one_page_per_boundary"] is True
+            # ... and equals the exact closed form of the largest rank (independent of the page loop).
+            closed = [rank_bytes_closed_form(num_layers=L, num_experts=E, ep_size=ep, num_slots=epn,
+                                             row_bytes=[p.row_bytes for p in tensors], granularity=GRAN, rank=r,
+                                             roles=[p.role for p in tensors]) for r in range(ep)]
+            top = max(closed, key=lambda c: c["total_bytes"])
+            assert (ours["bytes"], ours["weight_bytes"], ours["scale_bytes"]) == \
+                (top["total_bytes"], top["weight_bytes"], top["scale_bytes"])
+            assert data / 1e9 == pytest.approx(NATIVE_REFERENCE_GB[name][i], abs=_rounding(NATIVE_REFERENCE_GB[name][i]))
+            assert set(ours["fits"]) >= {"H200", "B200", "GB200"}
+    # What fits (20 GB reserve): K3 MXFP4 EP8 fits nowhere below GB300, EP16 fits an H200.
+    k3 = report["models"]["kimi-k3"]["ep"]
+    assert k3["8"]["schemes"]["moonep_ep"]["fits"]["GB200"] is False
+    assert k3["16"]["schemes"]["moonep_ep"]["smallest_gpu"] == "H200"
+
+
+def _rounding(x: float) -> float:
+    """Half a unit of the reference figure's last printed digit, plus 0.1%."""
+    text = repr(x)
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return 0.5 * 10 ** -decimals + 1e-3 * x
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE_REFERENCE_GB))
+def test_native_format_data_matches_the_reference_table(name):
+    report = footprint_report([MODELS[name]], [8, 16, 32, 64])
+    for i, ep in enumerate(("8", "16", "32", "64")):
+        ours = report["models"][name]["ep"][ep]["schemes"]["moonep_ep"]
+        assert ours["data_bytes"] / 1e9 == pytest.approx(NATIVE_REFERENCE_GB[name][i], abs=_rounding(NATIVE_REFERENCE_GB[name][i]))
+        assert ours["within_one_page_per_boundary"]
+
+
+def test_format_flag_overrides_every_model(capsys):
+    report = _run_json(capsys, "--model", "kimi-k2,qwen3-30b-a3b", "--ep", "8", "--format", "mxfp4")
+    k2 = report["models"]["kimi-k2"]["config"]
+    assert (k2["format"], k2["format_source"], k2["expert_bytes"]) == ("mxfp4", "--format", 23_396_352)
+    assert report["assumptions"]["format"] == "mxfp4"
+    assert report["models"]["qwen3-30b-a3b"]["config"]["expert_scale_bytes"] == 3 * 2048 * 768 // 32
+    rc, out, _ = _run(capsys, "--model", "kimi-k2", "--ep", "64", "--format", "int4-g32")
+    assert rc == 0 and "format: int4-g32 = INT4 W4A16, group 32 (bf16 scales) (from --format)" in out
+    assert "ours fits H200/B200/GB200" in out
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["footprint", "--format", "nvfp4"])
+
+
+K2_THINKING_QUANT = {  # the shape compressed-tensors serializes (K2-Thinking's config.json)
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                              "symmetric": True, "dynamic": False, "actorder": None,
+                                              "block_structure": None, "observer": "minmax"}}}}
+
+
+def _quant(group_weights: dict, fmt: str) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": group_weights}}}
+
+
+@pytest.mark.parametrize("quant,fmt", [
+    (K2_THINKING_QUANT, "int4-g32"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
+     "fp8-block"),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}, "mxfp4"),
+    (_quant({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+             "scale_dtype": "torch.uint8"}, "mxfp4-pack-quantized"), "mxfp4"),
+    (_quant({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+             "symmetric": True}, "float-quantized"), "fp8-block"),
+    (_quant({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+            "pack-quantized"), "int4-g128"),
+    (None, "bf16"),
+])
+def test_config_quantization_sets_the_format(tmp_path, capsys, quant, fmt):
+    cfg = dict(DEEPSEEK_STYLE, n_routed_experts=384, num_hidden_layers=61, first_k_dense_replace=1)
+    cfg.pop("quantization_config")
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    report = _run_json(capsys, "--config", _write(tmp_path, "m", cfg), "--ep", "64")
+    (mf,) = report["models"].values()
+    assert mf["config"]["format"] == fmt and mf["config"]["format_source"] == "checkpoint"
+    from moonep_ep.layout.formats import expert_format_bytes
+    assert mf["config"]["expert_bytes"] == expert_format_bytes(fmt, 7168, 2048)["total_bytes"]
+
+
+@pytest.mark.parametrize("weights,needle", [
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}, "zero points"),
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "group"}, "act-order"),
+    ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, "not one of"),  # NVFP4
+])
+def test_unsupported_quantization_needs_an_explicit_format(tmp_path, capsys, weights, needle):
+    cfg = dict(DEEPSEEK_STYLE, quantization_config=_quant(weights, "pack-quantized"))
+    path = _write(tmp_path, "m", cfg)
+    rc, out, err = _run(capsys, "--config", path, "--ep", "8", "--json")
+    assert rc == 2 and out == "" and needle in err and "Fix: pass --format" in err
+    report = _run_json(capsys, "--config", path, "--ep", "8", "--format", "bf16")
+    assert next(iter(report["models"].values()))["config"]["format"] == "bf16"
+    per_tensor = dict(DEEPSEEK_STYLE, quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
+    rc, _, err = _run(capsys, "--config", _write(tmp_path, "pt", per_tensor), "--ep", "8")
+    assert rc == 2 and "only 128x128 block FP8" in err

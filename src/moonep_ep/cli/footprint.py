@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..layout.footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_RESERVE_GB,
                          GPU_CAPACITY_GB, SCHEMES, VLLM_DEFAULT_NUM_PREFETCH_SLOTS,
                          FootprintOptions, footprint_report)
+from ..layout.formats import FORMAT_NAMES, get_format
 from ..models import DEFAULT_MODELS, MoEModelConfig, get_model, load_hf_config, model_names
 
 __all__ = ["add_parser", "run", "format_table", "write_plot", "parse_size", "parse_int_list"]
@@ -40,6 +41,8 @@ _SCHEME_COLOR = {"replicated": "#c0392b", "per_layer_slots": "#e67e22",
                  "eplb": "#7f8c8d", "moonep_ep": "#2471a3"}
 _GPU_COLOR = {"H100": "#1e8449", "H200": "#7d3c98", "B200": "#b9770e", "GB200": "#5d6d7e",
               "GB300": "#000000"}
+#: GPUs the table names one by one for moonep_ep (issue 17: what fits on H200, B200, GB200).
+_FIT_GPUS = ("H200", "B200", "GB200")
 _GPU_STYLE = {"H100": "-", "H200": "--", "B200": "-.", "GB200": ":", "GB300": "-"}
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
@@ -83,13 +86,21 @@ def _auto_or_int(text: str) -> int | None:
     return value
 
 
+def _format_name(text: str) -> str:
+    try:
+        return get_format(text).name
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``footprint`` on an ``argparse`` subparsers object; returns its parser."""
     p = subparsers.add_parser(
         "footprint",
         help="per-GPU routed-expert memory: replicated vs per-layer slots vs EPLB vs moonep_ep",
         description=(
-            "Per-GPU bytes of a MoE model's routed experts (all MoE layers, gate+up+down, BF16) "
+            "Per-GPU bytes of a MoE model's routed experts (all MoE layers, gate+up+down, in the "
+            "checkpoint's format unless --format: weights and scales counted apart) "
             "under four schemes: replicated (vLLM 0.33.0 MoonEP: every rank holds all E experts "
             "+ B slots per layer), per_layer_slots (sharded + B slots per layer, SGLang), eplb "
             "(sharded + N redundant experts per layer over the EP group) and moonep_ep (sharded "
@@ -99,7 +110,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="built-in model name (repeatable or comma-separated); default: all of "
                         + ", ".join(DEFAULT_MODELS) + f"; also: {', '.join(sorted(set(model_names()) - set(DEFAULT_MODELS)))}")
     p.add_argument("--config", action="append", default=None, metavar="PATH",
-                   help="HuggingFace config.json (or its directory); repeatable")
+                   help="HuggingFace config.json (or its directory); repeatable. Its quantization_config "
+                        "(compressed-tensors or native fp8/mxfp4) sets the format")
+    p.add_argument("--format", dest="expert_format", type=_format_name, default=None, metavar="FMT",
+                   help="size every model in this expert format (" + "|".join(FORMAT_NAMES) +
+                        "; also int4-g<N>) instead of its checkpoint's (kimi-k3, gpt-oss MXFP4; kimi-k2, "
+                        "deepseek-v3 FP8 block; kimi-k2-thinking INT4 g32; others BF16)")
     p.add_argument("--ep", type=parse_int_list, default=",".join(map(str, DEFAULT_EP_SIZES)), metavar="LIST",
                    help="EP sizes, comma-separated")
     p.add_argument("--slots", type=_auto_or_int, default="auto", metavar="B",
@@ -158,7 +174,8 @@ def _select_models(args: argparse.Namespace) -> list[MoEModelConfig]:
 def _options(args: argparse.Namespace) -> FootprintOptions:
     return FootprintOptions(num_slots=args.slots, eplb_redundant=args.eplb_redundant,
                             granularity=args.granularity, slot_pools=args.slot_pools,
-                            reserve_gb=args.reserve_gb, gpus=dict(GPU_CAPACITY_GB))
+                            reserve_gb=args.reserve_gb, gpus=dict(GPU_CAPACITY_GB),
+                            expert_format=getattr(args, "expert_format", None))
 
 
 def _fmt_gb(gb: float) -> str:
@@ -180,24 +197,30 @@ def format_table(report: dict[str, Any]) -> str:
         f"{a['granularity']} B, {a['slot_pools']} slot pool(s).",
     ]
     cols = list(SCHEMES)
+    fit_gpus = [g for g in _FIT_GPUS if g in a["gpu_capacity_gb"]]
     for name, mf in report["models"].items():
         cfg = mf["config"]
-        m = MoEModelConfig(**{k: cfg[k] for k in ("name", "hidden_size", "moe_intermediate_size",
-                                                    "num_experts", "top_k", "num_moe_layers",
-                                                    "dtype_bytes", "native_dtype", "notes")})
-        lines += ["", f"{name}: {m.summary()}"]
-        header = ["EP", "E/R"] + cols + ["repl/ours"]
+        lines += ["", f"{name}: E={cfg['num_experts']} K={cfg['top_k']} H={cfg['hidden_size']} "
+                      f"I={cfg['moe_intermediate_size']} L={cfg['num_moe_layers']}",
+                  f"  format: {cfg['format']} = {cfg['format_label']} ({'from --format' if cfg['format_source'] == '--format' else 'the checkpoint'}"
+                  f"{'; ' + cfg['quantization'] if cfg.get('quantization') and cfg['format_source'] != '--format' else ''}); "
+                  f"{cfg['expert_bytes'] / 1e6:.2f} MB/expert = {cfg['expert_weight_bytes'] / 1e6:.2f} weights + "
+                  f"{cfg['expert_scale_bytes'] / 1e6:.3f} scales (BF16: {cfg['bf16_expert_bytes'] / 1e6:.1f})"]
+        header = ["EP", "E/R"] + cols + ["ours: scales GB", "repl/ours", "ours fits " + "/".join(fit_gpus)]
         rows = [header]
         for ep, entry in mf["ep"].items():
             if not entry["supported"]:
-                rows.append([ep, "-"] + ["n/a"] * len(cols) + ["-"])
+                rows.append([ep, "-"] + ["n/a"] * len(cols) + ["-", "-", "-"])
                 continue
             row = [ep, str(entry["epn"])]
             for s in cols:
                 d = entry["schemes"][s]
                 row.append(f"{_fmt_gb(d['gb'])} [{d['smallest_gpu'] or '-'}]")
+            ours = entry["schemes"]["moonep_ep"]
+            row.append(_fmt_gb(ours["scale_bytes"] / 1e9))
             ratio = entry["ratio_replicated_over_moonep_ep"]
             row.append(f"{ratio:.1f}x" if ratio else "-")
+            row.append("/".join("yes" if ours["fits"][g] else "no" for g in fit_gpus))
             rows.append(row)
         lines += _render(rows)
         unsupported = [e["reason"] for e in mf["ep"].values() if not e["supported"]]
@@ -282,8 +305,8 @@ def write_plot(report: dict[str, Any], path: str) -> dict[str, Any]:
         ax.set_xticklabels([f"EP{ep}" for ep in eps])
         ax.set_xlim(-0.5, len(eps) - 0.5)
         cfg = mf["config"]
-        ax.set_title(f"{name}  (E={cfg['num_experts']}, L={cfg['num_moe_layers']}, "
-                     f"{cfg['expert_bytes'] / 1e6:.1f} MB/expert)", fontsize=9)
+        ax.set_title(f"{name}, {cfg['format']}  (E={cfg['num_experts']}, L={cfg['num_moe_layers']}, "
+                     f"{cfg['expert_bytes'] / 1e6:.1f} MB/expert incl. scales)", fontsize=9)
         ax.set_ylabel("routed experts per GPU (GB)" + (", log" if log else ""), fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(axis="y", which="major", alpha=0.25)
@@ -293,7 +316,9 @@ def write_plot(report: dict[str, Any], path: str) -> dict[str, Any]:
     order = [labels.index(_SCHEME_LABEL[s]) for s in SCHEMES] + \
         [k for k, lab in enumerate(labels) if lab not in _SCHEME_LABEL.values()]
     fig_height = fig.get_size_inches()[1]
-    fig.suptitle(f"Routed-expert memory per GPU, BF16 (GB = 1e9 bytes)\n"
+    formats = sorted({mf["config"]["format"] for _, mf in models})
+    fig.suptitle(f"Routed-expert memory per GPU, {'each model in its checkpoint format' if a['format'].startswith('each') else a['format']}"
+                 f" ({', '.join(formats)}; weights + scales; GB = 1e9 bytes)\n"
                  f"lines: GPU HBM; fits = below HBM - {a['reserve_gb']:g} GB reserve; "
                  f"numbers: moonep_ep GB", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig_height))

@@ -1,37 +1,48 @@
 """Per-GPU routed-expert memory under four storage schemes: pure arithmetic.
 
 All sizes are bytes per EP rank (one GPU) for the routed experts of the whole
-model (every MoE layer, gate + up + down), at the config's ``dtype_bytes``
-(BF16 for the built-in models). ``gb`` values are ``bytes / 1e9``. Nothing
+model (every MoE layer, gate + up + down), in one storage format
+(``layout.formats``): by default the format the model's checkpoint ships
+(Kimi K3 and gpt-oss MXFP4, Kimi K2 and DeepSeek-V3 FP8 block, K2-Thinking
+INT4 g32, the others BF16), or the one ``FootprintOptions.expert_format``
+forces. Scale tensors are counted apart from weights (``weight_bytes``,
+``scale_bytes``) in every figure. ``gb`` values are ``bytes / 1e9``. Nothing
 here allocates memory.
 
 Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
-``row`` = one expert's bytes of one projection, ``I*H*dtype_bytes``):
+``expert_bytes`` = one expert's bytes, weights plus scales, in the format;
+``row`` = one per-expert tensor's bytes):
 
 ``replicated``
     vLLM 0.33.0 MoonEP backend: every rank all-gathers all ``E`` experts into
     ``[E+B]``-row tensors per projection per layer (rows ``[E, E+B)`` are the
-    prefetch slots). ``L*(E+B)*3*row``, independent of ``R``. Default
+    prefetch slots). ``L*(E+B)*expert_bytes``, independent of ``R``. Default
     ``B = 4`` (vLLM's hard-coded ``num_prefetch_slots=4``,
     ``MOONEP_DEFAULT_NUM_PREFETCH_SLOTS``).
 ``per_layer_slots``
     Sharded, with a ``B``-slot block per layer next to each layer's own experts
-    (SGLang MoonEP's ``[epn + B]`` block per layer). ``L*(epn+B)*3*row``.
+    (SGLang MoonEP's ``[epn + B]`` block per layer). ``L*(epn+B)*expert_bytes``.
     Default ``B = epn`` (SGLang's ``SGLANG_MOONEP_NUM_PREFETCH_SLOTS`` default).
 ``eplb``
     Sharded with ``N`` redundant physical experts per layer over the whole EP
     group (vLLM ``num_redundant_experts`` / SGLang ``--ep-num-redundant-experts``):
-    each rank holds ``ceil((E+N)/R)`` experts per layer, ``L*ceil((E+N)/R)*3*row``
+    each rank holds ``ceil((E+N)/R)`` experts per layer, ``L*ceil((E+N)/R)*expert_bytes``
     (the ceil is the most-loaded rank; vLLM requires ``(E+N) % R == 0``).
     Default ``N = R`` (one spare expert per rank per layer), the definition of
     scheme (e) of docs/design/models.md §2; DeepSeek/SGLang/vLLM examples use
     ``N = 32`` (``--eplb-redundant 32``).
 ``moonep_ep``
     This project: each rank physically allocates only its own expert pages of
-    every layer plus one slot pool per projection shared by all layers
-    (``slot_pools`` pools when more than one layer is in flight). Bytes come
-    from ``moonep_ep.layout.plan.predict_rank_bytes``, so they include the
-    page padding of the real layout; the reported figure is the largest rank's.
+    every layer plus one slot pool per tensor shared by all layers
+    (``slot_pools`` pools when more than one layer is in flight); each tensor
+    (weight or scale, ``formats.store_projections``) has pages of its own.
+    Bytes come from ``moonep_ep.layout.plan.predict_rank_bytes``, so they
+    include the page padding of the real layout; the reported figure is the
+    largest rank's. ``data_bytes`` is the closed form without pages,
+    ``(L*epn + pools*B)*expert_bytes``; the page plan differs from it by less
+    than one page per boundary (two per (layer, tensor) region — the start and
+    end of the rank's run — and one per slot pool: ``page_boundaries``), which
+    ``within_one_page_per_boundary`` checks.
     Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
     fixes slots at ``epn``, enough for every remote expert, moonep.md §2.7).
 
@@ -73,6 +84,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError
 from ..models import MoEModelConfig
+from .formats import ExpertFormat, get_format, projection_bytes, store_projections
 from .plan import predict_rank_bytes
 
 __all__ = [
@@ -90,6 +102,8 @@ __all__ = [
     "ep_footprint",
     "model_footprint",
     "footprint_report",
+    "model_format",
+    "model_tensors",
 ]
 
 #: Scheme keys, in report order.
@@ -129,6 +143,8 @@ class FootprintOptions:
         reserve_gb: GB (1e9 bytes) per GPU kept for non-expert memory when
             deciding ``fits``.
         gpus: GPU name -> HBM capacity in GB (1e9 bytes).
+        expert_format: storage format of every model (``layout.formats`` name);
+            ``None`` = each model's published checkpoint format.
     """
 
     num_slots: int | None = None
@@ -137,8 +153,11 @@ class FootprintOptions:
     slot_pools: int = 1
     reserve_gb: float = DEFAULT_RESERVE_GB
     gpus: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(GPU_CAPACITY_GB))
+    expert_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.expert_format is not None:
+            get_format(self.expert_format)  # a clear error now, not per model
         if self.num_slots is not None and self.num_slots < 0:
             raise ConfigError(f"--slots must be >= 0: got {self.num_slots}. Fix: pass a slot count "
                               f"or 'auto'")
@@ -155,8 +174,25 @@ class FootprintOptions:
                               f"Fix: pass the GB to keep free per GPU")
 
 
+def model_format(model: MoEModelConfig, options: "FootprintOptions | None" = None) -> ExpertFormat:
+    """The format ``model`` is sized in: ``options.expert_format``, else the checkpoint's."""
+    if options is not None and options.expert_format is not None:
+        return get_format(options.expert_format)
+    if not model.expert_format:
+        raise ConfigError(f"model {model.name}: its checkpoint's quantization is not a supported expert format "
+                          f"({model.quantization}). Fix: pass --format bf16|fp8-block|int4-g32|mxfp4 to size "
+                          "it in one of those")
+    return get_format(model.expert_format)
+
+
+def model_tensors(model: MoEModelConfig, options: "FootprintOptions | None" = None) -> list:
+    """The per-expert tensors (``ProjectionSpec``) the store holds for ``model`` in its format."""
+    return store_projections(model_format(model, options), model.hidden_size, model.moe_intermediate_size)
+
+
 def rank_bytes_closed_form(*, num_layers: int, num_experts: int, ep_size: int, num_slots: int,
-                           row_bytes: list[int], granularity: int, rank: int, slot_pools: int = 1) -> dict[str, int]:
+                           row_bytes: list[int], granularity: int, rank: int, slot_pools: int = 1,
+                           roles: list[str] | None = None) -> dict[str, int]:
     """Physical bytes ``rank`` allocates, from a closed form: the prediction that
     ``footprint --measure`` compares the OS against, derived independently of the page
     loop in ``plan.py`` (a test keeps the two equal).
@@ -166,16 +202,22 @@ def rank_bytes_closed_form(*, num_layers: int, num_experts: int, ep_size: int, n
     belongs to the rank owning that byte, so rank ``r`` allocates
     ``ceil(((r+1)W + lead)/g) - ceil((rW + lead)/g)`` pages (rank 0: the first term
     alone, page 0 included). Each slot pool is ``ceil(B*row/g)`` pages.
+    ``roles`` (``"weight"``/``"scale"`` per tensor) split the total into
+    ``weight_bytes`` and ``scale_bytes``.
     """
     g, epn = granularity, num_experts // ep_size
     expert = slots = 0
-    for rb in row_bytes:
+    by_role = {"weight": 0, "scale": 0}
+    for rb, role in zip(row_bytes, roles or ["weight"] * len(row_bytes)):
         W, lead = epn * rb, (-num_experts * rb) % g
         upper = -(-((rank + 1) * W + lead) // g)
         lower = 0 if rank == 0 else -(-(rank * W + lead) // g)
-        expert += num_layers * (upper - lower) * g
-        slots += slot_pools * -(-num_slots * rb // g) * g
-    return {"expert_bytes": expert, "slot_bytes": slots, "total_bytes": expert + slots}
+        region, pool = num_layers * (upper - lower) * g, slot_pools * -(-num_slots * rb // g) * g
+        expert += region
+        slots += pool
+        by_role[role] += region + pool
+    return {"expert_bytes": expert, "slot_bytes": slots, "total_bytes": expert + slots,
+            "weight_bytes": by_role["weight"], "scale_bytes": by_role["scale"]}
 
 
 def default_slots(scheme: str, epn: int) -> int:
@@ -234,34 +276,40 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
                           f"{model.num_experts}")
     E, L, R = model.num_experts, model.num_moe_layers, ep_size
     epn = E // R
-    rows = model.row_bytes
-    per_expert = sum(rows)
+    fmt = model_format(model, options)
+    tensors = model_tensors(model, options)
+    rows, roles = [p.row_bytes for p in tensors], [p.role for p in tensors]
+    split = projection_bytes(tensors)
+    per_expert = split["total_bytes"]
     B = options.num_slots if options.num_slots is not None else default_slots(scheme, epn)
     out: dict[str, Any]
     if scheme == "replicated":
         expert, slot = L * E * per_expert, L * B * per_expert
         out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": E,
-               "formula": "L*(E+B)*3*I*H*dtype_bytes"}
+               "formula": "L*(E+B)*expert_bytes"}
         out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
+        rows_held = L * (E + B)
     elif scheme == "per_layer_slots":
         expert, slot = L * epn * per_expert, L * B * per_expert
         out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": epn,
-               "formula": "L*(E/R+B)*3*I*H*dtype_bytes"}
+               "formula": "L*(E/R+B)*expert_bytes"}
         out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
+        rows_held = L * (epn + B)
     elif scheme == "eplb":
         N = options.eplb_redundant if options.eplb_redundant is not None else R
         per_rank = math.ceil((E + N) / R)
         expert = L * per_rank * per_expert
         out = {"redundant_experts": N, "experts_per_rank_per_layer": per_rank,
-               "formula": "L*ceil((E+N)/R)*3*I*H*dtype_bytes"}
+               "formula": "L*ceil((E+N)/R)*expert_bytes"}
         out.update(expert_bytes=expert, slot_bytes=0, padding_bytes=0, bytes=expert)
+        rows_held = L * per_rank
     elif scheme == "moonep_ep":
         best: dict[str, int] | None = None
         best_rank = 0
         for rank in range(R):
             got = predict_rank_bytes(num_layers=L, num_experts=E, ep_size=R, num_slots=B,
-                                     row_bytes=list(rows), granularity=options.granularity,
-                                     rank=rank, slot_pools=options.slot_pools)
+                                     row_bytes=rows, granularity=options.granularity,
+                                     rank=rank, slot_pools=options.slot_pools, roles=roles)
             if best is None or got["total_bytes"] > best["total_bytes"]:
                 best, best_rank = got, rank
         assert best is not None
@@ -269,11 +317,22 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
                "experts_per_rank_per_layer": epn, "granularity": options.granularity,
                "rank": best_rank,
                "formula": "predict_rank_bytes: own expert pages of every layer + "
-                          "slot_pools*B slot rows per projection, page-padded (largest rank)"}
+                          "slot_pools*B slot rows per tensor, page-padded (largest rank)"}
         out.update(expert_bytes=int(best["expert_bytes"]), slot_bytes=int(best["slot_bytes"]),
-                   padding_bytes=int(best["padding_bytes"]), bytes=int(best["total_bytes"]))
+                   padding_bytes=int(best["padding_bytes"]), bytes=int(best["total_bytes"]),
+                   weight_bytes=int(best["weight_bytes"]), scale_bytes=int(best["scale_bytes"]))
+        data = (L * epn + options.slot_pools * B) * per_expert
+        # A rank's run of one (layer, tensor) region has two boundaries (start, end), each shifted
+        # by less than a page (rank 0's start carries the region's lead pad); a slot pool has one (its tail).
+        boundaries = (2 * L + options.slot_pools) * len(tensors)
+        out.update(data_bytes=data, data_formula="(L*E/R + slot_pools*B)*expert_bytes",
+                   page_boundaries=boundaries,
+                   within_one_page_per_boundary=abs(out["bytes"] - data) <= boundaries * options.granularity)
     else:
         raise ConfigError(f"unknown scheme {scheme!r}. Fix: use one of {', '.join(SCHEMES)}")
+    if scheme != "moonep_ep":  # raw rows: weights and scales in the format's proportion, exactly
+        out.update(weight_bytes=rows_held * split["weight_bytes"], scale_bytes=rows_held * split["scale_bytes"])
+    out["format"] = fmt.name
     out["gb"] = out["bytes"] / 1e9
     out["fits"] = fits_on(out["bytes"], options.reserve_gb, options.gpus)
     out["smallest_gpu"] = smallest_gpu(out["fits"], options.gpus)
@@ -288,18 +347,18 @@ def _load_peak(scheme: str, final: int, *, L: int, E: int, B: int, epn: int, per
     """Derived load peak of one scheme (see the module docstring); ``final`` is its steady-state bytes."""
     if scheme == "replicated":
         return {"load_peak_bytes": (L * (E + B) + E + epn) * per_expert,
-                "load_peak_formula": "(L*(E+B) + E + E/R)*3*I*H*dtype_bytes: the last layer's all-gather output "
+                "load_peak_formula": "(L*(E+B) + E + E/R)*expert_bytes: the last layer's all-gather output "
                                      "[E] and local parameters [E/R] alive while its [E+B] copy is built"}
     if scheme == "per_layer_slots":
         return {"load_peak_bytes": final + epn * per_expert,
-                "load_peak_formula": "final + (E/R)*3*I*H*dtype_bytes (assumed: parameters copied into the "
+                "load_peak_formula": "final + (E/R)*expert_bytes (assumed: parameters copied into the "
                                      "[E/R+B] block layer by layer)"}
     if scheme == "eplb":
         return {"load_peak_bytes": final, "load_peak_formula": "final (loaded straight into the parameters)"}
     return {"load_peak_bytes": final,
             "load_peak_formula": "final (store allocated before loading; experts written straight into its pages)",
             "copy_in_load_peak_bytes": final + L * epn * per_expert,
-            "copy_in_load_peak_formula": "final + L*(E/R)*3*I*H*dtype_bytes (the store allocated at the first "
+            "copy_in_load_peak_formula": "final + L*(E/R)*expert_bytes (the store allocated at the first "
                                          "layer while every layer's local parameters were alive)"}
 
 
@@ -325,10 +384,25 @@ def ep_footprint(model: MoEModelConfig, ep_size: int,
 
 def model_footprint(model: MoEModelConfig, ep_sizes: Iterable[int],
                     options: FootprintOptions = FootprintOptions()) -> dict[str, Any]:
-    """One model at every EP size: ``{"config": {...}, "ep": {"<R>": ep_footprint}}``."""
+    """One model at every EP size: ``{"config": {...}, "ep": {"<R>": ep_footprint}}``.
+
+    ``config`` carries the format the figures are in (``format``, ``format_label``,
+    ``format_source``: ``checkpoint`` or ``--format``), one expert's bytes in it
+    (``expert_bytes`` = ``expert_weight_bytes`` + ``expert_scale_bytes``), its
+    tensors, and the BF16 size for comparison (``bf16_expert_bytes``)."""
+    fmt = model_format(model, options)
+    tensors = model_tensors(model, options)
+    split = projection_bytes(tensors)
+    routed = model.num_moe_layers * model.num_experts * split["total_bytes"]
     cfg = dataclasses.asdict(model)
-    cfg.update(expert_bytes=model.expert_bytes, expert_gb=model.expert_bytes / 1e9,
-               routed_bytes=model.routed_bytes, routed_gb=model.routed_bytes / 1e9)
+    cfg.update(format=fmt.name, format_label=fmt.label,
+               format_source="--format" if options.expert_format is not None else "checkpoint",
+               expert_bytes=split["total_bytes"], expert_weight_bytes=split["weight_bytes"],
+               expert_scale_bytes=split["scale_bytes"], expert_gb=split["total_bytes"] / 1e9,
+               tensors=[{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                         "role": p.role, "bytes": p.row_bytes} for p in tensors],
+               bf16_expert_bytes=model.expert_bytes,
+               routed_bytes=routed, routed_gb=routed / 1e9)
     return {"config": cfg,
             "ep": {str(r): ep_footprint(model, r, options) for r in ep_sizes}}
 
@@ -351,6 +425,9 @@ def footprint_report(models: Iterable[MoEModelConfig], ep_sizes: Iterable[int],
             "slot_pools": options.slot_pools,
             "reserve_gb": options.reserve_gb,
             "gpu_capacity_gb": dict(options.gpus),
+            "format": ("each model's checkpoint format (config.format)" if options.expert_format is None
+                       else get_format(options.expert_format).name),
+            "scales": "scale tensors counted apart from weights: weight_bytes + scale_bytes = bytes",
             "fits": "bytes + reserve_gb*1e9 <= capacity_gb*1e9",
         },
         "ep_sizes": ep_sizes,

@@ -107,17 +107,26 @@ def slot_pool_bytes(num_slots: int, row_bytes: int, granularity: int) -> int:
 
 def predict_rank_bytes(*, num_layers: int, num_experts: int, ep_size: int, num_slots: int,
                        row_bytes: Sequence[int], granularity: int, rank: int = 0,
-                       slot_pools: int = 1) -> dict[str, int]:
+                       slot_pools: int = 1, roles: Sequence[str] | None = None) -> dict[str, int]:
     """Physical bytes one rank allocates for a whole model's routed experts.
 
-    ``row_bytes`` has one entry per projection (gate ``I*H*dtype``, up, down
-    ``H*I*dtype``). Returns ``expert_bytes`` (pages of expert regions this
-    rank allocates, all layers and projections), ``slot_bytes`` (its slot
-    pool(s), shared by all layers), ``padding_bytes`` (bytes inside those
-    allocations that hold no data) and ``total_bytes``.
+    ``row_bytes`` has one entry per per-expert tensor (BF16: gate ``I*H*2``,
+    up, down; quantized: each weight and each scale tensor, see
+    ``formats.expert_projections``), ``roles`` the matching ``"weight"`` /
+    ``"scale"`` (default: all weights). Returns ``expert_bytes`` (pages of
+    expert regions this rank allocates, all layers and tensors),
+    ``slot_bytes`` (its slot pool(s), shared by all layers), ``padding_bytes``
+    (bytes inside those allocations that hold no data), ``total_bytes``, and
+    the same total split by role, ``weight_bytes`` and ``scale_bytes`` (each
+    tensor's pages are its own, so the split is exact).
     """
+    roles = list(roles) if roles is not None else ["weight"] * len(row_bytes)
+    if len(roles) != len(row_bytes):
+        raise config_error(None, "roles must match row_bytes one to one", (len(roles), len(row_bytes)),
+                           "pass one role per tensor")
     expert_bytes = slot_bytes = padding = 0
-    for rb in row_bytes:
+    by_role = {"weight": 0, "scale": 0}
+    for rb, role in zip(row_bytes, roles):
         region = plan_expert_region(num_experts, ep_size, rb, granularity)
         pages = region.pages_of(rank)
         expert_bytes += num_layers * pages * granularity
@@ -125,5 +134,7 @@ def predict_rank_bytes(*, num_layers: int, num_experts: int, ep_size: int, num_s
         pool = slot_pool_bytes(num_slots, rb, granularity)
         slot_bytes += slot_pools * pool
         padding += slot_pools * (pool - num_slots * rb)
+        by_role[role] += num_layers * pages * granularity + slot_pools * pool
     return {"expert_bytes": expert_bytes, "slot_bytes": slot_bytes,
-            "padding_bytes": padding, "total_bytes": expert_bytes + slot_bytes}
+            "padding_bytes": padding, "total_bytes": expert_bytes + slot_bytes,
+            "weight_bytes": by_role["weight"], "scale_bytes": by_role["scale"]}

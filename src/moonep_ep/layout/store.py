@@ -48,13 +48,26 @@ class ProjectionSpec:
     """One per-expert weight tensor: ``name``, ``shape`` ``(out, in)`` and dtype.
 
     MoE FFN experts have ``gate [I, H]``, ``up [I, H]``, ``down [H, I]``.
-    Quantized weights add entries of their own (e.g. a scale tensor per
-    projection) with their dtype and shape; the layout treats each alike.
+    Quantized weights add entries of their own (a scale tensor per
+    projection, ``formats.expert_projections``) with their dtype and shape;
+    the layout treats each alike: one region per tensor, page-aligned in each
+    owner's shard, the same row index (expert id, then slot id) for all.
+    ``role`` is ``"weight"`` or ``"scale"`` (accounting counts them apart);
+    ``projection`` names the projection a tensor belongs to (default: ``name``).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.bfloat16
+    role: str = "weight"
+    projection: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("weight", "scale"):
+            raise ConfigError(f"projection {self.name!r}: role must be 'weight' or 'scale': got {self.role!r}. "
+                              "Fix: mark scale tensors role='scale'")
+        if not self.projection:
+            object.__setattr__(self, "projection", self.name)
 
     @property
     def row_bytes(self) -> int:
@@ -350,13 +363,19 @@ class ShardedExpertStore:
 
         ``expert_bytes`` and ``slot_bytes`` are the allocation sizes;
         ``padding_bytes`` the part of them that holds no row (lead pads of the
-        pages this rank allocates, and slot pools' page tails)."""
+        pages this rank allocates, and slot pools' page tails); ``weight_bytes``
+        and ``scale_bytes`` split the total by tensor role."""
         sizes = self.symm.chunk_sizes[self.rank]
         data = sum(self.num_layers * self.plans[p.name].data_bytes_in_pages_of(self.rank) +
                    self.slot_pools * self.num_slots * p.row_bytes for p in self.projections)
+        by_role = {"weight": 0, "scale": 0}
+        for p in self.projections:  # each tensor's runs and pools are its own pages: an exact split
+            by_role[p.role] += (self.num_layers * self.plans[p.name].pages_of(self.rank) * self.granularity
+                                + self.slot_pools * self.pool_bytes[p.name])
         return {"expert_bytes": sizes[EXPERTS_CHUNK], "slot_bytes": sizes[SLOTS_CHUNK],
                 "padding_bytes": sizes[EXPERTS_CHUNK] + sizes[SLOTS_CHUNK] - data,
-                "total_bytes": sizes[EXPERTS_CHUNK] + sizes[SLOTS_CHUNK]}
+                "total_bytes": sizes[EXPERTS_CHUNK] + sizes[SLOTS_CHUNK],
+                "weight_bytes": by_role["weight"], "scale_bytes": by_role["scale"]}
 
     def replicated_bytes(self, num_slots: int | None = None) -> int:
         """Bytes vLLM 0.33.0's all-gathered layout holds per rank: ``L · (E+B)`` rows per projection."""

@@ -87,7 +87,8 @@ def _run_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torc
 
 
 def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Sequence[int], num_experts: int, *,
-               streams: Optional[SideStreams] = None) -> tuple[int, int, Optional["torch.cuda.Event"]]:
+               streams: Optional[SideStreams] = None,
+               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, int, Optional["torch.cuda.Event"]]:
     """Gen A pull: ``full[E + b] <- full[experts_to_copy_row[b]]`` for every used slot.
 
     Args:
@@ -98,6 +99,8 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
             ``experts_to_copy`` (``-1`` = unused slot, left untouched).
         num_experts: ``E``.
         streams: side-stream cache (CUDA only); the module default otherwise.
+        bytes_by_tensor: if given, the bytes copied are added to it per tensor
+            name (counted at the copy), so weight and scale traffic read apart.
 
     Returns:
         ``(copies, bytes_by_expert, event)``: copies issued (used slots ×
@@ -107,11 +110,16 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
     """
     pairs = []
     bytes_by_expert: dict[int, int] = {}
+    # Every tensor of the row moves: a quantized projection's weight and its scales share the row
+    # index (expert id / slot id), so a slot never pairs a fresh weight with a stale scale.
     for src_row, slot_row in slot_copies(experts_to_copy_row, num_experts):
-        for full in full_weights.values():
+        for name, full in full_weights.items():
             src = full[src_row]
             pairs.append((full[slot_row], src))
-            bytes_by_expert[src_row] = bytes_by_expert.get(src_row, 0) + src.numel() * src.element_size()
+            nbytes = src.numel() * src.element_size()
+            bytes_by_expert[src_row] = bytes_by_expert.get(src_row, 0) + nbytes
+            if bytes_by_tensor is not None:
+                bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + nbytes
     device = next(iter(full_weights.values())).device if full_weights else torch.device("cpu")
     event = _run_copies(pairs, device, streams)
     return len(pairs), bytes_by_expert, event

