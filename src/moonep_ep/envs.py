@@ -101,6 +101,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "the emulated machine, e.g. `H100x8` (default), `H200x4,imex=channel,cuda=12.8`: "
              "GPU model and count, IMEX none/channel/domain, driver CUDA version, multicast 0/1, granularity "
              "overrides (moonep_ep.testing.cuda_emulator.node)", scope="tests", text="node spec"),
+    Variable("MOONEP_EP_CUDA_EMULATOR_HOST", "str", None,
+             "which host of a multi-host emulated NVLink domain (`hosts=` in the node spec) this process runs on: "
+             "a host index or name; unset: the host named like this process's hostname, else host 0",
+             scope="tests", text="host"),
     # -- vLLM plugin ---------------------------------------------------------------------
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",

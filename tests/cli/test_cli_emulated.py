@@ -111,3 +111,17 @@ def test_selftest_fabric_trial_per_imex_mode(monkeypatch, emulator, imex, handle
     monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", f"H200x4,imex={imex}")
     out = moonep_ep_json("selftest", "--ranks", "2", "--driver", "cuda")
     assert out["ok"] and out["handle_type"] == handle_type and why in out["multicast"]["reason"]
+
+
+def test_selftest_eight_ranks_on_two_hosts_of_an_nvl72_domain_over_fabric(monkeypatch, emulator):
+    """A 72-GPU, 18-host emulated GB200 NVL72 domain: 8 ranks fill hosts 0 and 1 (4 GPUs each), the vote
+    picks FABRIC because the ranks span hosts (POSIX fds cannot), both hosts report one NVLink clique,
+    multicast reaches all 8 GPUs, and nothing leaks on any rank."""
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", "GB200x72,hosts=18,imex=domain,cuda=13.4")
+    out = moonep_ep_json("selftest", "--ranks", "8", "--driver", "cuda", "--chunk-mib", "2")
+    assert out["ok"] is True and out["emulated"] is True and out["errors"] == []
+    assert out["host_per_rank"] == ["node0-host0"] * 4 + ["node0-host1"] * 4
+    assert out["handle_type"] == "fabric" and out["multicast"]["reason"].startswith("ranks span hosts")
+    assert out["multicast"]["used"] and out["multicast"]["members_updated"] == 8
+    assert (out["leaked_fds"], out["leaked_mappings"], out["leaked_device_bytes"]) == (0, 0, 0)
+    assert out["leaked_below_library"] == {} and out["leaked_driver_objects"] == {} and out["leaked_shm_bytes"] == 0

@@ -418,7 +418,7 @@ def test_capabilities_reasons_for_every_no():
     assert not caps.fabric and "FABRIC_SUPPORTED" in caps.reasons["fabric"]
     assert not caps.multicast and "MULTICAST_SUPPORTED" in caps.reasons["multicast"]
     assert caps.peer_access is False and "[0]" in caps.reasons["peer_access"]
-    assert set(caps.reasons) == {"fabric", "multicast", "peer_access"}
+    assert set(caps.reasons) == {"fabric", "multicast", "peer_access", "clique"}  # no fabric clique on one host
 
     caps = CudaDriver(device=0, api=_emulator(visible=None)).capabilities()
     assert caps.peer_access is True and "peer_access" not in caps.reasons

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "handle_type": firsts[0]["handle_type"],
         "multicast": firsts[0]["multicast"],
         "cycles": args.cycles,
+        "host_per_rank": [r["host"] for r in per_rank],
         "physical_bytes_per_rank": [f["physical_bytes"] for f in firsts],
         "resident_bytes_per_rank": [f["resident_bytes"] for f in firsts],
         "visible_bytes_per_rank": [f["visible_bytes"] for f in firsts],

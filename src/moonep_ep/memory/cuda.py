@@ -265,8 +265,8 @@ class CudaDriver(MemoryDriver):
 
         Sizes and bind offsets need multiples of MINIMUM only (driver API docs);
         RECOMMENDED is a performance hint that can be 512 MiB (8xH100), larger
-        than a whole chunk. Queried with ``size=0``: the object's size does not
-        enter the query.
+        than a whole chunk. Queried with a positive size (one allocation page of the type):
+        NCCL sets the object's size before it queries, and a zero-size prop is refused.
         """
         key = (int(num_devices), HandleType(handle_type), bool(recommended))
         if key not in self._mc_gran:
@@ -274,7 +274,8 @@ class CudaDriver(MemoryDriver):
             flag = (flags.CU_MULTICAST_GRANULARITY_RECOMMENDED if recommended
                     else flags.CU_MULTICAST_GRANULARITY_MINIMUM)
             self._mc_gran[key] = int(self._cu(
-                "cuMulticastGetGranularity", self._mc_prop(0, num_devices, handle_type), flag,
+                "cuMulticastGetGranularity", self._mc_prop(self.granularity(handle_type), num_devices, handle_type),
+                flag,
                 detail=f"num_devices={num_devices}, handle_type={key[1].value}"))
         return self._mc_gran[key]
 

@@ -9,6 +9,7 @@ fail, which a capability probe alone would report as "CUDA unavailable".
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING, Any
 
 from .cuda_calls import bindings_cuda_major, bindings_fix, emulator_of, is_missing_driver_library
@@ -51,6 +52,32 @@ def versions(api: Any) -> dict[str, Any]:
     return out
 
 
+def fabric_clique(driver: "CudaDriver") -> tuple[str, str]:
+    """``(<cluster UUID>/<clique id>, "")`` of the device's NVLink clique, or ``("", why not)``.
+
+    ``cuDeviceGetFabricClusterUuid`` and ``cuDeviceGetCliqueInfo`` are new in
+    CUDA 13.4 (older drivers lack the symbols, older bindings the functions);
+    a GPU outside a multi-node NVLink fabric answers NOT_SUPPORTED. PyTorch's
+    SymmetricMemory and NCCL's MNNVL detection compare the same two figures
+    (from NVML) across ranks."""
+    api = driver.api
+    dev = driver._cu_device  # set by the probe's first device query
+    try:
+        cluster = driver.check(api.cuDeviceGetFabricClusterUuid(dev), "cuDeviceGetFabricClusterUuid")
+        infos, count = driver.check(api.cuDeviceGetCliqueInfo(4, dev), "cuDeviceGetCliqueInfo")
+    except AttributeError:
+        return "", "these cuda-bindings have no cuDeviceGetCliqueInfo (new in 13.4)"
+    except RuntimeError as exc:  # DriverError is one too: NOT_SUPPORTED off a fabric
+        return "", f"the driver cannot report its NVLink clique: {exc}"
+    unicast = int(api.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER)
+    ids = [int(i.id) for i in list(infos)[:int(count)] if int(i.type) == unicast]
+    if not ids:
+        return "", "cuDeviceGetCliqueInfo reported no unicast pointer clique"
+    import uuid
+
+    return f"{uuid.UUID(bytes=bytes(cluster.bytes))}/{ids[0]:#x}", ""
+
+
 def probe(driver: "CudaDriver", caps: Capabilities) -> None:
     """Fill ``caps`` (see :meth:`CudaDriver.capabilities`)."""
     reasons = caps.reasons
@@ -86,6 +113,11 @@ def probe(driver: "CudaDriver", caps: Capabilities) -> None:
         reasons["driver"] = str(exc)
         return
     caps.available = True
+    emulator = emulator_of(api)
+    caps.host = emulator.hostname if emulator is not None else socket.gethostname()
+    caps.clique, why_not = fabric_clique(driver)
+    if why_not:
+        reasons["clique"] = why_not
 
     for cap, attr, why in _ATTRIBUTES:
         try:

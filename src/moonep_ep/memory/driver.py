@@ -74,6 +74,11 @@ class Capabilities:
     device_id: str = ""
     #: True when the CUDA driver calls run over moonep_ep's emulator (no GPU).
     emulated: bool = False
+    #: The host this device is on ("" = this process's hostname); the emulator names its emulated host.
+    host: str = ""
+    #: ``<fabric cluster UUID>/<clique id>`` of the GPU's NVLink clique; "" when the driver cannot say
+    #: (no multi-node fabric, or a driver older than CUDA 13.4; the reason is in ``reasons["clique"]``).
+    clique: str = ""
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

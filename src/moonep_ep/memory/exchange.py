@@ -29,6 +29,7 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from .. import envs
+from .domain import check_domain
 from .driver import Capabilities, HandleType, Shareable
 from .group import GroupComm
 
@@ -49,13 +50,17 @@ class ExchangeDecision:
     #: Handle type every rank switches to if the first one is refused collectively
     #: (fabric → POSIX fds on one host); None when there is no fallback.
     fallback: HandleType | None = None
+    #: Ranks span hosts and some cannot report their NVLink clique: a fabric trial must
+    #: prove the domain before any handle moves (``domain.py``).
+    verify_domain: bool = False
 
 
 def local_vote(caps: Capabilities, hostname: str) -> dict:
     """What this rank contributes to :func:`vote`: host, capabilities, device identity and
     the raw ``MOONEP_EP_HANDLE_TYPE`` / ``MOONEP_EP_MULTICAST`` strings (parsed after the
     gather, so a bad value on one rank fails every rank at the same point)."""
-    return {"host": hostname, "fd": caps.posix_fd, "fabric": caps.fabric, "multicast": caps.multicast,
+    return {"host": caps.host or hostname, "clique": caps.clique,
+            "fd": caps.posix_fd, "fabric": caps.fabric, "multicast": caps.multicast,
             "device": caps.device_id or caps.device, "driver": caps.driver,
             "prefs": (envs.raw("MOONEP_EP_HANDLE_TYPE"), envs.raw("MOONEP_EP_MULTICAST"))}
 
@@ -84,7 +89,9 @@ def vote(peers: Sequence[dict], rank: int, *, want_multicast: bool = True) -> Ex
     no_fd = [r for r, p in enumerate(peers) if not p["fd"]]
     no_fabric = [r for r, p in enumerate(peers) if not p["fabric"]]
     fallback = None
+    verify_domain = False
     if handle_pref == "fabric" or (handle_pref == "auto" and not one_host):
+        verify_domain = check_domain(peers, rank)  # before anything else: the most specific refusal
         if no_fabric:
             why = "forced by MOONEP_EP_HANDLE_TYPE=fabric" if handle_pref == "fabric" else "ranks span several hosts"
             raise ConfigError(f"[rank {rank}] FABRIC handles needed ({why}) but rank(s) {no_fabric} lack "
@@ -117,7 +124,7 @@ def vote(peers: Sequence[dict], rank: int, *, want_multicast: bool = True) -> Ex
     multicast = want_multicast and mc_pref != "off" and not no_mc
     if not multicast:
         reason += "; multicast off" + (f" (rank(s) {no_mc} lack it)" if no_mc else "")
-    return ExchangeDecision(handle_type, multicast, reason, fallback)
+    return ExchangeDecision(handle_type, multicast, reason, fallback, verify_domain)
 
 
 class HandleExchanger:

@@ -109,10 +109,13 @@ class MultimemKernel:
     def store(self, driver: "CudaDriver", mc_addr: int, src: torch.Tensor, stream: int) -> None:
         nbytes = src.numel()
         if (src.dtype != torch.uint8 or not src.is_contiguous() or src.device != driver.torch_device
-                or nbytes % VECTOR_BYTES or mc_addr % VECTOR_BYTES):
+                or nbytes % VECTOR_BYTES or mc_addr % VECTOR_BYTES or src.data_ptr() % VECTOR_BYTES):
+            # Checked here, before the launch: on a GPU a misaligned v4 load or store faults inside
+            # the kernel, asynchronously, and poisons the context for the rest of the process.
             raise driver.error("multimem_store", f"needs a contiguous uint8 tensor on {driver.torch_device} of a "
-                               f"multiple of 16 bytes at a 16-byte aligned address; got {src.dtype} "
-                               f"{tuple(src.shape)} on {src.device} at {mc_addr:#x}. Fix: pad the write to 16 bytes")
+                               f"multiple of 16 bytes, 16-byte aligned, to a 16-byte aligned address; got "
+                               f"{src.dtype} {tuple(src.shape)} on {src.device} at {src.data_ptr():#x} to "
+                               f"{mc_addr:#x}. Fix: pad the write to 16 bytes, copy a misaligned view first")
         blocks, threads, vectors = launch_shape(nbytes)
         driver._cu("cuLaunchKernel", self.function, blocks, 1, 1, threads, 1, 1, 0, stream,
                    kernel_params(mc_addr, src.data_ptr(), vectors), 0,

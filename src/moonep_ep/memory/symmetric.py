@@ -47,6 +47,7 @@ import torch
 
 from .. import envs
 from ..errors import CollectiveError, ConfigError, DriverError, PeerLostError
+from .domain import refusal as domain_refusal
 from .driver import MemoryDriver, round_up
 from .exchange import ExchangeDecision, HandleExchanger, local_vote, vote
 from .fabric import fabric_trial
@@ -205,6 +206,11 @@ class SymmetricMemory:
                 if len(self.tags) != len(requested):
                     raise ConfigError(f"[rank {rank}] {len(self.tags)} tags for {len(requested)} chunks")
             self.decision = vote(voting.gathered, rank, want_multicast=multicast)
+            if self.decision.verify_domain:
+                # Ranks span hosts and not every driver names its NVLink clique: prove the domain.
+                refused = fabric_trial(self.comm, driver)
+                if refused:
+                    raise domain_refusal(voting.gathered, refused, rank)
             if self.decision.fallback is not None:
                 # The device attribute is not proof: try fabric for real, on every rank together.
                 refused = fabric_trial(self.comm, driver)
@@ -467,7 +473,10 @@ class SymmetricMemory:
             raise ConfigError(f"[rank {self.rank}] multicast write [{offset}, +{data.numel()}) exceeds "
                               f"the {mc.size}-byte multicast object")
         if mc.va is not None:
-            self.driver.multimem_store(mc.va[0] + offset, data.to(self.driver.torch_device))
+            data = data.to(self.driver.torch_device)
+            if data.data_ptr() % 16:  # a view at an odd offset: multimem's v4 loads need 16-byte alignment
+                data = data.clone()
+            self.driver.multimem_store(mc.va[0] + offset, data)
         else:
             self.driver.multicast_write(mc.handle, offset, data.cpu())
 

@@ -341,7 +341,9 @@ def plan_launch(driver: str, ranks: int) -> LaunchPlan:
     on one GPU). Emulated CUDA: gloo and CPU tensors; each rank gets its own
     ``CUDA_VISIBLE_DEVICES`` (GPU ``r % n`` of the emulated node), as a
     launcher that gives each rank one GPU does, so every rank's ordinal 0 is a
-    different GPU -- identified by UUID, not by ordinal.
+    different GPU -- identified by UUID, not by ordinal. On a multi-host
+    emulated domain ranks fill host after host (``MOONEP_EP_CUDA_EMULATOR_HOST``
+    per rank), one GPU each, as a multi-node launcher places them.
     """
     import torch
 
@@ -353,11 +355,17 @@ def plan_launch(driver: str, ranks: int) -> LaunchPlan:
     if emulated:
         from ..testing.cuda_emulator import NodeSpec, visible_gpus
 
-        visible = visible_gpus(NodeSpec.parse(envs.MOONEP_EP_CUDA_EMULATOR_NODE),
-                               os.environ.get("CUDA_VISIBLE_DEVICES"))
+        spec = NodeSpec.parse(envs.MOONEP_EP_CUDA_EMULATOR_NODE)
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = [g - spec.gpu_index(0, 0) for g in visible_gpus(spec, cvd)]  # host 0's local indices
         if not visible:
             return LaunchPlan(driver, "gloo", False, True)
-        envs_per_rank = tuple({"CUDA_VISIBLE_DEVICES": str(visible[r % len(visible)])} for r in range(ranks))
+        if spec.hosts == 1:
+            envs_per_rank = tuple({"CUDA_VISIBLE_DEVICES": str(visible[r % len(visible)])} for r in range(ranks))
+        else:
+            envs_per_rank = tuple({"CUDA_VISIBLE_DEVICES": str(visible[r % len(visible)]),
+                                   "MOONEP_EP_CUDA_EMULATOR_HOST": str(r // len(visible) % spec.hosts)}
+                                  for r in range(ranks))
         return LaunchPlan(driver, "gloo", False, True, envs_per_rank)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return LaunchPlan(driver, "nccl" if gpus >= ranks else "gloo", True, False)

@@ -124,6 +124,7 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
     """Run ``cycles`` full allocate/verify/teardown cycles; report the first cycle and leaks."""
     driver = make_driver(driver_name, rank=ctx.rank)
     comm = GroupComm()
+    host = driver.capabilities().host  # the emulator's host on an emulated multi-host domain
     gc.collect()
     comm.barrier("selftest: start")  # every rank idle: the machine-wide shared-memory figure is comparable
     shm_before = system_shmem_bytes()
@@ -172,6 +173,7 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
     measured = held_after.handles is not None
     return {
         "rank": ctx.rank,
+        "host": comm.hostname if driver.name == "host" else (host or comm.hostname),
         "driver": driver.name,
         "emulated": emulated,
         "errors": errors,

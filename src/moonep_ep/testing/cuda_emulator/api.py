@@ -19,12 +19,14 @@ import functools
 import importlib
 import os
 import threading
+import zlib
 from typing import Any, Callable
 
 from ...memory import vm
 from . import kernels
-from .node import NodeSpec, visible_gpus
-from .objects import FABRIC_LAYOUT, FABRIC_MAGIC, Allocation, Mapping, MulticastRef, Table, open_peer_fd
+from .node import CLIQUE_CALLS_CUDA_VERSION, NodeSpec, host_of_process, visible_gpus
+from .objects import (FABRIC_LAYOUT, FABRIC_MAGIC, Allocation, Mapping, MulticastRef, Table, node_bytes_in_use,
+                      open_peer_fd)
 
 _CTX_BASE = 0xC0DE_0000
 _MODULE_BASE = 0x4D0D_0000
@@ -71,7 +73,9 @@ def _api(n_out: int, *, context: bool = True, init: bool = True) -> Callable:
                 if init and not self._initialized:
                     raise _Fail("CUDA_ERROR_NOT_INITIALIZED", "cuInit has not been called in this process")
                 if context:
-                    self._current_gpu()
+                    sticky = self._sticky.get(self._current_gpu())
+                    if sticky:  # a kernel faulted: the context is unusable for the process's lifetime
+                        raise _Fail(*sticky)
                 out = fn(self, *args)
             except _Fail as fail:
                 self.errors.append((name, fail.code, fail.why))
@@ -96,18 +100,23 @@ class EmulatedCudaApi:
             the environment at ``cuInit``, as CUDA does).
         record: keep ``calls`` (every call and its arguments) for tests; off
             for the process-wide instance so long runs do not grow.
+        host: the host of the domain this process runs on (index or name;
+            default: ``MOONEP_EP_CUDA_EMULATOR_HOST``, else the host named like
+            this process's hostname, else host 0; see ``node.host_of_process``).
 
     ``calls``, ``errors``, ``fail()``, ``names()``, ``calls_of()`` and
     ``live()`` are for tests; everything named ``cu*`` is the driver API.
     """
 
     def __init__(self, node: NodeSpec | str | None = None, *, visible: str | None = None,
-                 record: bool = False):
+                 record: bool = False, host: int | str | None = None):
         self._real = importlib.import_module("cuda.bindings.driver")
         if node is None:
             from ... import envs
             node = envs.MOONEP_EP_CUDA_EMULATOR_NODE
         self.node = node if isinstance(node, NodeSpec) else NodeSpec.parse(node)
+        self.host = host_of_process(self.node, None if host is None else str(host))
+        self._node_tag = zlib.crc32(self.node.node.encode())  # names this node's memfds (cuMemGetInfo)
         self._visible_override = visible
         self.visible: list[int] = []
         self.bindings_major = int(self._real.CUDA_VERSION) // 1000
@@ -116,6 +125,8 @@ class EmulatedCudaApi:
         self.errors: list[tuple[str, str, str]] = []
         self.last_error = ""
         self._faults: dict[str, list] = {}
+        #: gpu -> (code, why) of a kernel fault: every later call in that context fails with it
+        self._sticky: dict[int, tuple[str, str]] = {}
         self._initialized = False
         self._ctx_refs: dict[int, int] = {}             # gpu -> primary context retains
         self._thread = threading.local()
@@ -177,6 +188,11 @@ class EmulatedCudaApi:
         """Bytes of physical memory on node GPU ``gpu`` (default: any) that this process created
         and still keeps alive (by a handle, a mapping or a multicast bind)."""
         return sum(a.size for a in self._allocs.values() if a.created_here and gpu in (None, a.gpu))
+
+    @property
+    def hostname(self) -> str:
+        """The emulated host's name: what this process reports as its host (``Capabilities.host``)."""
+        return self.node.host_name(self.host)
 
     # -- helpers ------------------------------------------------------------------------
     def _bindings_too_new(self) -> bool:
@@ -284,7 +300,7 @@ class EmulatedCudaApi:
             env = self._visible_override
             if env is None:
                 env = os.environ.get("CUDA_VISIBLE_DEVICES")
-            self.visible = visible_gpus(self.node, env)
+            self.visible = visible_gpus(self.node, env, self.host)
         if not self.visible:
             raise _Fail("CUDA_ERROR_NO_DEVICE", "no CUDA device is visible (CUDA_VISIBLE_DEVICES)")
         self._initialized = True
@@ -324,7 +340,7 @@ class EmulatedCudaApi:
             # alone never tells whether fabric handles work here.
             attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: int(self.node.fabric_attribute),
             attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: 1,
-            attr.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: int(self.node.multicast and self.node.gpus > 1),
+            attr.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: int(self.node.multicast and self._clique_size() > 1),
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: self.node.profile.compute_capability[0],
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: self.node.profile.compute_capability[1],
         }
@@ -332,6 +348,59 @@ class EmulatedCudaApi:
             if int(key) == int(attrib):
                 return value
         raise UnknownCall(f"the CUDA emulator does not model device attribute {attrib!r}")
+
+    # -- the NVLink domain: cliques ---------------------------------------------------------------
+    def _clique_size(self) -> int:
+        """GPUs in one NVLink clique (a multicast team and fabric handles stay inside one)."""
+        return self.node.gpus // max(1, self.node.cliques)
+
+    def _clique_call(self, name: str, dev) -> int:
+        if self.node.cuda_version < CLIQUE_CALLS_CUDA_VERSION:
+            # What the bindings do when the driver lacks the symbol (new in CUDA 13.4).
+            raise RuntimeError(f'Function "{name}" not found')
+        gpu = self._gpu(dev)
+        if not self.node.fabric_domain:
+            raise _Fail("CUDA_ERROR_NOT_SUPPORTED", "this GPU is not part of a multi-node NVLink fabric")
+        return gpu
+
+    @_api(1, context=False)
+    def cuDeviceGetCliqueCount(self, dev):
+        self._clique_call("cuDeviceGetCliqueCount", dev)
+        return 2  # Hopper/Blackwell report a unicast and a multicast pointer clique
+
+    @_api(2, context=False)
+    def cuDeviceGetCliqueInfo(self, count, dev):
+        gpu = self._clique_call("cuDeviceGetCliqueInfo", dev)
+        kinds = (self._real.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER,
+                 self._real.CUcliqueType.CU_CLIQUE_TYPE_MULTICAST_POINTER)
+        out = []
+        for kind in kinds[:int(count)]:
+            info = self._real.CUcliqueInfo()
+            info.type, info.id = kind, self.node.clique_of_gpu(gpu)
+            out.append(info)
+        return out, len(out)
+
+    @_api(1, context=False)
+    def cuDeviceGetFabricClusterUuid(self, dev):
+        self._clique_call("cuDeviceGetFabricClusterUuid", dev)
+        uuid = self._real.CUuuid()
+        ctypes.memmove(uuid.getPtr(), self.node.cluster_uuid(), 16)
+        return uuid
+
+    def _check_same_host(self, gpu: int, what: str) -> None:
+        host = self.node.host_of_gpu(gpu)
+        if host != self.host:
+            raise _Fail("CUDA_ERROR_INVALID_HANDLE", f"{what} of GPU {gpu} lives on host "
+                        f"{self.node.host_name(host)!r}; this process runs on {self.hostname!r}: a POSIX fd "
+                        "never crosses hosts (FABRIC handles inside one NVLink clique do)")
+
+    def _check_same_clique(self, gpu: int, what: str) -> None:
+        mine = self.node.clique_of_gpu(self._current_gpu())
+        theirs = self.node.clique_of_gpu(gpu)
+        if mine != theirs:
+            raise _Fail("CUDA_ERROR_INVALID_HANDLE", f"{what} of GPU {gpu} (host "
+                        f"{self.node.host_name(self.node.host_of_gpu(gpu))!r}) is in NVLink clique {theirs:#x}; "
+                        f"this process's GPUs are in clique {mine:#x}: fabric handles do not cross cliques")
 
     @_api(1, context=False)
     def cuDeviceCanAccessPeer(self, dev, peer):
@@ -373,8 +442,10 @@ class EmulatedCudaApi:
 
     @_api(2)
     def cuMemGetInfo(self):
+        # Device-wide, as the driver reports it: every process's live allocations on this GPU
+        # (read from their memfds), not only this process's.
         total = self.node.profile.memory_bytes
-        return total - self.device_bytes_in_use(self._current_gpu()), total
+        return total - node_bytes_in_use(self._node_tag, self._current_gpu()), total
 
     # -- physical memory --------------------------------------------------------------------
     def _check_prop(self, prop: Any) -> tuple[int, int]:
@@ -411,7 +482,7 @@ class EmulatedCudaApi:
                                                     "(/dev/nvidia-caps-imex-channels); this node has none")
         if size > self.node.profile.memory_bytes - self.device_bytes_in_use(gpu):
             raise _Fail("CUDA_ERROR_OUT_OF_MEMORY", f"{size} bytes do not fit on GPU {gpu}")
-        fd = os.memfd_create(Allocation.name(gpu, types, gran), os.MFD_CLOEXEC)
+        fd = os.memfd_create(Allocation.name(self._node_tag, gpu, types, gran), os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             poison = bytes([_POISON]) * min(size, _POISON_LIMIT // 2)
@@ -453,8 +524,9 @@ class EmulatedCudaApi:
         if ht == self._ht("FABRIC"):
             fabric = self._real.CUmemFabricHandle()
             kind = 0 if isinstance(obj, Allocation) else 1
+            gpu = obj.gpu if isinstance(obj, Allocation) else self._current_gpu()
             fabric.data = FABRIC_LAYOUT.pack(FABRIC_MAGIC, kind, os.getpid(), fd, obj.inode,
-                                             obj.size).ljust(64, b"\0")
+                                             obj.size, gpu).ljust(64, b"\0")
             return fabric
         raise UnknownCall(f"the CUDA emulator does not model handle type {ht}")
 
@@ -477,12 +549,13 @@ class EmulatedCudaApi:
             data = bytes(os_handle)
             if self.node.imex == "none":
                 raise _Fail("CUDA_ERROR_NOT_PERMITTED", "FABRIC import needs an IMEX channel; this node has none")
-            magic, _kind, pid, fd, inode, _size = FABRIC_LAYOUT.unpack_from(data.ljust(64, b"\0"))
+            magic, _kind, pid, fd, inode, _size, gpu = FABRIC_LAYOUT.unpack_from(data.ljust(64, b"\0"))
             if magic != FABRIC_MAGIC:
                 raise _Fail("CUDA_ERROR_INVALID_HANDLE", "not a fabric handle of this emulated node")
             if pid != os.getpid() and self.node.imex != "domain":
                 raise _Fail("CUDA_ERROR_INVALID_HANDLE", "the exporter is another process and no IMEX daemon "
                                                          "joins this node to an IMEX domain")
+            self._check_same_clique(gpu, "the fabric handle's memory")
             mine = open_peer_fd(pid, fd, inode)
             if mine is None:
                 raise _Fail("CUDA_ERROR_INVALID_HANDLE", "the exporter no longer holds this object")
@@ -510,6 +583,8 @@ class EmulatedCudaApi:
         alloc = Allocation.from_fd(fd)
         if alloc is None:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", f"fd {fd} is not an exported allocation of the emulated node")
+        if via == self._ht("POSIX_FILE_DESCRIPTOR"):
+            self._check_same_host(alloc.gpu, "the exported allocation")
         if not alloc.handle_types & via:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "the allocation was not created for this handle type")
         alloc.fd = os.dup(fd)
@@ -601,12 +676,25 @@ class EmulatedCudaApi:
         covered = self._covering(ptr, size)
         if covered[0].addr < ptr or covered[-1].addr + covered[-1].size > ptr + size:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "access is set on whole mappings")
+        for m in covered:
+            for gpu in grants:
+                self._check_peer_path(gpu, m)
         rw = int(self.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         for m in covered:
             m.access.update(grants)
             if not m.multicast:
                 prot = vm.PROT_READ | vm.PROT_WRITE if rw in m.access.values() else vm.PROT_NONE
                 vm.protect(m.addr, m.size, prot)
+
+    def _check_peer_path(self, gpu: int, m: Mapping) -> None:
+        """Granting ``gpu`` access to memory of another GPU of its host needs a peer path
+        (``cuDeviceCanAccessPeer``), as ``cudaDeviceEnablePeerAccess`` does; GPUs of other hosts
+        in the clique reach each other over the NVLink fabric (fabric handles checked the clique)."""
+        if m.multicast or gpu == m.obj.gpu or self.node.peer_access:
+            return
+        if self.node.host_of_gpu(gpu) == self.node.host_of_gpu(m.obj.gpu):
+            raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"GPU {gpu} cannot access GPU {m.obj.gpu}'s memory: no peer "
+                                                     "path between them (cuDeviceCanAccessPeer is 0)")
 
     # -- the seam: host code reading or writing emulated device memory ------------------------
     def check_host_access(self, addr: int, nbytes: int) -> None:
@@ -630,12 +718,18 @@ class EmulatedCudaApi:
     def _check_mc_prop(self, prop: Any) -> None:
         if not isinstance(prop, self._real.CUmulticastObjectProp):
             raise TypeError(f"prop must be a CUmulticastObjectProp, got {type(prop).__name__}")
-        if not 1 <= int(prop.numDevices) <= self.node.gpus or int(prop.flags) != 0:
-            raise _Fail("CUDA_ERROR_INVALID_VALUE", f"numDevices in [1, {self.node.gpus}] and flags 0 expected")
+        if not 1 <= int(prop.numDevices) <= self._clique_size() or int(prop.flags) != 0:
+            raise _Fail("CUDA_ERROR_INVALID_VALUE", f"numDevices in [1, {self._clique_size()}] (the GPUs of one "
+                                                    "NVLink clique) and flags 0 expected")
 
     @_api(1, context=False)
     def cuMulticastGetGranularity(self, prop, option):
         self._check_mc_prop(prop)
+        if int(prop.size) <= 0:
+            # NCCL (nvls.cc) and PyTorch set the object's size before they query; a zero-size prop
+            # describes no multicast object (stricter than an unknown driver behaviour, never laxer).
+            raise _Fail("CUDA_ERROR_INVALID_VALUE", "prop.size is 0: set the multicast object's size before "
+                                                    "querying its granularity")
         recommended = int(option) == int(
             self.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)
         return self.node.profile.mc_rec if recommended else self.node.profile.mc_min
@@ -643,7 +737,7 @@ class EmulatedCudaApi:
     @_api(1)
     def cuMulticastCreate(self, prop):
         self._check_mc_prop(prop)
-        if not (self.node.multicast and self.node.gpus > 1):
+        if not (self.node.multicast and self._clique_size() > 1):
             raise _Fail("CUDA_ERROR_NOT_SUPPORTED", "this node has no NVLink multicast (NVSwitch + Fabric Manager)")
         size, types = int(prop.size), int(prop.handleTypes)
         if size <= 0:
@@ -659,6 +753,10 @@ class EmulatedCudaApi:
     @_api(0)
     def cuMulticastAddDevice(self, mc_handle, dev):
         mc = self._obj(mc_handle, MulticastRef)
+        team = mc.table.header()["team"]
+        if team and self.node.clique_of_gpu(team[0]) != self.node.clique_of_gpu(self._gpu(dev)):
+            raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"GPU {self._gpu(dev)} is not in the NVLink clique of the "
+                                                     f"team's GPU {team[0]}: a multicast team stays in one clique")
         why = mc.table.add_device(self._gpu(dev))
         if why:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", why)
@@ -743,7 +841,13 @@ class EmulatedCudaApi:
         if int(shared_bytes) != 0 or extra not in (None, 0):
             raise kernels.UnsupportedKernel(f"{spec.name} is launched without shared memory or extra options")
         dst, src, vectors = kernels.launch_arguments(spec, kernel_params)
-        self._multimem_store(dst, src, vectors * 16)
+        try:
+            self._multimem_store(dst, src, vectors * 16)
+        except _Fail as fault:
+            # A fault inside a kernel is asynchronous: the launch succeeds, the fault surfaces at the
+            # next call (cuCtxSynchronize, or any other) and poisons the context for good.
+            self._sticky[self._current_gpu()] = (fault.code, f"a kernel launched earlier faulted: {fault.why}")
+            self.errors.append(("cuLaunchKernel", fault.code, "asynchronous: " + fault.why))
 
     def _multimem_store(self, dst: int, src: int, nbytes: int) -> None:
         """``multimem.st`` of ``nbytes`` at multicast address ``dst``: one store lands in every

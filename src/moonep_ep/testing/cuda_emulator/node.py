@@ -6,6 +6,8 @@ or passed to :class:`~moonep_ep.testing.cuda_emulator.EmulatedCudaApi`::
     H100x8                                   (the default)
     H200x4,imex=channel,cuda=12.8
     B200x2,multicast=0,fabric_rec=4MiB
+    GB200x72,hosts=18,imex=domain,cuda=13.4  (an NVL72 domain: 18 hosts of 4 GPUs)
+    GB200x72,hosts=18,cliques=2,imex=domain  (the same racks split into two NVLink cliques)
 
 Fields: ``<profile>x<gpus>`` (H100, H200, B200), ``imex=none|channel|domain``,
 ``cuda=<major.minor>`` (the CUDA version the driver supports, what
@@ -15,14 +17,28 @@ IMEX says), ``p2p=0|1`` (peer access between GPUs), ``node=<name>`` (seeds the
 GPU UUIDs), and granularity overrides
 ``fd_min, fd_rec, fabric_min, fabric_rec, mc_min, mc_rec`` (bytes, K/M/GiB).
 
+A multi-host NVLink domain: ``<profile>x<gpus>`` counts every GPU of the
+domain (at most 72, at most 16 per host), ``hosts=<n>`` splits them evenly
+over ``n`` hosts, ``cliques=<c>`` splits the hosts evenly (in order) into
+``c`` NVLink cliques (default 1), ``hostnames=<a>+<b>+...`` names the hosts
+(default ``<node>-host<i>``). Each GPU has a host and a clique id; POSIX fds
+import only on their own host, FABRIC handles only inside one clique (and,
+across processes, only with ``imex=domain``). ``cuDeviceGetCliqueInfo`` and
+``cuDeviceGetFabricClusterUuid`` exist from CUDA 13.4 (``cuda=13.4``) and
+report ``CUDA_ERROR_NOT_SUPPORTED`` on a single host without ``cliques=``.
+
 Every process of a run derives the same node from the same spec; what each
-process *sees* depends on its own ``CUDA_VISIBLE_DEVICES``, as with CUDA.
+process *sees* depends on its own ``CUDA_VISIBLE_DEVICES``, as with CUDA, and
+on the host it runs on: ``MOONEP_EP_CUDA_EMULATOR_HOST`` (a host index or
+name), else the host whose name is this process's hostname, else host 0
+(:func:`host_of_process`). ``CUDA_VISIBLE_DEVICES`` indexes that host's GPUs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 import uuid
 
 MiB = 1 << 20
@@ -56,7 +72,17 @@ PROFILES: dict[str, GpuProfile] = {
     "H100": GpuProfile("H100", "NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0), mc_rec=512 * MiB),
     "H200": GpuProfile("H200", "NVIDIA H200", 141 * GiB, (9, 0), mc_rec=512 * MiB),
     "B200": GpuProfile("B200", "NVIDIA B200", 180 * GiB, (10, 0)),
+    # GB200 NVL72: 13.4 TB of HBM3e over 72 GPUs (NVIDIA's GB200 NVL72 data sheet), ~186 GB each.
+    "GB200": GpuProfile("GB200", "NVIDIA GB200", 186 * 10**9 // GiB * GiB, (10, 0)),
 }
+
+#: The largest NVLink domain modelled (GB200/GB300 NVL72) and GPUs per host.
+MAX_DOMAIN_GPUS = 72
+MAX_HOST_GPUS = 16
+#: The first clique id (real ids are small integers assigned by the fabric manager).
+CLIQUE_ID_BASE = 0x7FFE
+#: cuDeviceGetCliqueInfo / cuDeviceGetFabricClusterUuid: new in CUDA 13.4 (cuda-bindings 13.4.0 notes).
+CLIQUE_CALLS_CUDA_VERSION = 13040
 
 IMEX_MODES = ("none", "channel", "domain")
 _GRAN_KEYS = ("fd_min", "fd_rec", "fabric_min", "fabric_rec", "mc_min", "mc_rec")
@@ -87,6 +113,10 @@ class NodeSpec:
     fabric_attribute: bool = True
     peer_access: bool = True
     node: str = "node0"
+    hosts: int = 1
+    #: NVLink cliques the hosts are split into; 0: a single host with no fabric clique reported.
+    cliques: int = 0
+    hostnames: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str | None) -> "NodeSpec":
@@ -119,24 +149,105 @@ class NodeSpec:
                 fields[name] = value not in ("0", "false", "no", "off")
             elif key == "node":
                 fields["node"] = value
+            elif key in ("hosts", "cliques"):
+                if not value.isdigit() or int(value) < 1:
+                    raise NodeSpecError(f"{key}={value!r}: give a positive integer")
+                fields[key] = int(value)
+            elif key == "hostnames":
+                names = tuple(n.strip() for n in value.split("+"))
+                if not all(names) or len(set(names)) != len(names):
+                    raise NodeSpecError(f"hostnames={value!r}: give distinct names joined by '+', e.g. a+b")
+                fields["hostnames"] = names
             elif key in _GRAN_KEYS:
                 grans[key] = _size(key, value)
             else:
-                raise NodeSpecError(f"node spec key {key!r}: use profile, gpus, imex, cuda, multicast, fabric, p2p, node "
-                                    f"or one of {', '.join(_GRAN_KEYS)}")
+                raise NodeSpecError(f"node spec key {key!r}: use profile, gpus, imex, cuda, multicast, fabric, p2p, node, "
+                                    f"hosts, cliques, hostnames or one of {', '.join(_GRAN_KEYS)}")
         if grans:
             fields["profile"] = dataclasses.replace(fields.get("profile", PROFILES["H100"]), **grans)
         spec = cls(**fields)
-        if not 1 <= spec.gpus <= 16:
-            raise NodeSpecError(f"gpus={spec.gpus}: an emulated node has 1..16 GPUs")
+        spec.validate()
         return spec
 
+    def validate(self) -> None:
+        """Raise :class:`NodeSpecError` for a domain that cannot exist, naming the fix."""
+        if not 1 <= self.gpus <= MAX_DOMAIN_GPUS:
+            raise NodeSpecError(f"gpus={self.gpus}: an emulated NVLink domain has 1..{MAX_DOMAIN_GPUS} GPUs")
+        if self.gpus % self.hosts:
+            raise NodeSpecError(f"hosts={self.hosts} does not divide {self.gpus} GPUs. Fix: give a GPU count "
+                                "that is a multiple of the host count (e.g. GB200x72,hosts=18)")
+        if not 1 <= self.gpus_per_host <= MAX_HOST_GPUS:
+            raise NodeSpecError(f"{self.gpus_per_host} GPUs per host: an emulated host has 1..{MAX_HOST_GPUS}. "
+                                f"Fix: hosts={-(-self.gpus // MAX_HOST_GPUS)} or more")
+        if self.cliques and self.hosts % self.cliques:
+            raise NodeSpecError(f"cliques={self.cliques} does not divide {self.hosts} hosts. Fix: a clique count "
+                                "that divides the host count")
+        if self.hostnames and len(self.hostnames) != self.hosts:
+            raise NodeSpecError(f"hostnames names {len(self.hostnames)} hosts, hosts={self.hosts}. Fix: one name "
+                                "per host")
+
+    # -- the domain: hosts and cliques ---------------------------------------------------------------
+    @property
+    def gpus_per_host(self) -> int:
+        return self.gpus // self.hosts
+
+    @property
+    def fabric_domain(self) -> bool:
+        """Whether the GPUs report fabric cliques (a multi-host domain, or ``cliques=`` given)."""
+        return self.hosts > 1 or self.cliques > 0
+
+    def host_name(self, host: int) -> str:
+        return self.hostnames[host] if self.hostnames else f"{self.node}-host{host}"
+
+    def host_of_gpu(self, gpu: int) -> int:
+        """Host index of domain GPU ``gpu`` (GPUs are numbered host by host)."""
+        return gpu // self.gpus_per_host
+
+    def gpu_index(self, host: int, local: int) -> int:
+        """Domain index of GPU ``local`` of ``host``."""
+        return host * self.gpus_per_host + local
+
+    def clique_of_gpu(self, gpu: int) -> int:
+        """NVLink clique id of domain GPU ``gpu`` (hosts split in order into ``cliques`` groups)."""
+        hosts_per_clique = self.hosts // max(1, self.cliques)
+        return CLIQUE_ID_BASE + self.host_of_gpu(gpu) // hosts_per_clique
+
+    def cluster_uuid(self) -> bytes:
+        """16 bytes: the fabric cluster UUID every GPU of the domain reports."""
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"moonep-ep-cuda-emulator/{self.node}/cluster").bytes
+
+    def resolve_host(self, text: str) -> int:
+        """A host index from an index or a host name; :class:`NodeSpecError` naming the choices."""
+        names = [self.host_name(h) for h in range(self.hosts)]
+        if text.isdigit() and int(text) < self.hosts:
+            return int(text)
+        if text in names:
+            return names.index(text)
+        raise NodeSpecError(f"emulated host {text!r} is not in this domain: give 0..{self.hosts - 1} or one of "
+                            f"{names[:4]}{' ...' if len(names) > 4 else ''}")
+
     def uuid(self, index: int) -> bytes:
-        """16 bytes of GPU ``index``'s UUID (stable for a node name, distinct per GPU)."""
+        """16 bytes of domain GPU ``index``'s UUID (stable for a node name, distinct per GPU)."""
         return uuid.uuid5(uuid.NAMESPACE_URL, f"moonep-ep-cuda-emulator/{self.node}/gpu{index}").bytes
 
     def uuid_string(self, index: int) -> str:
         return format_uuid(self.uuid(index))
+
+
+def host_of_process(spec: NodeSpec, override: str | None = None) -> int:
+    """Which host of ``spec`` this process runs on: ``override`` (or ``MOONEP_EP_CUDA_EMULATOR_HOST``),
+    a host index or name; else the host named like this process's hostname; else host 0."""
+    from ... import envs
+
+    text = override if override is not None else (envs.MOONEP_EP_CUDA_EMULATOR_HOST or "")
+    if text.strip():
+        text = text.strip()
+        return spec.resolve_host(text)
+    me = socket.gethostname()
+    for host in range(spec.hosts):
+        if spec.host_name(host) == me:
+            return host
+    return 0
 
 
 def format_uuid(raw: bytes) -> str:
@@ -144,22 +255,24 @@ def format_uuid(raw: bytes) -> str:
     return "GPU-" + str(uuid.UUID(bytes=bytes(raw)))
 
 
-def visible_gpus(spec: NodeSpec, cuda_visible_devices: str | None) -> list[int]:
-    """Physical GPU indices this process sees, in ordinal order, per ``CUDA_VISIBLE_DEVICES``.
+def visible_gpus(spec: NodeSpec, cuda_visible_devices: str | None, host: int = 0) -> list[int]:
+    """Domain GPU indices this process on ``host`` sees, in ordinal order, per ``CUDA_VISIBLE_DEVICES``.
 
-    As CUDA does: unset means every GPU; entries are indices or (prefixes of)
-    ``GPU-`` UUIDs; the list ends at the first entry that names no GPU or names
-    one twice; an empty value hides every GPU.
+    As CUDA does: unset means every GPU of the host; entries are indices (of
+    the host's GPUs) or (prefixes of) ``GPU-`` UUIDs; the list ends at the
+    first entry that names no GPU of the host or names one twice; an empty
+    value hides every GPU.
     """
+    local = [spec.gpu_index(host, i) for i in range(spec.gpus_per_host)]
     if cuda_visible_devices is None:
-        return list(range(spec.gpus))
+        return local
     out: list[int] = []
     for entry in (e.strip() for e in cuda_visible_devices.split(",")):
         index = None
         if entry.isdigit():
-            index = int(entry) if int(entry) < spec.gpus else None
+            index = local[int(entry)] if int(entry) < len(local) else None
         elif entry.startswith("GPU-"):
-            matches = [i for i in range(spec.gpus) if spec.uuid_string(i).startswith(entry)]
+            matches = [i for i in local if spec.uuid_string(i).startswith(entry)]
             index = matches[0] if len(matches) == 1 else None
         if index is None or index in out:
             break

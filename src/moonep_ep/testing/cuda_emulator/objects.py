@@ -1,7 +1,7 @@
 """The emulator's driver objects, backed by host memory shared across processes.
 
 * An **allocation** (``cuMemCreate``) is a memfd named
-  ``cudaemu.mem.g<gpu>.t<handle types>.m<min granularity>``: its POSIX-fd
+  ``cudaemu.mem.n<node tag>.g<gpu>.t<handle types>.m<min granularity>``: its POSIX-fd
   export is a ``dup`` of it (a real fd another process imports), and a peer
   that imports it reads the metadata back from ``/proc/self/fd``'s link name.
 * A **multicast object** is a one-page memfd table (``cudaemu.mc``) holding
@@ -28,12 +28,12 @@ from typing import Any
 MEM_PREFIX = "cudaemu.mem"
 MC_PREFIX = "cudaemu.mc"
 FABRIC_MAGIC = b"CUDAEMU1"
-#: kind (0 memory, 1 multicast), pid, fd, inode, size
-FABRIC_LAYOUT = struct.Struct("<8sBiiQQ")
+#: kind (0 memory, 1 multicast), pid, fd, inode, size, the exporter's domain GPU (its host and clique)
+FABRIC_LAYOUT = struct.Struct("<8sBiiQQi")
 
 _TABLE_BYTES = 4096
 _MAGIC = 0x43454D55  # "CEMU"
-_MAX_TEAM = 16
+_MAX_TEAM = 72  # an NVL72 clique
 # magic, size, num_devices, handle_types, creator_alive, added count, added gpu+1 x16
 _HEADER = struct.Struct("<IQIIII" + "I" * _MAX_TEAM)
 # in_use, gpu, pid, fd, inode, mem_offset, mc_offset, size
@@ -67,8 +67,8 @@ class Allocation:
         return bool(self.handles or self.mappings or self.binds)
 
     @staticmethod
-    def name(gpu: int, handle_types: int, min_granularity: int) -> str:
-        return f"{MEM_PREFIX}.g{gpu}.t{handle_types}.m{min_granularity}"
+    def name(node_tag: int, gpu: int, handle_types: int, min_granularity: int) -> str:
+        return f"{MEM_PREFIX}.n{node_tag}.g{gpu}.t{handle_types}.m{min_granularity}"
 
     @classmethod
     def from_fd(cls, fd: int) -> "Allocation | None":
@@ -79,6 +79,29 @@ class Allocation:
         parts = dict((p[0], int(p[1:])) for p in name[len(MEM_PREFIX) + 1:].split("."))
         st = os.fstat(fd)
         return cls(fd, st.st_size, parts["g"], parts["t"], parts["m"], st.st_ino, created_here=False)
+
+
+def node_bytes_in_use(node_tag: int, gpu: int) -> int:
+    """Bytes of live allocations on ``gpu`` of the node tagged ``node_tag``, over every process this
+    user can see: each allocation is a memfd held open by its creator or an importer (one inode,
+    counted once), so a process that exits takes its memory with it, as on a GPU."""
+    prefix = f"/memfd:{MEM_PREFIX}.n{node_tag}.g{gpu}."
+    seen: dict[int, int] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        base = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(base)
+        except OSError:  # another user's process, or gone
+            continue
+        for fd in fds:
+            try:
+                if not os.readlink(f"{base}/{fd}").startswith(prefix):
+                    continue
+                st = os.stat(f"{base}/{fd}")
+            except OSError:
+                continue
+            seen[st.st_ino] = st.st_size
+    return sum(seen.values())
 
 
 class Table:
