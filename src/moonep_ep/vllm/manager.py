@@ -75,8 +75,9 @@ class InstrumentedBuffer:
         if stats_dir() is not None and plan is not None:
             rank = self._manager.rank
             epn = self._manager.experts_per_rank()
+            store = self._manager.expert_store
             STATS.record_prefetch(plan, rank, epn, copied=getattr(self._inner, "last_prefetch", None),
-                                  real_tokens=_real_tokens_across_dp())
+                                  real_tokens=_real_tokens_across_dp(), hosts=store.hosts if store else None)
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
         return out
