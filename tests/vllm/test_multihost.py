@@ -74,6 +74,7 @@ def test_two_hosts_serve_fabric_across_hosts_oracle_and_clean_sigterm(multihost,
     # SIGTERM on both hosts: every process gone within 30 s; nothing left.
     assert r["sigterm"]["within_bound"] and r["sigterm"]["survivors"] == [] and r["sigterm"]["processes"] >= 6
     assert r["leaks_after"]["memfd_fds"] == 0 and not r["leaks_after"]["processes_mapping"]
+    assert r["left_running_in_namespaces"] == []
     assert r["leftover_hosts"] == {"namespaces": [], "processes": [], "client_interface": False}
     assert checks["serve_nothing_left"]
     with capsys.disabled():

@@ -252,7 +252,9 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
         elif name == "sigkill":
             result["before_kill"] = _complete(dep.url)
             trees = dep.trees()
-            lost = alive(trees[1])
+            # The host dies: everything in its namespace, and whatever of its server's tree runs elsewhere.
+            ns = hosts.namespace_inodes()[hosts.hosts[1].netns]
+            lost = sorted(set(alive(trees[1])) | set(hosts.pids_in({ns})))
             t_kill = time.monotonic()
             for pid in lost:
                 os.kill(pid, signal.SIGKILL)
@@ -274,6 +276,9 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
         except Exception:  # noqa: BLE001
             pass
     finally:
+        # What still runs in the hosts' namespaces before the harness's own tear-down kills it (a process
+        # that left the server's tree would hide here): must be nothing once the servers ended.
+        result["left_running_in_namespaces"] = hosts.pids_in(set(hosts.namespace_inodes().values()))
         hosts.close()
         result["leftover_hosts"] = hosts.leftovers()
         result["leaks_after"] = leak_scan(prefix)
@@ -287,6 +292,7 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
 def no_leaks(result: dict[str, Any]) -> bool:
     before, after, hosts = result["leaks_before"], result["leaks_after"], result["leftover_hosts"]
     return (not after["memfd_fds"] and not after["processes_holding"] and not after["processes_mapping"]
+            and not result["left_running_in_namespaces"]
             and not set(after["socket_dirs"]) - set(before["socket_dirs"])
             and not hosts["namespaces"] and not hosts["processes"] and not hosts["client_interface"])
 

@@ -85,7 +85,8 @@ class ModelExpertStore:
         everyone = [d for d, _, _ in described.gathered]
         #: Every EP rank's host, and the address its group transport uses (a lost peer is named by them).
         self.hosts = [h for _, h, _ in described.gathered]
-        register_peers(group, [(h, a) for _, h, a in described.gathered])
+        self.peers = [(h, a) for _, h, a in described.gathered]
+        register_peers(group, self.peers)
         differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
         if differ:  # every rank sees the same list: every rank raises alike
             raise ConfigError(f"[rank {self.rank}] EP ranks {differ} describe the MoE layers differently from "
