@@ -12,6 +12,10 @@ before any engine starts (``tools/model_check.py``), prints the URL and a
   plugin's CPU engine overrides) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV
   cache per engine) unless set.
 
+``--hosts HEAD,HOST1,...`` (several hosts of one NVLink domain): prints
+each host's command -- vLLM's head and ``--headless`` nodes -- and with
+``--node-rank K`` becomes host K's server (``serve_hosts.py``).
+
 Everything after ``--`` goes to vLLM unchanged. The process is vLLM's own
 API server, so SIGTERM / Ctrl-C stop it and its engines as vLLM does.
 """

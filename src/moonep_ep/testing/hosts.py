@@ -144,7 +144,7 @@ class SimulatedHosts:
         self.id = tag or f"{os.getpid():x}{random.randrange(16**3):03x}"[-7:]
         # The creator's pid and start time make a stale set sweepable (sweep_stale).
         self.prefix = f"{NS_PREFIX}{os.getpid()}.{_proc_start(os.getpid())}-{self.id}"
-        subnet = f"10.{200 + random.randrange(50)}.{random.randrange(256)}"
+        subnet = _free_subnet()
         self.switch = f"{self.prefix}-sw"
         self.hosts = [Host(k, names[k], f"{self.prefix}-h{k}", f"{subnet}.{k + 1}") for k in range(count)]
         self.client_address = f"{subnet}.254"
@@ -279,6 +279,16 @@ class SimulatedHosts:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _free_subnet() -> str:
+    """A random ``10.x.y`` /24 that no route of the root namespace uses (a concurrent run's, a real network's)."""
+    routes = _ip("-4", "route", "show", "table", "all", check=False).stdout
+    for _ in range(100):
+        subnet = f"10.{200 + random.randrange(50)}.{random.randrange(256)}"
+        if f"{subnet}." not in routes:
+            return subnet
+    raise HostsUnavailable("no free 10.200-249.x /24 subnet for the simulated hosts' network")
 
 
 def sweep_stale() -> list[str]:

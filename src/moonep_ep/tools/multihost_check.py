@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from ..memory.exchange import SOCKET_DIR_PREFIX
 from ..testing.cuda_emulator.objects import MEM_PREFIX
-from ..testing.hosts import SimulatedHosts, alive, process_tree
+from ..testing.hosts import SimulatedHosts, alive
 
 #: One GB200 NVL72 rack: 72 GPUs, 18 hosts of 4 (the hosts here are two of them), named for this run
 #: (its hosts are ``NAME-host0`` ... ``NAME-host17``, its memfds carry a tag of NAME).
