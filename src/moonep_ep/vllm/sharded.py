@@ -23,6 +23,7 @@ an expert from before the pass — the next prefetch refills every slot it uses.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from typing import Any, Sequence
 
@@ -30,7 +31,7 @@ import torch
 
 from ..errors import ConfigError, config_error
 from ..layout.store import ShardedExpertStore, ffn_projections
-from ..memory.group import GroupComm
+from ..memory.group import GroupComm, register_peers, transport_address
 from .buffers import make_store_driver
 
 #: MoonEP kernels tile both expert dims by 128 (vLLM's MOONEP_WEIGHT_TILE).
@@ -80,8 +81,12 @@ class ModelExpertStore:
                 self.device.type)
         with self.comm.step("check the MoonEP model description") as described:
             self._validate(local_expert_ids, layer_shapes)
-            described.share(desc)
-        everyone = described.gathered
+            described.share((desc, socket.gethostname(), transport_address()))
+        everyone = [d for d, _, _ in described.gathered]
+        #: Every EP rank's host, and the address its group transport uses (a lost peer is named by them).
+        self.hosts = [h for _, h, _ in described.gathered]
+        self.peers = [(h, a) for _, h, a in described.gathered]
+        register_peers(group, self.peers)
         differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
         if differ:  # every rank sees the same list: every rank raises alike
             raise ConfigError(f"[rank {self.rank}] EP ranks {differ} describe the MoE layers differently from "
@@ -273,6 +278,8 @@ class ModelExpertStore:
             "layers": len(self.layer_names), "layer_names": self.layer_names, "experts": self.num_experts,
             "slots": self.num_slots, "hidden": self.hidden, "intermediate": self.intermediate,
             "ep_rank": self.rank, "ep_size": self.world_size, "experts_per_rank": self.experts_per_rank,
+            "host": self.hosts[self.rank], "hosts": self.hosts, "handle_type": s.symm.decision.handle_type.value,
+            "handle_decision": s.symm.decision.reason,
             "driver": getattr(self.driver, "name", type(self.driver).__name__), "granularity": s.granularity,
             "physical_bytes": s.physical_bytes(), "os_bytes": self.os_bytes(),
             "replicated_bytes": s.replicated_bytes(),

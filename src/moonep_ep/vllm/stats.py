@@ -68,7 +68,9 @@ class Stats:
             "forward": {"prefetch_calls": 0, "slots_filled": 0, "remote_prefetched": 0, "local_prefetched": 0,
                         "remote_by_owner": {}, "remote_experts": [], "fills_by_owner_expert": {},
                         "without_padding_by_owner_expert": {}, "unclassified_fills": 0, "bytes_at_copy": 0,
-                        "remote_bytes_at_copy": 0, "copies_counted": 0},
+                        "remote_bytes_at_copy": 0, "copies_counted": 0,
+                        # Multi-host: remote fills by the owner's host, those from another host apart.
+                        "remote_by_owner_host": {}, "cross_host_fills": 0, "same_host_remote_fills": 0},
         }
         self._recorder: Any = None
         self._remote_set: set[int] = set()
@@ -127,12 +129,13 @@ class Stats:
         self.add_collectives(recorder.by_op())
 
     def record_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any = None,
-                        real_tokens: Optional[list[int]] = None) -> None:
+                        real_tokens: Optional[list[int]] = None, hosts: Optional[list[str]] = None) -> None:
         """One ``prefetch_weight`` call of this rank: its slot fills, classified (see ``forward`` above).
 
         ``copied``: the buffer's :class:`~moonep_ep.ops.commplan.PrefetchStats`
         (bytes counted at the copy), None for a buffer that does not count.
-        ``real_tokens``: every DP rank's real token count this step."""
+        ``real_tokens``: every DP rank's real token count this step.
+        ``hosts``: every EP rank's host (the store's), to count remote fills by the owner's host."""
         from ..ops.padding import classify_slot_fills, padding_entries, real_entries, replan_without_padding
 
         global_plan = getattr(plan, "global_plan", None)
@@ -178,6 +181,10 @@ class Stats:
                     fwd["remote_prefetched"] += 1
                     fwd["remote_by_owner"][str(owner)] = fwd["remote_by_owner"].get(str(owner), 0) + 1
                     self._remote_set.add(expert)
+                    if hosts is not None and owner < len(hosts):
+                        by_host = fwd["remote_by_owner_host"]
+                        by_host[hosts[owner]] = by_host.get(hosts[owner], 0) + 1
+                        fwd["cross_host_fills" if hosts[owner] != hosts[ep_rank] else "same_host_remote_fills"] += 1
                 else:
                     fwd["local_prefetched"] += 1
             if by_expert is not None:
