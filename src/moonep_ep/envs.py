@@ -110,6 +110,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_LAYOUT", "choice", "sharded",
              "sharded expert store, or vLLM's all-gathered replicated layout (A/B runs)",
              ("sharded", "replicated"), scope="vLLM plugin"),
+    Variable("MOONEP_EP_PADDING", "choice", "balanced",
+             "where MoonEP's capacity-padding rows go: balanced = fill every rank's expert-load deficit so the "
+             "planner moves no weights for padding (one small all-gather per MoE layer); own = each rank's own "
+             "experts; vllm = expert 0, as vLLM 0.33.0 does", ("balanced", "own", "vllm"), scope="vLLM plugin"),
     Variable("MOONEP_EP_VLLM_STATS_DIR", "str", None,
              "directory for per-rank instrumentation (store bytes, load collectives, remote prefetches)",
              scope="vLLM plugin"),

@@ -1,0 +1,143 @@
+"""The plugin's capacity padding for MoonEP's prepare step (``MOONEP_EP_PADDING``).
+
+vLLM 0.33.0's ``MoonEPPrepareAndFinalize._pad_to_capacity`` pads every step
+to the buffer's capacity ``S`` with rows routed to expert 0, which makes
+MoonEP's planner prefetch expert 0 onto every rank at every decode step
+(``ops/decode_padding.py`` explains why). :func:`pad_to_capacity` replaces
+it for the MoonEP backend; the reference buffer and the real library both
+receive its rows, since it runs before ``Buffer.dispatch``.
+
+* ``balanced`` (default): padding fills every home group's deficit, so the
+  planner moves nothing unless a group's real load exceeds ``S*K``, and never
+  moves a padding entry. Costs one all-gather of ``R + 1`` integers per MoE
+  layer and step (each rank's real token count and its real entries per home
+  group), on the EP group's device group (a host copy of ``R + 1`` integers
+  follows: vLLM's MoonEP path is eager-only).
+* ``own``: each rank's padding over its own experts; no collective.
+* ``vllm``: vLLM's own padding, unchanged (A/B runs).
+
+Invalid (negative) top-k ids of real rows, which vLLM maps to expert 0 with
+weight 0, are mapped to the rank's own experts instead (weight 0 as well).
+The step's padding matrix is kept in :data:`LAST` for the instrumentation
+(``stats.py`` tells real entries from padding with it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import envs
+from ..ops.decode_padding import expert_padding, padding_ids
+
+#: ``{"policy", "real_tokens", "pad"}`` of this thread's last prepare (``pad``: ``[R, E]`` or None).
+LAST = threading.local()
+
+
+def policy() -> str:
+    return envs.MOONEP_EP_PADDING
+
+
+def _group_of(manager: Any, device: torch.device) -> Any:
+    if device.type == "cuda" and getattr(manager, "_device_group", None) is not None:
+        return manager._device_group
+    return manager.cpu_group
+
+
+def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
+    """``[R, R + 1]``: every rank's ``[n, real entries per home group...]`` (collective)."""
+    import torch.distributed as dist
+
+    group = _group_of(manager, local.device)
+    out = [torch.empty_like(local) for _ in range(manager.world_size)]
+    dist.all_gather(out, local, group=group)
+    return torch.stack(out).cpu()
+
+
+def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    capacity: int, *, original: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Drop-in for ``MoonEPPrepareAndFinalize._pad_to_capacity`` (same arguments and result)."""
+    manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
+    chosen = policy()
+    if chosen == "vllm" or manager is None:
+        LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None}
+        return original(self, a1, topk_ids, topk_weights, capacity)
+    num_tokens = a1.shape[0]
+    if num_tokens > capacity:
+        raise ValueError(f"[rank {manager.rank}] MoonEP static buffer capacity exceeded: {num_tokens} tokens "
+                         f"> S={capacity}.")
+    R, rank, E, K = manager.world_size, manager.rank, self.num_global_experts, topk_ids.shape[1]
+    epn = E // R
+    ids = topk_ids.to(torch.int32)
+    weights = topk_weights.to(torch.float32)
+    invalid = ids < 0
+    if bool(invalid.any()):
+        # Same zero weight as vLLM, but on this rank's own experts instead of expert 0.
+        own = (torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).reshape(ids.shape) % epn) + rank * epn
+        ids = torch.where(invalid, own, ids)
+        weights = torch.where(invalid, torch.zeros_like(weights), weights)
+    ids, weights, a1 = ids.contiguous(), weights.contiguous(), a1.contiguous()
+    if chosen == "balanced":
+        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, epn).sum(1)
+        local = torch.cat([torch.tensor([num_tokens], dtype=torch.int64, device=counts.device), counts])
+        gathered = _gather_loads(manager, local)
+        real_tokens = [int(x) for x in gathered[:, 0].tolist()]
+        loads = [int(x) for x in gathered[:, 1:].sum(0).tolist()]
+        pad = expert_padding("balanced", real_tokens, loads, S=capacity, K=K, E=E, R=R)
+    else:
+        real_tokens = _dp_tokens(R)
+        if real_tokens is not None and real_tokens[rank] != num_tokens:
+            real_tokens = None  # not one EP rank per DP rank: only this rank's row is known
+        if real_tokens is not None:
+            pad = expert_padding("own", real_tokens, None, S=capacity, K=K, E=E, R=R)
+        else:
+            pad = None
+        row = torch.zeros(E, dtype=torch.int64)
+        row[rank * epn:(rank + 1) * epn] = torch.bincount(torch.arange((capacity - num_tokens) * K) % epn,
+                                                          minlength=epn)
+    LAST.state = {"policy": chosen, "real_tokens": real_tokens, "pad": pad}
+    if num_tokens == capacity:
+        return a1, ids, weights, num_tokens
+    pad_row = pad[rank] if pad is not None else row
+    extra = padding_ids(pad_row, K).to(device=ids.device, dtype=torch.int32)
+    return (F.pad(a1, (0, 0, 0, capacity - num_tokens)),
+            torch.cat([ids, extra]).contiguous(),
+            F.pad(weights, (0, 0, 0, capacity - num_tokens)),
+            num_tokens)
+
+
+def _dp_tokens(R: int) -> list[int] | None:
+    try:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().dp_metadata
+    except (AssertionError, ImportError):
+        return None
+    if meta is None:
+        return None
+    tokens = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+    return tokens if len(tokens) == R else None
+
+
+def last_padding() -> dict[str, Any] | None:
+    return getattr(LAST, "state", None)
+
+
+def patch_prepare(module: Any) -> bool:
+    """Put :func:`pad_to_capacity` in place of the class's ``_pad_to_capacity``; False if already done."""
+    cls = module.MoonEPPrepareAndFinalize
+    orig = cls._pad_to_capacity
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return False
+
+    def _pad_to_capacity(self: Any, a1: Any, topk_ids: Any, topk_weights: Any, capacity: int) -> Any:
+        return pad_to_capacity(self, a1, topk_ids, topk_weights, capacity, original=orig)
+
+    _pad_to_capacity._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    _pad_to_capacity.__wrapped__ = orig  # type: ignore[attr-defined]
+    _pad_to_capacity.__doc__ = pad_to_capacity.__doc__
+    cls._pad_to_capacity = _pad_to_capacity
+    return True
