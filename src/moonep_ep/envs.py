@@ -114,6 +114,18 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "where MoonEP's capacity-padding rows go: balanced = fill every rank's expert-load deficit so the "
              "planner moves no weights for padding (one small all-gather per MoE layer); own = each rank's own "
              "experts; vllm = expert 0, as vLLM 0.33.0 does", ("balanced", "own", "vllm"), scope="vLLM plugin"),
+    Variable("MOONEP_EP_GPU_PROFILE", "choice", "auto",
+             "the prefetch cost model's GPU profile (ops/decode_cost.py): auto = the visible GPU's, else h200",
+             ("auto", "h100", "h200", "b200", "gb200")),
+    Variable("MOONEP_EP_COST_TFLOPS", "float", None,
+             "cost model: override the profile's dense FLOP rate of the weight format's grouped GEMM (TFLOP/s)",
+             minimum=0.001),
+    Variable("MOONEP_EP_COST_LINK_GBPS", "float", None,
+             "cost model: override the profile's NVLink bandwidth per direction (GB/s)", minimum=0.001),
+    Variable("MOONEP_EP_COST_HBM_GBPS", "float", None,
+             "cost model: override the profile's HBM bandwidth (GB/s)", minimum=0.001),
+    Variable("MOONEP_EP_COST_EXPERT_BYTES", "int", None,
+             "cost model: override the bytes of one expert (weights and scales)", minimum=1),
     Variable("MOONEP_EP_VLLM_STATS_DIR", "str", None,
              "directory for per-rank instrumentation (store bytes, load collectives, remote prefetches)",
              scope="vLLM plugin"),

@@ -82,22 +82,16 @@ def real_entries(plan: DispatchPlan, pads: "Sequence[int] | torch.Tensor") -> to
     routed to :data:`PADDING_EXPERT`), or an ``[R, E]`` matrix of padding
     entries per source and expert; a source's padding follows its real entries."""
     counts = plan.route_count.to(torch.int64)              # [s, e, d]
-    real = counts.sum(0).clone()                           # [e, d]
     matrix = _pad_matrix(plan, pads)
-    for s, e in torch.nonzero(matrix).tolist():
-        pad = int(matrix[s, e])
-        total = int(plan.tokens_per_expert[s, e])
-        if pad > total:
-            raise ValueError(f"source rank {s}: {pad} padding entries but only {total} entries of expert "
-                             f"{e}: the real-token counts do not match this plan")
-        n_real = total - pad
-        start = 0
-        for d in range(plan.R):
-            got = int(counts[s, e, d])
-            # [start, start + got) of this source's entries of e land on d; [n_real, total) are padding.
-            real[e, d] -= max(0, start + got - max(start, n_real))
-            start += got
-    return real
+    totals = plan.tokens_per_expert.to(torch.int64)
+    if (matrix > totals).any():
+        s, e = (int(x) for x in torch.nonzero(matrix > totals)[0])
+        raise ValueError(f"source rank {s}: {int(matrix[s, e])} padding entries but only {int(totals[s, e])} "
+                         f"entries of expert {e}: the real-token counts do not match this plan")
+    n_real = (totals - matrix)[:, :, None]                 # a source's entries of e: [0, n_real) are real
+    hi = counts.cumsum(2)                                  # destinations take them in ascending rank
+    lo = hi - counts
+    return (torch.minimum(hi, n_real) - lo).clamp_min(0).sum(0)
 
 
 def classify_slot_fills(plan: DispatchPlan, dest: int, real: Optional[torch.Tensor]) -> list[SlotFill]:
