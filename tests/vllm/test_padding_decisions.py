@@ -144,3 +144,36 @@ def test_balanced_group_padding_fills_every_deficit_own_group_first():
         group_padding("balanced", n, None, S=S, K=K8, R=4)
     with pytest.raises(ValueError, match="outside"):
         group_padding("own", [9, 0, 0, 0], None, S=S, K=K8, R=4)
+
+
+def test_cost_model_doubles_the_capacity_instead_of_moving_experts(monkeypatch):
+    """A group over S*K: moving one BF16 expert costs more than S*K extra padding rows, so the step runs
+    at a capacity where the padding absorbs the load (the same choice on every rank: the load is gathered)."""
+    monkeypatch.setenv("MOONEP_EP_GPU_PROFILE", "h200")
+    gen = torch.Generator().manual_seed(5)
+    real = [_topk(24, gen, skew=10.0) for _ in range(R)]
+    loads = []
+    for ids in real:
+        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, EPN).sum(1)
+        loads.append(torch.cat([torch.tensor([ids.shape[0]]), counts]))
+    monkeypatch.setenv("MOONEP_EP_PADDING", "balanced")
+    monkeypatch.setattr(plugin_padding, "_gather_loads", lambda manager, local: torch.stack(loads))
+    layout = types.SimpleNamespace(full_gate_weight=torch.empty(E + 4, 256, 128, dtype=torch.bfloat16,
+                                                                device="meta"))
+    rows, capacities = [], set()
+    for max_tokens in (1024, 32):   # 32: no larger buffer exists, the planner has to move (control)
+        rows = []
+        for rank, ids in enumerate(real):
+            pool = types.SimpleNamespace(_manager=types.SimpleNamespace(rank=rank, world_size=R),
+                                         max_tokens_per_rank=max_tokens, get=lambda cap: (cap, f"buffer S={cap}"))
+            self = types.SimpleNamespace(num_global_experts=E, buffer_pool=pool, weight_layout=layout,
+                                         _buffer="buffer S=32")
+            _, out_ids, _, _ = plugin_padding.pad_to_capacity(self, torch.zeros(24, 128, dtype=torch.bfloat16),
+                                                              ids, torch.rand(24, K), 32, original=_vllm_pad)
+            capacities.add((max_tokens, out_ids.shape[0], self._buffer))
+            rows.append(torch.bincount(out_ids.reshape(-1).to(torch.int64), minlength=E))
+        cap = out_ids.shape[0]
+        fills, _ = _decisions(torch.stack(rows), cap)
+        assert (fills == set()) == (max_tokens == 1024), (max_tokens, fills)
+    # 8 ranks x 24 tokens x K=4 = 768 entries on group 0: S*K >= 768 first at S = 256
+    assert capacities == {(1024, 256, "buffer S=256"), (32, 32, "buffer S=32")}

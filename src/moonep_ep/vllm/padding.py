@@ -13,6 +13,11 @@ receive its rows, since it runs before ``Buffer.dispatch``.
   layer and step (each rank's real token count and its real entries per home
   group), on the EP group's device group (a host copy of ``R + 1`` integers
   follows: vLLM's MoonEP path is eager-only).
+  Where a home group's real load exceeds ``S*K`` (the planner would move
+  entries whatever the padding), the cost model (``ops/decode_cost.py``)
+  may run the step at a larger capacity of the pool instead, so the padding
+  absorbs it: when ``S*K`` extra padding rows per rank cost less (derived)
+  than moving one expert. On GPUs, or with ``MOONEP_EP_GPU_PROFILE`` set.
 * ``own``: each rank's padding over its own experts; no collective.
 * ``vllm``: vLLM's own padding, unchanged (A/B runs).
 
@@ -86,6 +91,7 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
         gathered = _gather_loads(manager, local)
         real_tokens = [int(x) for x in gathered[:, 0].tolist()]
         loads = [int(x) for x in gathered[:, 1:].sum(0).tolist()]
+        capacity = _capacity_by_cost(self, capacity, max(loads), a1.shape[1], K, E, manager)
         pad = expert_padding("balanced", real_tokens, loads, S=capacity, K=K, E=E, R=R)
     else:
         real_tokens = _dp_tokens(R)
@@ -107,6 +113,68 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
             torch.cat([ids, extra]).contiguous(),
             F.pad(weights, (0, 0, 0, capacity - num_tokens)),
             num_tokens)
+
+
+def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, K: int, E: int,
+                      manager: Any) -> int:
+    """A larger capacity (so the padding absorbs the imbalance) where the cost model says that moving an
+    expert costs more than the extra padding rows; the same on every rank (``busiest_load`` is gathered).
+
+    A home group whose real load exceeds ``S*K`` makes MoonEP's planner move entries whatever the padding;
+    doubling ``S`` adds ``S*K`` padding rows on every rank instead. Swaps the prepare step's buffer."""
+    pool = self.buffer_pool
+    if busiest_load <= capacity * K or not _cost_model_applies():
+        return capacity
+    model = _cost_model(self, hidden, K, E)
+    if model is None:
+        return capacity
+    new = capacity
+    while busiest_load > new * K and 2 * new <= pool.max_tokens_per_rank:
+        # Extra rows on every rank vs the at-least-one expert the planner would otherwise move.
+        if model.rows_seconds((2 * new - capacity) * K) >= model.copy_seconds(1):
+            break
+        new *= 2
+    if new != capacity:
+        got, self._buffer = pool.get(new)
+        assert got == new, (got, new)
+    return new
+
+
+_COST: dict[tuple, Any] = {}
+
+
+def _cost_model_applies() -> bool:
+    """On a GPU, or where MOONEP_EP_GPU_PROFILE names a profile: the CPU engine's costs are no GPU's
+    (and its tests keep exercising the prefetch path)."""
+    if envs.MOONEP_EP_GPU_PROFILE != "auto":
+        return True
+    return torch.cuda.is_available()
+
+
+def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
+    """The cost model of this layer's BF16 experts (None before the weights are bound)."""
+    layout = getattr(self, "weight_layout", None) or getattr(getattr(self, "_fused_experts", None),
+                                                             "weight_layout", None)
+    gate = getattr(layout, "full_gate_weight", None)
+    if gate is None:
+        return None
+    key = (hidden, int(gate.shape[1]), E, K, gate.element_size())
+    if key not in _COST:
+        from ..models import MoEModelConfig
+        from ..ops.decode_cost import cost_model
+        from .stats import STATS, stats_dir
+
+        shape = MoEModelConfig("vllm-moe-layer", hidden, int(gate.shape[1]), E, K, 1)
+        model = cost_model(shape, "bf16")
+        _COST[key] = model
+        import logging
+
+        logging.getLogger("vllm.moonep_ep").info(
+            "moonep_ep: prefetch cost model: profile %s, a copy pays above %d rows (%s)", model.profile,
+            model.rows_to_pay, model.overrides or "no overrides")
+        if stats_dir() is not None:
+            STATS.set(cost_model=model.describe())
+    return _COST[key]
 
 
 def _dp_tokens(R: int) -> list[int] | None:
