@@ -103,7 +103,7 @@ def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Seque
     model = get_model(model_name)
     E, K = model.num_experts, model.top_k
     models = {fmt: cost_model(model, fmt, profile) for fmt in formats}
-    rows, crossover = [], {}
+    rows, crossover, moved = [], {}, {}
     for R in eps:
         if E % R:
             continue
@@ -113,6 +113,7 @@ def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Seque
             steps = {"vllm-0.33.0": plan_step(real, "vllm-0.33.0", S, K),
                      "padding-fixed": plan_step(real, "padding-fixed", S, K)}
             bumped = plan_step(real, "padding-fixed", 2 * S, K) if 2 * S <= MAX_TOKENS_PER_RANK else None
+            moved[(R, n)] = steps["padding-fixed"]["moved_rows"]
             for step in [*steps.values(), bumped]:
                 if step is not None:
                     step["epn"] = E // R
@@ -134,30 +135,25 @@ def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Seque
                 progress(f"{model_name} EP{R} n={n}: planned")
         for fmt in formats:
             crossover.setdefault(f"{fmt}/EP{R}", None)
-    return {"rows": rows, "crossover_n": crossover,
+    return {"rows": rows, "crossover_n": crossover, "moved_rows": moved,
             "cost_model": {fmt: cm.describe() for fmt, cm in models.items()}}
 
 
-def crossover_by_profile(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Sequence[int],
-                         seed: int) -> dict[str, Any]:
-    """Smallest swept ``n`` whose padding-fixed plan moves an expert whose copy pays, per profile."""
+def crossover_by_profile(model_name: str, formats: Sequence[str], moved: dict[tuple[int, int], list[int]]
+                         ) -> dict[str, Any]:
+    """Smallest swept ``n`` whose padding-fixed plan (``moved[(R, n)]``: rows of each moved expert, from
+    :func:`sweep`) moves an expert whose copy pays, per profile, format and EP size."""
     model = get_model(model_name)
-    E, K = model.num_experts, model.top_k
     out: dict[str, Any] = {p: {} for p in PROFILES}
-    for R in eps:
-        if E % R:
-            continue
-        moved = {}
-        for n in ns:
-            moved[n] = plan_step(routing_counts(R, n, E, K, seed + 1000 * R + n), "padding-fixed",
-                                 capacity_for(n), K)["moved_rows"]
+    for R in sorted({r for r, _ in moved}):
+        ns = sorted(n for r, n in moved if r == R)
+        largest = max((max(moved[(R, n)], default=0) for n in ns), default=0)
         for p in PROFILES:
             for fmt in formats:
                 cm = cost_model(model, fmt, p)
-                hit = next((n for n in ns if any(cm.copy_pays(r) for r in moved[n])), None)
+                hit = next((n for n in ns if any(cm.copy_pays(r) for r in moved[(R, n)])), None)
                 out[p][f"{fmt}/EP{R}"] = {"crossover_n": hit, "rows_to_pay": cm.rows_to_pay,
-                                         "largest_moved_rows": max((max(v, default=0) for v in moved.values()),
-                                                                   default=0)}
+                                         "largest_moved_rows": largest}
     return out
 
 
@@ -214,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         formats = args.formats.split(",") if args.formats else DEFAULT_FORMATS.get(name, ("bf16",))
         res = sweep(name, formats, eps, ns, profile, args.seed,
                     progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-        res["crossover_by_profile"] = crossover_by_profile(name, formats, eps, ns, args.seed)
+        res["crossover_by_profile"] = crossover_by_profile(name, formats, res.pop("moved_rows"))
         result["models"][name] = res
     first = next(iter(result["models"].values()))
     nbytes = next(iter(first["cost_model"].values()))["expert_bytes"]
