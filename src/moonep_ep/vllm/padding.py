@@ -65,6 +65,9 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
 def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     capacity: int, *, original: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Drop-in for ``MoonEPPrepareAndFinalize._pad_to_capacity`` (same arguments and result)."""
+    from .overlap import arm
+
+    arm(self)
     manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
     chosen = policy()
     if chosen == "vllm" or manager is None:

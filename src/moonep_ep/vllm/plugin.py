@@ -20,6 +20,8 @@ Always (plugin active):
    its calls (the instrumentation of "no expert weight all-gathered").
 3b. ``MoonEPPrepareAndFinalize._pad_to_capacity``: capacity padding that
    moves no weights (``padding.py``, ``MOONEP_EP_PADDING``).
+3c. ``MoonEPExperts.apply``: own experts first, slot experts after the
+   prefetch's event (``overlap.py``; the prefetch is then asynchronous).
 4. ``all2all_utils``: the MoonEP prepare/finalize names, bound by vLLM only
    on CUDA with ``moonep`` importable, are bound when missing (the reference
    buffer needs no ``moonep`` package).
@@ -187,6 +189,13 @@ def _patch_padding(module: ModuleType) -> None:
 
     if patch_prepare(module):
         _mark("MoonEPPrepareAndFinalize._pad_to_capacity (MOONEP_EP_PADDING)")
+
+
+def _patch_overlap(module: ModuleType) -> None:
+    from .overlap import patch_experts
+
+    if patch_experts(module):
+        _mark("MoonEPExperts.apply (own experts before the prefetch wait)")
 
 
 def _patch_create_weights(module: ModuleType) -> None:
@@ -394,6 +403,7 @@ def install() -> dict[str, Any]:
                 _request_amx_permission()
                 when_imported(MOD_CPU_COMM, _patch_cpu_communicator)
                 when_imported(MOD_EXPERTS, _patch_experts)
+            when_imported(MOD_EXPERTS, _patch_overlap)
         except Exception:  # noqa: BLE001
             _state["active"] = False
             logger.exception("moonep_ep: installing the vLLM plugin failed; vLLM's own MoonEP path stays in place")
