@@ -58,7 +58,7 @@ def test_k2_bf16_ep64_decode_moves_no_weights_with_the_fix():
 def test_bench_json_cost_model_moves_nothing_that_cannot_pay(capsys, monkeypatch):
     monkeypatch.delenv("MOONEP_EP_GPU_PROFILE", raising=False)
     args = argparse.Namespace(models="kimi-k2", formats="bf16", ep="64", n="16,128", profile="h200", seed=0,
-                              json=True)
+                              json=True, crossover_n="")
     assert decode_bench.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     res = out["models"]["kimi-k2"]

@@ -16,8 +16,8 @@ rank owns: the expert's bytes leave the owner, into a slot or read by the
 GEMM), bytes, the busiest owner's egress, the busiest rank's rows (padding
 included: MoonEP computes ``S*K`` rows on every rank) and its real rows.
 Times are **derived** from the GPU profile. The crossover ``n`` is the smallest
-swept ``n`` at which the padding-fixed plan moves an expert whose rows make
-its copy pay. On a GPU the bench also **measures** the copy bandwidth of one
+``n`` (the sweep's, then ``--crossover-n``) at which the padding-fixed plan
+moves an expert whose rows make its copy pay. On a GPU the bench also **measures** the copy bandwidth of one
 expert's bytes (HBM, and peer-to-peer with two GPUs).
 """
 
@@ -99,7 +99,7 @@ def _with_bytes(step: dict[str, Any], cm: Any, K: int) -> dict[str, Any]:
 
 
 def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Sequence[int], profile: str,
-          seed: int, progress: Any = None) -> dict[str, Any]:
+          seed: int, progress: Any = None, extra_ns: Sequence[int] = ()) -> dict[str, Any]:
     model = get_model(model_name)
     E, K = model.num_experts, model.top_k
     models = {fmt: cost_model(model, fmt, profile) for fmt in formats}
@@ -120,11 +120,16 @@ def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Seque
             for fmt, cm in models.items():
                 entry = {"model": model_name, "format": fmt, "ep": R, "n": n, "S": S}
                 fixed = _with_bytes(steps["padding-fixed"], cm, K)
-                choice = fixed
+                choice = dict(fixed)
                 if bumped is not None:
                     alt = _with_bytes(bumped, cm, K)
                     if alt["derived_step_ms"] < fixed["derived_step_ms"]:
-                        choice = alt
+                        choice = dict(alt)
+                    # Why: the other capacity's derived time (moves at S are a group's overflow past S*K,
+                    # which the planner must place elsewhere; 2S lets the padding absorb it).
+                    other = fixed if choice["S"] == alt["S"] else alt
+                    choice["rejected"] = {"S": other["S"], "remote_experts": other["remote_experts"],
+                                          "derived_step_ms": other["derived_step_ms"]}
                 entry["policies"] = {"vllm-0.33.0": _with_bytes(steps["vllm-0.33.0"], cm, K),
                                      "padding-fixed": fixed, "fixed+cost-model": choice}
                 rows.append(entry)
@@ -133,6 +138,12 @@ def sweep(model_name: str, formats: Sequence[str], eps: Sequence[int], ns: Seque
                     crossover[key] = n
             if progress:
                 progress(f"{model_name} EP{R} n={n}: planned")
+        for n in extra_ns:   # the crossover only: the padding-fixed plan at larger n
+            if n not in ns:
+                real = routing_counts(R, n, E, K, seed + 1000 * R + n)
+                moved[(R, n)] = plan_step(real, "padding-fixed", capacity_for(n), K)["moved_rows"]
+                if progress:
+                    progress(f"{model_name} EP{R} n={n}: planned (crossover)")
         for fmt in formats:
             crossover.setdefault(f"{fmt}/EP{R}", None)
     return {"rows": rows, "crossover_n": crossover, "moved_rows": moved,
@@ -187,6 +198,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"({', '.join(FORMATS)}); default: BF16 and each model's real formats")
     p.add_argument("--ep", default="8,16,32,64", help="EP sizes (default 8,16,32,64)")
     p.add_argument("--n", default="1,2,4,8,16,32,64,128,256,512,1024", help="real tokens per rank")
+    p.add_argument("--crossover-n", default="2048,4096,8192",
+                   help="further n planned for the crossover only (default 2048,4096,8192; up to vLLM's 8192)")
     p.add_argument("--profile", default=None, choices=sorted(PROFILES),
                    help="GPU profile of the derived times (default: MOONEP_EP_GPU_PROFILE / the visible GPU / h200)")
     p.add_argument("--seed", type=int, default=0)
@@ -209,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         formats = args.formats.split(",") if args.formats else DEFAULT_FORMATS.get(name, ("bf16",))
         res = sweep(name, formats, eps, ns, profile, args.seed,
-                    progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                    progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                    extra_ns=_ints(args.crossover_n or ""))
         res["crossover_by_profile"] = crossover_by_profile(name, formats, res.pop("moved_rows"))
         result["models"][name] = res
     first = next(iter(result["models"].values()))
