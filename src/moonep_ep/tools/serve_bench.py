@@ -42,8 +42,12 @@ async def _burst(url: str, model: str, requests: int, tokens: int) -> dict[str, 
         return int(r.usage.completion_tokens)
 
     t0 = time.monotonic()
-    done = await asyncio.gather(*[one(i) for i in range(requests)])
-    return {"seconds": round(time.monotonic() - t0, 3), "completion_tokens": sum(done)}
+    try:
+        done = await asyncio.gather(*[one(i) for i in range(requests)])
+    finally:
+        seconds = time.monotonic() - t0
+        await client.close()  # inside this event loop (asyncio.run closes it after)
+    return {"seconds": round(seconds, 3), "completion_tokens": sum(done)}
 
 
 def run_server(layout: str, padding: str, requests: int, tokens: int, rounds: int,
