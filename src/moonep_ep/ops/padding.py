@@ -10,7 +10,10 @@ another rank although no real token needs it there.
 The planner hands the entries of source ``s`` to expert ``e`` to the
 destinations in ascending rank, in flat ``(token, k)`` order (planner §4.6),
 so the padding entries of expert 0 (the last ones of every source) land on the
-highest destinations that expert 0's entries of ``s`` reach. From that:
+highest destinations that expert 0's entries of ``s`` reach. The same holds for
+any padding layout (the plugin's, ``ops/decode_padding.py``): given as an
+``[R, E]`` matrix of padding entries per source and expert, each source's
+padding entries of an expert follow its real ones. From that:
 
 * :func:`real_entries` — entries of each expert on each destination that come
   from real tokens;
