@@ -7,7 +7,8 @@ so drift and warm caches fall on both sides), and per padding policy of
 ``--paddings`` (``MOONEP_EP_PADDING``). Every start gets one warm-up
 completion, then ``--rounds`` times the same ``--requests`` concurrent
 completions of ``--tokens`` tokens (greedy, ``ignore_eos``), and reports the
-wall time of each round (measured: first send to last byte). Result: per
+wall time of each round (measured: first send to last byte) and the CPU time
+the server's processes spent in it (measured by the OS). Result: per
 padding, the median round time per layout and ``sharded / replicated``.
 Instrumentation stays off (``MOONEP_EP_VLLM_STATS_DIR`` unset): it would
 time the plugin's bookkeeping, not the serving.
@@ -50,6 +51,27 @@ async def _burst(url: str, model: str, requests: int, tokens: int) -> dict[str, 
     return {"seconds": round(seconds, 3), "completion_tokens": sum(done)}
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (``/proc/<pid>/stat``; measured by the OS)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])      # utime, stime (fields 14, 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _round(url: str, model: str, requests: int, tokens: int, root: int) -> dict[str, Any]:
+    pids = [root, *descendants(root)]
+    before = _cpu_seconds(pids)
+    out = asyncio.run(_burst(url, model, requests, tokens))
+    out["server_cpu_s"] = round(_cpu_seconds(pids) - before, 2)
+    return out
+
+
 def run_server(layout: str, padding: str, requests: int, tokens: int, rounds: int,
                startup_timeout_s: float = 400.0, server_src: Optional[str] = None) -> dict[str, Any]:
     """One server start with ``MOONEP_EP_LAYOUT=layout``, ``MOONEP_EP_PADDING=padding``: its rounds."""
@@ -76,7 +98,7 @@ def run_server(layout: str, padding: str, requests: int, tokens: int, rounds: in
             if stat is not None:
                 tree[pid] = stat[1]
         asyncio.run(_burst(url, model, 1, 4))                      # warm-up
-        out["rounds"] = [asyncio.run(_burst(url, model, requests, tokens)) for _ in range(rounds)]
+        out["rounds"] = [_round(url, model, requests, tokens, proc.pid) for _ in range(rounds)]
         server_pid = next(pid for pid in tree if _is_api_server(pid))
         out["stopped"] = _stop(server_pid, tree)["all_exited_within_bound"]
     except Exception as exc:  # noqa: BLE001 - reported with what was measured
@@ -92,16 +114,18 @@ def run_server(layout: str, padding: str, requests: int, tokens: int, rounds: in
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    by: dict[str, dict[str, list[float]]] = {}
-    for r in runs:
-        for rnd in r.get("rounds", []):
-            by.setdefault(r["padding"], {}).setdefault(r["layout"], []).append(rnd["seconds"])
-    out = {}
-    for padding, layouts in by.items():
-        med = {k: statistics.median(v) for k, v in layouts.items()}
-        ratio = med["sharded"] / med["replicated"] if {"sharded", "replicated"} <= set(med) else None
-        out[padding] = {"median_s": med, "rounds_s": layouts,
-                        "sharded_over_replicated": None if ratio is None else round(ratio, 3)}
+    out: dict[str, Any] = {}
+    for metric in ("seconds", "server_cpu_s"):
+        by: dict[str, dict[str, list[float]]] = {}
+        for r in runs:
+            for rnd in r.get("rounds", []):
+                if metric in rnd:
+                    by.setdefault(r["padding"], {}).setdefault(r["layout"], []).append(rnd[metric])
+        for padding, layouts in by.items():
+            med = {k: statistics.median(v) for k, v in layouts.items()}
+            ratio = med["sharded"] / med["replicated"] if {"sharded", "replicated"} <= set(med) else None
+            out.setdefault(padding, {})[metric] = {
+                "median": med, "rounds": layouts, "sharded_over_replicated": None if ratio is None else round(ratio, 3)}
     return out
 
 
@@ -125,7 +149,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    server_src=args.server_src))
             print(f"  {runs[-1].get('rounds') or runs[-1].get('error')}", file=sys.stderr, flush=True)
     result = {"requests": args.requests, "tokens": args.tokens, "runs": runs, "summary": summarize(runs),
-              "labels": {"seconds": "measured: wall time of one round, first send to last byte"}}
+              "labels": {"seconds": "measured: wall time of one round, first send to last byte",
+                         "server_cpu_s": "measured by the OS: user + system CPU seconds of the server's "
+                                         "processes during the round (less sensitive to other load)"}}
     print(json.dumps(result, indent=1) if args.json else json.dumps(result["summary"], indent=1))
     return 0 if all("error" not in r for r in runs) else 1
 
