@@ -67,9 +67,13 @@ def _decisions(counts: torch.Tensor, capacity: int) -> tuple[set, object]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_same_real_tokens_padded_or_not_give_the_same_prefetch_decisions(seed, monkeypatch):
+def test_same_real_tokens_give_the_same_prefetch_decisions_however_much_they_are_padded(seed, monkeypatch):
+    """Capacities 32 (the fullest rank has little or no padding) to 1024: the same decisions, and no slot
+    ever serves a padding entry. (The plan of the real entries alone, varlen, balances to their mean and is
+    not reproducible by any padding: docs/design/decode.md §2.)"""
     gen = torch.Generator().manual_seed(seed)
     n = [int(x) for x in torch.randint(1, 33, (R,), generator=gen)]
+    n[seed % R] = 32                         # at capacity 32 this rank sends no padding row
     real = [_topk(x, gen) for x in n]
     decisions = {}
     for capacity in (32, 128, 256, 1024):   # 32: no padding on the fullest rank
