@@ -71,7 +71,7 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
     manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
     chosen = policy()
     if chosen == "vllm" or manager is None:
-        LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None}
+        LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None, "S": capacity}
         return original(self, a1, topk_ids, topk_weights, capacity)
     num_tokens = a1.shape[0]
     if num_tokens > capacity:
@@ -107,7 +107,7 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
         row = torch.zeros(E, dtype=torch.int64)
         row[rank * epn:(rank + 1) * epn] = torch.bincount(torch.arange((capacity - num_tokens) * K) % epn,
                                                           minlength=epn)
-    LAST.state = {"policy": chosen, "real_tokens": real_tokens, "pad": pad}
+    LAST.state = {"policy": chosen, "real_tokens": real_tokens, "pad": pad, "S": capacity}
     if num_tokens == capacity:
         return a1, ids, weights, num_tokens
     pad_row = pad[rank] if pad is not None else row

@@ -329,6 +329,8 @@ def _step_padding(global_plan: Any, real_tokens: list[int]) -> Any:
     from .padding import last_padding
 
     state = last_padding()
+    if state is not None and state.get("S") != global_plan.S:
+        state = None  # not this plan's step (a prepare step of another buffer ran in between)
     if state is not None and state.get("pad") is not None:
         return state["pad"]
     if state is not None and state.get("policy") not in (None, "vllm"):
