@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from moonep_ep.ops.buffer import PrefetchStats
@@ -22,6 +23,12 @@ from moonep_ep.vllm.stats import Stats
 H, I, E, R, L = 512, 256, 16, 2, 3
 ROW3 = 3 * H * I * 2                         # one expert's three projections, bf16
 STORE = (L * E // R + 4) * ROW3
+
+
+@pytest.fixture(autouse=True)
+def _vllm_padding(monkeypatch):
+    """The fake stats below model vLLM's own capacity padding (padding-only fills on expert 0)."""
+    monkeypatch.setenv("MOONEP_EP_PADDING", "vllm")
 
 
 def _record(ok: bool) -> dict:
@@ -127,6 +134,14 @@ def test_a_run_that_meets_every_claim_is_ok_and_ends_with_the_verdict():
     assert (fills["fills"], fills["padding_only"], fills["serving_real_tokens"]) == (8, 3, 5)
     assert fills["owners_with_real_fills"] == [0, 1]
     assert out["runs"]["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] is True
+
+
+def test_padding_only_fills_fail_the_run_under_the_plugins_padding(monkeypatch):
+    monkeypatch.setenv("MOONEP_EP_PADDING", "balanced")
+    bad = _summary(_results())                  # rank 1 made 3 fills that serve padding only
+    assert bad["runs"]["dp_sharded"]["checks"]["no_padding_only_fills"] is False and bad["ok"] is False
+    good = _summary(_results(forward={0: _forward(0, {(1, 8): (2, 0)}), 1: _forward(1, {(0, 3): (1, 0)})}))
+    assert good["runs"]["dp_sharded"]["checks"]["no_padding_only_fills"] is True and good["ok"] is True
 
 
 def test_every_figure_names_its_source():

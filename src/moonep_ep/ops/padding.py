@@ -10,7 +10,10 @@ another rank although no real token needs it there.
 The planner hands the entries of source ``s`` to expert ``e`` to the
 destinations in ascending rank, in flat ``(token, k)`` order (planner §4.6),
 so the padding entries of expert 0 (the last ones of every source) land on the
-highest destinations that expert 0's entries of ``s`` reach. From that:
+highest destinations that expert 0's entries of ``s`` reach. The same holds for
+any padding layout (the plugin's, ``ops/decode_padding.py``): given as an
+``[R, E]`` matrix of padding entries per source and expert, each source's
+padding entries of an expert follow its real ones. From that:
 
 * :func:`real_entries` — entries of each expert on each destination that come
   from real tokens;
@@ -62,27 +65,36 @@ def padding_entries(plan: DispatchPlan, real_tokens: Sequence[int]) -> list[int]
     return pads
 
 
-def real_entries(plan: DispatchPlan, pads: Sequence[int]) -> torch.Tensor:
+def _pad_matrix(plan: DispatchPlan, pads: "Sequence[int] | torch.Tensor") -> torch.Tensor:
+    """``[R, E]`` padding entries per source and expert: a per-source list means vLLM's
+    padding (all on :data:`PADDING_EXPERT`); a tensor is taken as it is
+    (:func:`moonep_ep.ops.decode_padding.expert_padding`)."""
+    if isinstance(pads, torch.Tensor):
+        if tuple(pads.shape) != (plan.R, plan.E):
+            raise ValueError(f"padding matrix must be [R, E] = [{plan.R}, {plan.E}], got {tuple(pads.shape)}")
+        return pads.to(torch.int64)
+    matrix = torch.zeros(plan.R, plan.E, dtype=torch.int64)
+    matrix[:, PADDING_EXPERT] = torch.tensor([int(p) for p in pads], dtype=torch.int64)
+    return matrix
+
+
+def real_entries(plan: DispatchPlan, pads: "Sequence[int] | torch.Tensor") -> torch.Tensor:
     """``[E, R]`` int64: entries of expert ``e`` computed on rank ``d`` that come from real tokens.
 
-    ``pads[s]``: padding entries of source ``s`` (:func:`padding_entries`), all
-    routed to :data:`PADDING_EXPERT` after the source's real entries."""
+    ``pads``: padding entries of each source (:func:`padding_entries`, all
+    routed to :data:`PADDING_EXPERT`), or an ``[R, E]`` matrix of padding
+    entries per source and expert; a source's padding follows its real entries."""
     counts = plan.route_count.to(torch.int64)              # [s, e, d]
-    real = counts.sum(0).clone()                           # [e, d]
-    for s, pad in enumerate(pads):
-        total = int(plan.tokens_per_expert[s, PADDING_EXPERT])
-        if pad > total:
-            raise ValueError(f"source rank {s}: {pad} padding entries but only {total} entries of expert "
-                             f"{PADDING_EXPERT}: the real-token counts do not match this plan")
-        n_real = total - pad
-        start = 0
-        for d in range(plan.R):
-            got = int(counts[s, PADDING_EXPERT, d])
-            # [start, start + got) of this source's expert-0 entries land on d; [n_real, total) are padding.
-            padding_here = max(0, start + got - max(start, n_real))
-            real[PADDING_EXPERT, d] -= padding_here
-            start += got
-    return real
+    matrix = _pad_matrix(plan, pads)
+    totals = plan.tokens_per_expert.to(torch.int64)
+    if (matrix > totals).any():
+        s, e = (int(x) for x in torch.nonzero(matrix > totals)[0])
+        raise ValueError(f"source rank {s}: {int(matrix[s, e])} padding entries but only {int(totals[s, e])} "
+                         f"entries of expert {e}: the real-token counts do not match this plan")
+    n_real = (totals - matrix)[:, :, None]                 # a source's entries of e: [0, n_real) are real
+    hi = counts.cumsum(2)                                  # destinations take them in ascending rank
+    lo = hi - counts
+    return (torch.minimum(hi, n_real) - lo).clamp_min(0).sum(0)
 
 
 def classify_slot_fills(plan: DispatchPlan, dest: int, real: Optional[torch.Tensor]) -> list[SlotFill]:
@@ -98,11 +110,13 @@ def classify_slot_fills(plan: DispatchPlan, dest: int, real: Optional[torch.Tens
     return fills
 
 
-def replan_without_padding(plan: DispatchPlan, pads: Sequence[int]) -> Optional[DispatchPlan]:
+def replan_without_padding(plan: DispatchPlan, pads: "Sequence[int] | torch.Tensor") -> Optional[DispatchPlan]:
     """The plan of the real entries alone (varlen), or None when a source has no real token
     (MoonEP's varlen mode needs at least one token per rank)."""
     counts = plan.tokens_per_expert.to(torch.int64).clone()
-    counts[:, PADDING_EXPERT] -= torch.tensor(list(pads), dtype=torch.int64)
+    counts -= _pad_matrix(plan, pads)
+    if (counts < 0).any():
+        raise ValueError("more padding entries than entries in the plan: the padding does not match this plan")
     tokens = [int(row.sum()) // plan.K for row in counts]
     if min(tokens) < 1:
         return None

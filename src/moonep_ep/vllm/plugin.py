@@ -18,6 +18,10 @@ Always (plugin active):
    ``MOONEP_EP_LAYOUT=replicated`` keeps vLLM's all-gather (for A/B runs).
 3. ``prepare_finalize.moonep.gather_moonep_weight_layout``: wrapped to count
    its calls (the instrumentation of "no expert weight all-gathered").
+3b. ``MoonEPPrepareAndFinalize._pad_to_capacity``: capacity padding that
+   moves no weights (``padding.py``, ``MOONEP_EP_PADDING``).
+3c. ``MoonEPExperts.apply``: own experts first, slot experts after the
+   prefetch's event (``overlap.py``; the prefetch is then asynchronous).
 4. ``all2all_utils``: the MoonEP prepare/finalize names, bound by vLLM only
    on CUDA with ``moonep`` importable, are bound when missing (the reference
    buffer needs no ``moonep`` package).
@@ -178,6 +182,20 @@ def _wrap_gather(module: ModuleType) -> None:
 
     _install(module, "make_moonep_weight_layout", make_moonep_weight_layout, make,
              "prepare_finalize.moonep.make_moonep_weight_layout")
+
+
+def _patch_padding(module: ModuleType) -> None:
+    from .padding import patch_prepare
+
+    if patch_prepare(module):
+        _mark("MoonEPPrepareAndFinalize._pad_to_capacity (MOONEP_EP_PADDING)")
+
+
+def _patch_overlap(module: ModuleType) -> None:
+    from .overlap import patch_experts
+
+    if patch_experts(module):
+        _mark("MoonEPExperts.apply (own experts before the prefetch wait)")
 
 
 def _patch_create_weights(module: ModuleType) -> None:
@@ -373,6 +391,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_ORACLE, _wrap_convert)
             when_imported(MOD_METHOD, _wrap_convert)
             when_imported(MOD_MOONEP_PF, _wrap_gather)
+            when_imported(MOD_MOONEP_PF, _patch_padding)
             when_imported(MOD_ALL2ALL_UTILS, _bind_pf_names)
             when_imported(MOD_METHOD, _patch_create_weights)
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
@@ -384,6 +403,7 @@ def install() -> dict[str, Any]:
                 _request_amx_permission()
                 when_imported(MOD_CPU_COMM, _patch_cpu_communicator)
                 when_imported(MOD_EXPERTS, _patch_experts)
+            when_imported(MOD_EXPERTS, _patch_overlap)
         except Exception:  # noqa: BLE001
             _state["active"] = False
             logger.exception("moonep_ep: installing the vLLM plugin failed; vLLM's own MoonEP path stays in place")

@@ -136,13 +136,13 @@ class Stats:
         (bytes counted at the copy), None for a buffer that does not count.
         ``real_tokens``: every DP rank's real token count this step.
         ``hosts``: every EP rank's host (the store's), to count remote fills by the owner's host."""
-        from ..ops.padding import classify_slot_fills, padding_entries, real_entries, replan_without_padding
+        from ..ops.padding import classify_slot_fills, real_entries, replan_without_padding
 
         global_plan = getattr(plan, "global_plan", None)
         real, replanned, classification_error = None, None, None
         if global_plan is not None and real_tokens is not None:
             try:
-                pads = padding_entries(global_plan, real_tokens)
+                pads = _step_padding(global_plan, real_tokens)
                 real = real_entries(global_plan, pads)
                 replanned = replan_without_padding(global_plan, pads)
             except ValueError as exc:  # counts that do not fit the plan: report, never break a forward
@@ -327,3 +327,20 @@ def read_stats(directory: str) -> list[dict[str, Any]]:
             with open(os.path.join(directory, name)) as f:
                 out.append(json.load(f))
     return sorted(out, key=lambda s: (s.get("ep_rank") is None, s.get("ep_rank") or 0))
+
+
+def _step_padding(global_plan: Any, real_tokens: list[int]) -> Any:
+    """This step's padding entries: the ``[R, E]`` matrix the plugin's padding routed
+    (``padding.py``), or vLLM's per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
+    from ..ops.padding import padding_entries
+    from .padding import last_padding
+
+    state = last_padding()
+    if state is not None and state.get("S") != global_plan.S:
+        state = None  # not this plan's step (a prepare step of another buffer ran in between)
+    if state is not None and state.get("pad") is not None:
+        return state["pad"]
+    if state is not None and state.get("policy") not in (None, "vllm"):
+        raise ValueError("the plugin's padding of this step is not known on this rank (no per-rank real token "
+                         "counts): its fills are not classified")
+    return padding_entries(global_plan, real_tokens)

@@ -1,0 +1,141 @@
+"""Own experts first, slot experts after the prefetch: the prefetch overlaps the expert compute.
+
+vLLM 0.33.0's prepare step calls ``Buffer.prefetch_weight`` synchronously and
+``MoonEPExperts.apply`` runs one grouped GEMM over all ``E + B`` groups, so
+the weight copies and the compute of the rank's own experts run one after
+the other. Here:
+
+* :func:`prefetch` (the plugin's buffer wrapper calls it) asks the buffer for
+  ``async_finish=True`` and keeps the returned event for this thread's next
+  expert compute, in a step the prepare step armed (:func:`arm`) because the
+  layer's experts run :func:`apply`; other experts get the blocking call;
+* :func:`apply` (in place of ``MoonEPExperts.apply``) computes groups
+  ``[0, E)`` (own experts; on the sharded store also remote experts without a
+  slot, read in place), then waits on the event, then computes the slot
+  groups ``[E, E + B)``. Same arithmetic per row as vLLM's single grouped
+  GEMM (every group is an independent ``a[seg] @ w[g].T``).
+
+On a GPU the wait is ``Event.wait`` on the current stream: the own groups'
+kernels are queued before it, the copies run on the buffer's copy stream
+meanwhile. On CPU the reference buffer's copies complete inside the call and
+the order is the same; :data:`TRACE` records it (``own``, ``waited``,
+``slots``) for the tests. Splitting needs the row where the slot groups start
+on the host (one ``int`` read per layer): vLLM's MoonEP path is eager-only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["arm", "prefetch", "apply", "patch_experts", "TRACE"]
+
+_pending = threading.local()
+#: Per thread, when ``TRACE.events`` is a list: the order of the steps of :func:`apply`.
+TRACE = threading.local()
+
+
+def _trace(step: str) -> None:
+    events = getattr(TRACE, "events", None)
+    if events is not None:
+        events.append(step)
+
+
+def arm(prepare: Any) -> None:
+    """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
+    layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
+    experts = getattr(prepare, "_fused_experts", None)
+    _pending.armed = bool(getattr(getattr(type(experts), "apply", None), "_moonep_ep_wrapped", False))
+
+
+def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
+    """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked."""
+    armed, _pending.armed = getattr(_pending, "armed", False), False
+    if not armed or async_finish:
+        return buffer.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
+    _pending.event = buffer.prefetch_weight(plan=plan, async_finish=True, **weights)
+    _trace("prefetch issued")
+    return None
+
+
+def _wait(event: Any) -> None:
+    if event is None:
+        return
+    waiter = getattr(event, "current_stream_wait", None)  # MoonEP / DeepEP-style event handles
+    if waiter is not None:
+        waiter()
+    elif isinstance(event, torch.cuda.Event):
+        event.wait(torch.cuda.current_stream())
+    else:
+        event.wait()
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+def _mlp(a: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, offs: torch.Tensor,
+         route_weights: torch.Tensor | None) -> torch.Tensor:
+    act = torch.nn.functional.silu(_grouped(a, gate_w, offs))
+    act.mul_(_grouped(a, up_w, offs))
+    if route_weights is not None:
+        act.mul_(route_weights.to(act.dtype).unsqueeze(-1))
+    return _grouped(act, down_w, offs)
+
+
+def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+          topk_weights: torch.Tensor, topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any,
+          a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any, expert_tokens_meta: Any,
+          apply_router_weight_on_input: bool, *, original: Any = None) -> None:
+    """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after."""
+    event = getattr(_pending, "event", None)
+    _pending.event = None
+    layout = getattr(self, "_weight_layout", None)
+    E = int(global_num_experts)
+    if original is not None and (layout is None or expert_tokens_meta is None or w1.size(0) <= E):
+        _wait(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
+        return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                        global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                        expert_tokens_meta, apply_router_weight_on_input)
+    assert getattr(activation, "name", str(activation)).upper().endswith("SILU"), activation
+    cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
+    assert cu.numel() == w1.size(0)
+    weights = None if apply_router_weight_on_input else topk_weights
+    up = layout.full_up_weight
+    own_end, end = (int(x) for x in cu[[E - 1, -1]].tolist())
+    output[own_end:].zero_()
+    if own_end:
+        own = _mlp(hidden_states[:own_end], w1[:E], up[:E], w2[:E], cu[:E],
+                   None if weights is None else weights[:own_end])
+        output[:own_end].copy_(own)
+    _trace("own")
+    if event is not None:
+        _wait(event)
+        _trace("waited")
+    if end > own_end:
+        offs = (cu[E:] - own_end).to(torch.int32)
+        slots = _mlp(hidden_states[own_end:end], w1[E:], up[E:], w2[E:], offs,
+                     None if weights is None else weights[own_end:end])
+        output[own_end:end].copy_(slots)
+    _trace("slots")
+
+
+def patch_experts(module: Any) -> bool:
+    """Put :func:`apply` in place of ``MoonEPExperts.apply``; False if already done."""
+    cls = module.MoonEPExperts
+    while getattr(cls, "_moonep_ep_cpu", False) and cls.__bases__:  # the plugin's CPU subclass: patch vLLM's
+        cls = cls.__bases__[0]
+    orig = cls.apply
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return False
+
+    def overlapped_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        return apply(self, *args, **kwargs, original=orig)
+
+    overlapped_apply._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    overlapped_apply.__wrapped__ = orig  # type: ignore[attr-defined]
+    overlapped_apply.__doc__ = apply.__doc__
+    cls.apply = overlapped_apply
+    return True

@@ -1,0 +1,214 @@
+"""The plugin's capacity padding for MoonEP's prepare step (``MOONEP_EP_PADDING``).
+
+vLLM 0.33.0's ``MoonEPPrepareAndFinalize._pad_to_capacity`` pads every step
+to the buffer's capacity ``S`` with rows routed to expert 0, which makes
+MoonEP's planner prefetch expert 0 onto every rank at every decode step
+(``ops/decode_padding.py`` explains why). :func:`pad_to_capacity` replaces
+it for the MoonEP backend; the reference buffer and the real library both
+receive its rows, since it runs before ``Buffer.dispatch``.
+
+* ``balanced`` (default): padding fills every home group's deficit, so the
+  planner moves nothing unless a group's real load exceeds ``S*K``, and never
+  moves a padding entry. Costs one all-gather of ``R + 1`` integers per MoE
+  layer and step (each rank's real token count and its real entries per home
+  group), on the EP group's device group (a host copy of ``R + 1`` integers
+  follows: vLLM's MoonEP path is eager-only).
+  Where a home group's real load exceeds ``S*K`` (the planner would move
+  entries whatever the padding), the cost model (``ops/decode_cost.py``)
+  may run the step at a larger capacity of the pool instead, so the padding
+  absorbs it: when ``S*K`` extra padding rows per rank cost less (derived)
+  than moving one expert. On GPUs, or with ``MOONEP_EP_GPU_PROFILE`` set.
+* ``own``: each rank's padding over its own experts; no collective.
+* ``vllm``: vLLM's own padding, unchanged (A/B runs).
+
+Invalid (negative) top-k ids of real rows, which vLLM maps to expert 0 with
+weight 0, are mapped to the rank's own experts instead (weight 0 as well).
+The step's padding matrix is kept in :data:`LAST` for the instrumentation
+(``stats.py`` tells real entries from padding with it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import envs
+from ..ops.decode_padding import expert_padding, padding_ids
+
+#: ``{"policy", "real_tokens", "pad"}`` of this thread's last prepare (``pad``: ``[R, E]`` or None).
+LAST = threading.local()
+
+
+def policy() -> str:
+    return envs.MOONEP_EP_PADDING
+
+
+def _group_of(manager: Any, device: torch.device) -> Any:
+    if device.type == "cuda" and getattr(manager, "_device_group", None) is not None:
+        return manager._device_group
+    return manager.cpu_group
+
+
+def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
+    """``[R, R + 1]``: every rank's ``[n, real entries per home group...]`` (collective)."""
+    import torch.distributed as dist
+
+    group = _group_of(manager, local.device)
+    out = [torch.empty_like(local) for _ in range(manager.world_size)]
+    dist.all_gather(out, local, group=group)
+    return torch.stack(out).cpu()
+
+
+def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    capacity: int, *, original: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Drop-in for ``MoonEPPrepareAndFinalize._pad_to_capacity`` (same arguments and result)."""
+    from .overlap import arm
+
+    arm(self)
+    manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
+    chosen = policy()
+    if chosen == "vllm" or manager is None:
+        LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None, "S": capacity}
+        return original(self, a1, topk_ids, topk_weights, capacity)
+    num_tokens = a1.shape[0]
+    if num_tokens > capacity:
+        raise ValueError(f"[rank {manager.rank}] MoonEP static buffer capacity exceeded: {num_tokens} tokens "
+                         f"> S={capacity}.")
+    R, rank, E, K = manager.world_size, manager.rank, self.num_global_experts, topk_ids.shape[1]
+    epn = E // R
+    ids = topk_ids.to(torch.int32)
+    weights = topk_weights.to(torch.float32)
+    invalid = ids < 0
+    if bool(invalid.any()):
+        # Same zero weight as vLLM, but on this rank's own experts instead of expert 0.
+        own = (torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).reshape(ids.shape) % epn) + rank * epn
+        ids = torch.where(invalid, own, ids)
+        weights = torch.where(invalid, torch.zeros_like(weights), weights)
+    ids, weights, a1 = ids.contiguous(), weights.contiguous(), a1.contiguous()
+    if chosen == "balanced":
+        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, epn).sum(1)
+        local = torch.cat([torch.tensor([num_tokens], dtype=torch.int64, device=counts.device), counts])
+        gathered = _gather_loads(manager, local)
+        real_tokens = [int(x) for x in gathered[:, 0].tolist()]
+        loads = [int(x) for x in gathered[:, 1:].sum(0).tolist()]
+        capacity = _capacity_by_cost(self, capacity, max(loads), a1.shape[1], K, E, manager)
+        pad = expert_padding("balanced", real_tokens, loads, S=capacity, K=K, E=E, R=R)
+    else:
+        real_tokens = _dp_tokens(R)
+        if real_tokens is not None and real_tokens[rank] != num_tokens:
+            real_tokens = None  # not one EP rank per DP rank: only this rank's row is known
+        if real_tokens is not None:
+            pad = expert_padding("own", real_tokens, None, S=capacity, K=K, E=E, R=R)
+        else:
+            pad = None
+        row = torch.zeros(E, dtype=torch.int64)
+        row[rank * epn:(rank + 1) * epn] = torch.bincount(torch.arange((capacity - num_tokens) * K) % epn,
+                                                          minlength=epn)
+    LAST.state = {"policy": chosen, "real_tokens": real_tokens, "pad": pad, "S": capacity}
+    if num_tokens == capacity:
+        return a1, ids, weights, num_tokens
+    pad_row = pad[rank] if pad is not None else row
+    extra = padding_ids(pad_row, K).to(device=ids.device, dtype=torch.int32)
+    return (F.pad(a1, (0, 0, 0, capacity - num_tokens)),
+            torch.cat([ids, extra]).contiguous(),
+            F.pad(weights, (0, 0, 0, capacity - num_tokens)),
+            num_tokens)
+
+
+def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, K: int, E: int,
+                      manager: Any) -> int:
+    """A larger capacity (so the padding absorbs the imbalance) where the cost model says that moving an
+    expert costs more than the extra padding rows; the same on every rank (``busiest_load`` is gathered).
+
+    A home group whose real load exceeds ``S*K`` makes MoonEP's planner move entries whatever the padding;
+    doubling ``S`` adds ``S*K`` padding rows on every rank instead. Swaps the prepare step's buffer."""
+    pool = self.buffer_pool
+    if busiest_load <= capacity * K or not _cost_model_applies():
+        return capacity
+    model = _cost_model(self, hidden, K, E)
+    if model is None:
+        return capacity
+    new = capacity
+    while busiest_load > new * K and 2 * new <= pool.max_tokens_per_rank:
+        # Extra rows on every rank vs the at-least-one expert the planner would otherwise move.
+        if model.rows_seconds((2 * new - capacity) * K) >= model.copy_seconds(1):
+            break
+        new *= 2
+    if new != capacity:
+        got, self._buffer = pool.get(new)
+        assert got == new, (got, new)
+    return new
+
+
+_COST: dict[tuple, Any] = {}
+
+
+def _cost_model_applies() -> bool:
+    """On a GPU, or where MOONEP_EP_GPU_PROFILE names a profile: the CPU engine's costs are no GPU's
+    (and its tests keep exercising the prefetch path)."""
+    if envs.MOONEP_EP_GPU_PROFILE != "auto":
+        return True
+    return torch.cuda.is_available()
+
+
+def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
+    """The cost model of this layer's BF16 experts (None before the weights are bound)."""
+    layout = getattr(self, "weight_layout", None) or getattr(getattr(self, "_fused_experts", None),
+                                                             "weight_layout", None)
+    gate = getattr(layout, "full_gate_weight", None)
+    if gate is None:
+        return None
+    key = (hidden, int(gate.shape[1]), E, K, gate.element_size())
+    if key not in _COST:
+        from ..models import MoEModelConfig
+        from ..ops.decode_cost import cost_model
+        from .stats import STATS, stats_dir
+
+        shape = MoEModelConfig("vllm-moe-layer", hidden, int(gate.shape[1]), E, K, 1)
+        model = cost_model(shape, "bf16")
+        _COST[key] = model
+        import logging
+
+        logging.getLogger("vllm.moonep_ep").info(
+            "moonep_ep: prefetch cost model: profile %s, a copy pays above %d rows (%s)", model.profile,
+            model.rows_to_pay, model.overrides or "no overrides")
+        if stats_dir() is not None:
+            STATS.set(cost_model=model.describe())
+    return _COST[key]
+
+
+def _dp_tokens(R: int) -> list[int] | None:
+    try:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().dp_metadata
+    except (AssertionError, ImportError):
+        return None
+    if meta is None:
+        return None
+    tokens = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+    return tokens if len(tokens) == R else None
+
+
+def last_padding() -> dict[str, Any] | None:
+    return getattr(LAST, "state", None)
+
+
+def patch_prepare(module: Any) -> bool:
+    """Put :func:`pad_to_capacity` in place of the class's ``_pad_to_capacity``; False if already done."""
+    cls = module.MoonEPPrepareAndFinalize
+    orig = cls._pad_to_capacity
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return False
+
+    def _pad_to_capacity(self: Any, a1: Any, topk_ids: Any, topk_weights: Any, capacity: int) -> Any:
+        return pad_to_capacity(self, a1, topk_ids, topk_weights, capacity, original=orig)
+
+    _pad_to_capacity._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    _pad_to_capacity.__wrapped__ = orig  # type: ignore[attr-defined]
+    _pad_to_capacity.__doc__ = pad_to_capacity.__doc__
+    cls._pad_to_capacity = _pad_to_capacity
+    return True

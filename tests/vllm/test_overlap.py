@@ -1,0 +1,79 @@
+"""Own experts before the prefetch wait, slot experts after (vllm/overlap.py), on CPU: order and arithmetic."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from moonep_ep.vllm import overlap
+
+E, B, H, I = 4, 2, 128, 64
+SILU = types.SimpleNamespace(name="SILU")
+
+
+def _reference(hidden, w1, up, w2, cu, weights):
+    """vLLM's MoonEPExperts.apply: one grouped GEMM over all E+B groups."""
+    gm = lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=cu)  # noqa: E731
+    act = torch.nn.functional.silu(gm(hidden, w1)) * gm(hidden, up)
+    act = act * weights.to(act.dtype).unsqueeze(-1)
+    return gm(act, w2)
+
+
+class _Buffer:
+    def __init__(self, log):
+        self.log = log
+
+    def prefetch_weight(self, plan=None, async_finish=False, **weights):
+        self.log.append(("prefetch", async_finish))
+        return _Event(self.log) if async_finish else None
+
+
+class _Event:
+    def __init__(self, log):
+        self.log = log
+
+    def wait(self):
+        self.log.append(("wait", None))
+
+
+def _run(lengths, log):
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(E + B, I, H, generator=gen).to(torch.bfloat16)
+    up = torch.randn(E + B, I, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E + B, H, I, generator=gen).to(torch.bfloat16)
+    rows = sum(lengths) + 16                     # rows past the last group: stale, must come out zero
+    hidden = torch.randn(rows, H, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(rows, generator=gen)
+    counts = torch.tensor(lengths, dtype=torch.int32)
+    self = types.SimpleNamespace(_weight_layout=types.SimpleNamespace(full_up_weight=up))
+    meta = types.SimpleNamespace(expert_num_tokens=counts)
+    output = torch.full((rows, H), 7.0, dtype=torch.bfloat16)
+    overlap.apply(self, output, hidden, w1, w2, weights, None, SILU, E, None, None, None, None, None, meta, False)
+    overlap.TRACE.events = None
+    cu = torch.cumsum(counts, 0, dtype=torch.int32)
+    return output, _reference(hidden, w1, up, w2, cu, weights)
+
+
+def test_own_groups_run_before_the_prefetch_wait_and_slots_after():
+    log = []
+    experts_module = types.SimpleNamespace(MoonEPExperts=type("MoonEPExperts", (), {"apply": lambda self: None}))
+    assert overlap.patch_experts(experts_module) and not overlap.patch_experts(experts_module)
+    overlap.arm(types.SimpleNamespace(_fused_experts=experts_module.MoonEPExperts()))
+    overlap.TRACE.events = log
+    assert overlap.prefetch(_Buffer(log), plan=None, async_finish=False, weights={}) is None
+    output, expected = _run([16, 0, 32, 16, 16, 16], log)
+    assert log == [("prefetch", True), "prefetch issued", "own", ("wait", None), "waited", "slots"]
+    assert torch.equal(output[:96], expected[:96])  # same rows as vLLM's single grouped GEMM
+    assert not output[96:].any()                    # rows past the last group: zero (vLLM's: stale)
+
+
+def test_no_slot_rows_and_unarmed_steps_block():
+    log = []
+    overlap.arm(types.SimpleNamespace(_fused_experts=types.SimpleNamespace()))  # experts that are not ours
+    overlap.TRACE.events = log
+    overlap.prefetch(_Buffer(log), plan=None, async_finish=False, weights={})
+    assert log == [("prefetch", False)]              # blocking: nobody would wait on an event
+    output, expected = _run([16, 16, 0, 16, 0, 0], log)
+    assert torch.equal(output[:48], expected[:48]) and not output[48:].any()
+    assert log[1:] == ["own", "slots"]               # no pending event: nothing to wait for

@@ -1,0 +1,189 @@
+"""The plugin's capacity padding (vllm/padding.py) never makes MoonEP's planner move weights.
+
+Every EP rank's prepare step runs here in one process: the plugin's
+``_pad_to_capacity`` on each rank's real tokens (the one collective, the
+all-gather of real loads, is served from the ranks' own inputs), then the
+project's planner on the padded ids, as MoonEP's dispatch would plan them.
+The prepare step runs before ``Buffer.dispatch``, so the reference buffer and
+the real library receive the same rows. No vLLM needed.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from moonep_ep.ops.decode_padding import expert_padding, group_padding, padding_ids
+from moonep_ep.ops.padding import real_entries
+from moonep_ep.ops.planner import plan_dispatch
+from moonep_ep.vllm import padding as plugin_padding
+
+E, K, R = 64, 4, 8
+EPN = E // R
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_last_step():
+    yield
+    plugin_padding.LAST.state = None   # the stats of other tests must not see these steps' padding
+
+
+def _topk(n: int, gen: torch.Generator, skew: float = 0.0) -> torch.Tensor:
+    scores = torch.rand(n, E, generator=gen)
+    scores[:, :EPN] += skew  # skew > 0: rank 0's experts are popular
+    return scores.argsort(dim=1, descending=True)[:, :K].to(torch.int32)
+
+
+def _prepare_all_ranks(real: list[torch.Tensor], capacity: int, policy: str, monkeypatch) -> torch.Tensor:
+    """Every rank's padded ids through the plugin's prepare padding -> gathered ``[R, E]`` counts."""
+    monkeypatch.setenv("MOONEP_EP_PADDING", policy)
+    loads = []
+    for ids in real:
+        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, EPN).sum(1)
+        loads.append(torch.cat([torch.tensor([ids.shape[0]]), counts]))
+    monkeypatch.setattr(plugin_padding, "_gather_loads", lambda manager, local: torch.stack(loads))
+    monkeypatch.setattr(plugin_padding, "_dp_tokens", lambda R_: [int(t.shape[0]) for t in real])
+    rows = []
+    for rank, ids in enumerate(real):
+        manager = types.SimpleNamespace(rank=rank, world_size=R)
+        self = types.SimpleNamespace(num_global_experts=E, buffer_pool=types.SimpleNamespace(_manager=manager))
+        n = ids.shape[0]
+        a1 = torch.randn(n, 128).to(torch.bfloat16)
+        out_a1, out_ids, out_w, num = plugin_padding.pad_to_capacity(
+            self, a1, ids, torch.rand(n, K), capacity, original=_vllm_pad)
+        assert num == n and out_ids.shape == (capacity, K) and out_a1.shape == (capacity, 128)
+        assert torch.equal(out_ids[:n], ids) and not out_w[n:].any() and not out_a1[n:].float().any()
+        rows.append(torch.bincount(out_ids.reshape(-1).to(torch.int64), minlength=E))
+    return torch.stack(rows)
+
+
+def _vllm_pad(self, a1, topk_ids, topk_weights, capacity):  # vLLM 0.33.0's rule: padding rows to expert 0
+    pad = capacity - a1.shape[0]
+    F = torch.nn.functional
+    return (F.pad(a1, (0, 0, 0, pad)), F.pad(topk_ids.to(torch.int32), (0, 0, 0, pad)),
+            F.pad(topk_weights.float(), (0, 0, 0, pad)), a1.shape[0])
+
+
+def _decisions(counts: torch.Tensor, capacity: int) -> tuple[set, object]:
+    plan = plan_dispatch(counts, S=capacity, K=K, E=E, R=R, B=EPN)
+    fills = {(d, int(e)) for d in range(R) for e in plan.experts_to_copy[d].tolist() if e >= 0}
+    return fills, plan
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_same_real_tokens_give_the_same_prefetch_decisions_however_much_they_are_padded(seed, monkeypatch):
+    """Capacities 32 (the fullest rank has little or no padding) to 1024: the same decisions, and no slot
+    ever serves a padding entry. (The plan of the real entries alone, varlen, balances to their mean and is
+    not reproducible by any padding: docs/design/decode.md §2.)"""
+    gen = torch.Generator().manual_seed(seed)
+    n = [int(x) for x in torch.randint(1, 33, (R,), generator=gen)]
+    n[seed % R] = 32                         # at capacity 32 this rank sends no padding row
+    real = [_topk(x, gen) for x in n]
+    decisions = {}
+    for capacity in (32, 128, 256, 1024):   # 32: no padding on the fullest rank
+        counts = _prepare_all_ranks(real, capacity, "balanced", monkeypatch)
+        fills, plan = _decisions(counts, capacity)
+        decisions[capacity] = fills
+        pad = plugin_padding.last_padding()["pad"]
+        real_here = real_entries(plan, pad)
+        # Every entry any slot serves is real: padding never reaches a slot.
+        assert all(int(real_here[e, d]) == int(plan.alloc[e, d]) for d, e in fills)
+    # The real load of every group is below 32*K here, so the padding absorbs the imbalance:
+    # no weight moves, whatever the padding.
+    assert all(v == set() for v in decisions.values()), decisions
+    # Control: vLLM's padding, same real tokens: its decisions depend on the padding (expert 0 everywhere).
+    vllm = {cap: _decisions(_prepare_all_ranks(real, cap, "vllm", monkeypatch), cap)[0] for cap in (128, 1024)}
+    assert all(len({e for _, e in f}) == 1 and {e for _, e in f} == {0} and len(f) == R - 1 for f in vllm.values())
+
+
+def test_a_group_over_capacity_moves_only_real_entries(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    real = [_topk(24, gen, skew=10.0) for _ in range(R)]   # every rank routes to rank 0's experts
+    for capacity in (32, 64):
+        counts = _prepare_all_ranks(real, capacity, "balanced", monkeypatch)
+        fills, plan = _decisions(counts, capacity)
+        assert fills and {e // EPN for _, e in fills} == {0}   # moves exist: rank 0's real load > S*K
+        real_here = real_entries(plan, plugin_padding.last_padding()["pad"])
+        assert all(int(real_here[e, d]) == int(plan.alloc[e, d]) for d, e in fills)
+        # Rank 0's group got no padding at all.
+        assert int(plugin_padding.last_padding()["pad"][:, :EPN].sum()) == 0
+
+
+def test_own_policy_keeps_padding_on_the_rank_and_needs_no_collective(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    real = [_topk(5, gen) for _ in range(R)]
+    monkeypatch.setenv("MOONEP_EP_PADDING", "own")
+    monkeypatch.setattr(plugin_padding, "_gather_loads", lambda *a: pytest.fail("own padding gathered"))
+    monkeypatch.setattr(plugin_padding, "_dp_tokens", lambda R_: None)
+    for rank, ids in enumerate(real):
+        manager = types.SimpleNamespace(rank=rank, world_size=R)
+        self = types.SimpleNamespace(num_global_experts=E, buffer_pool=types.SimpleNamespace(_manager=manager))
+        _, out_ids, _, _ = plugin_padding.pad_to_capacity(self, torch.zeros(5, 128, dtype=torch.bfloat16), ids,
+                                                          torch.rand(5, K), 64, original=_vllm_pad)
+        extra = out_ids[5:].reshape(-1).to(torch.int64)
+        assert ((extra // EPN) == rank).all()
+        per_expert = torch.bincount(extra - rank * EPN, minlength=EPN)
+        assert int(per_expert.sum()) == (64 - 5) * K and int(per_expert.max() - per_expert.min()) <= 1
+
+
+def test_invalid_ids_go_to_own_experts_with_zero_weight(monkeypatch):
+    monkeypatch.setenv("MOONEP_EP_PADDING", "own")
+    monkeypatch.setattr(plugin_padding, "_dp_tokens", lambda R_: None)
+    manager = types.SimpleNamespace(rank=3, world_size=R)
+    self = types.SimpleNamespace(num_global_experts=E, buffer_pool=types.SimpleNamespace(_manager=manager))
+    ids = torch.tensor([[1, -1, 2, -1]], dtype=torch.int32)
+    _, out_ids, out_w, _ = plugin_padding.pad_to_capacity(self, torch.zeros(1, 128, dtype=torch.bfloat16), ids,
+                                                         torch.ones(1, K), 1, original=_vllm_pad)
+    assert out_ids[0, 0] == 1 and out_ids[0, 2] == 2 and ((out_ids[0, [1, 3]] // EPN) == 3).all()
+    assert out_w[0].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_balanced_group_padding_fills_every_deficit_own_group_first():
+    n, S, K8 = [3, 8, 1, 8], 8, 8
+    loads = [30, 20, 90, 20]   # real entries per group (sum = sum(n) * K); group 2 is over S*K = 64
+    P = group_padding("balanced", n, loads, S=S, K=K8, R=4)
+    assert [sum(row) for row in P] == [(S - x) * K8 for x in n]
+    assert [loads[h] + sum(P[s][h] for s in range(4)) for h in range(4)] == [64, 64, 90, 38]
+    assert P[0][0] == 34 and P[2][2] == 0 and P[0][1] == 6   # own group first, none on the overloaded group
+    pad = expert_padding("balanced", n, loads, S=S, K=K8, E=16, R=4)
+    assert pad.sum(1).tolist() == [(S - x) * K8 for x in n]
+    assert pad[:, 8:12].sum() == 0 and padding_ids(pad[0], K8).shape == (5, K8)
+    with pytest.raises(ValueError, match="real load"):
+        group_padding("balanced", n, None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match="outside"):
+        group_padding("own", [9, 0, 0, 0], None, S=S, K=K8, R=4)
+
+
+def test_cost_model_doubles_the_capacity_instead_of_moving_experts(monkeypatch):
+    """A group over S*K: moving one BF16 expert costs more than S*K extra padding rows, so the step runs
+    at a capacity where the padding absorbs the load (the same choice on every rank: the load is gathered)."""
+    monkeypatch.setenv("MOONEP_EP_GPU_PROFILE", "h200")
+    gen = torch.Generator().manual_seed(5)
+    real = [_topk(24, gen, skew=10.0) for _ in range(R)]
+    loads = []
+    for ids in real:
+        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, EPN).sum(1)
+        loads.append(torch.cat([torch.tensor([ids.shape[0]]), counts]))
+    monkeypatch.setenv("MOONEP_EP_PADDING", "balanced")
+    monkeypatch.setattr(plugin_padding, "_gather_loads", lambda manager, local: torch.stack(loads))
+    layout = types.SimpleNamespace(full_gate_weight=torch.empty(E + 4, 256, 128, dtype=torch.bfloat16,
+                                                                device="meta"))
+    rows, capacities = [], set()
+    for max_tokens in (1024, 32):   # 32: no larger buffer exists, the planner has to move (control)
+        rows = []
+        for rank, ids in enumerate(real):
+            pool = types.SimpleNamespace(_manager=types.SimpleNamespace(rank=rank, world_size=R),
+                                         max_tokens_per_rank=max_tokens, get=lambda cap: (cap, f"buffer S={cap}"))
+            self = types.SimpleNamespace(num_global_experts=E, buffer_pool=pool, weight_layout=layout,
+                                         _buffer="buffer S=32")
+            _, out_ids, _, _ = plugin_padding.pad_to_capacity(self, torch.zeros(24, 128, dtype=torch.bfloat16),
+                                                              ids, torch.rand(24, K), 32, original=_vllm_pad)
+            capacities.add((max_tokens, out_ids.shape[0], self._buffer))
+            rows.append(torch.bincount(out_ids.reshape(-1).to(torch.int64), minlength=E))
+        cap = out_ids.shape[0]
+        fills, _ = _decisions(torch.stack(rows), cap)
+        assert (fills == set()) == (max_tokens == 1024), (max_tokens, fills)
+    # 8 ranks x 24 tokens x K=4 = 768 entries on group 0: S*K >= 768 first at S = 256
+    assert capacities == {(1024, 256, "buffer S=256"), (32, 32, "buffer S=32")}
