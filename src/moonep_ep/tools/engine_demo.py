@@ -77,6 +77,11 @@ def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = 
         progress("building the tiny DeepSeek-V3 (Kimi K2 MLA dims, noaux_tc routing, 16 experts top-4, 3 MoE "
                  "layers, random bf16, offline tokenizer)")
         return build_tiny_deepseek_v3(model_dir)
+    from .tiny_quantized import QUANTIZED_MODELS, build_tiny_quantized
+
+    if spec in QUANTIZED_MODELS:
+        progress(f"building {spec} (the tiny DeepSeek-V3 with {QUANTIZED_MODELS[spec]} routed experts, the rest bf16)")
+        return build_tiny_quantized(spec, model_dir)
     if spec == "tiny-qwen3":
         from .tiny_model import build_tiny_qwen3_moe, default_model_dir
 

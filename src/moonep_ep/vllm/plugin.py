@@ -75,6 +75,7 @@ MOD_BASE_LOADER = "vllm.model_executor.model_loader.base_loader"
 MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
+MOD_VLLM_CONFIG = "vllm.config.vllm"
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -335,6 +336,23 @@ def _patch_experts(module: ModuleType) -> None:
     _mark("moonep_experts.MoonEPExperts (CPU)")
 
 
+def _patch_config_check(module: ModuleType) -> None:
+    """Quantized models with ``moonep``: moonep_ep's verdict (scheme and fix, ``quantized.py``) before vLLM's."""
+    cls = module.VllmConfig
+    orig = cls.__post_init__
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return
+    engine = check_vllm().distribution or "vllm"
+
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        from .quantized import check_vllm_config
+
+        check_vllm_config(self, engine)
+        orig(self, *args, **kwargs)
+
+    _install(cls, "__post_init__", __post_init__, orig, "VllmConfig.__post_init__ (quantized schemes)")
+
+
 def _request_amx_permission() -> None:
     """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
 
@@ -377,6 +395,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_METHOD, _patch_create_weights)
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)
+            when_imported(MOD_VLLM_CONFIG, _patch_config_check)
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
                 when_imported(runner, _patch_model_memory)
