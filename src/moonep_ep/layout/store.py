@@ -48,13 +48,26 @@ class ProjectionSpec:
     """One per-expert weight tensor: ``name``, ``shape`` ``(out, in)`` and dtype.
 
     MoE FFN experts have ``gate [I, H]``, ``up [I, H]``, ``down [H, I]``.
-    Quantized weights add entries of their own (e.g. a scale tensor per
-    projection) with their dtype and shape; the layout treats each alike.
+    Quantized weights add entries of their own (a scale tensor per
+    projection, ``formats.expert_projections``) with their dtype and shape;
+    the layout treats each alike: one region per tensor, page-aligned in each
+    owner's shard, the same row index (expert id, then slot id) for all.
+    ``role`` is ``"weight"`` or ``"scale"`` (accounting counts them apart);
+    ``projection`` names the projection a tensor belongs to (default: ``name``).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.bfloat16
+    role: str = "weight"
+    projection: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("weight", "scale"):
+            raise ConfigError(f"projection {self.name!r}: role must be 'weight' or 'scale': got {self.role!r}. "
+                              "Fix: mark scale tensors role='scale'")
+        if not self.projection:
+            object.__setattr__(self, "projection", self.name)
 
     @property
     def row_bytes(self) -> int:
