@@ -72,3 +72,14 @@ def test_unsupported_untested_and_unreadable_checkpoints(tmp_path):
     assert _keys(check_model_dir(str(tmp_path / "j"), ep_size=2)[0]) == ["config.json"]
     assert _keys(check_model_dir(str(tmp_path / "missing"), ep_size=2)[0]) == ["--model"]
     assert _keys(check_model_dir(_ckpt(tmp_path / "e", QWEN3), ep_size=200)[0]) == ["data-parallel size"]
+
+
+def test_rope_parameters_written_by_transformers_5_count_as_rope_scaling(tmp_path):
+    # transformers 5 writes rope_parameters (rope_type "yarn" or "default"), not rope_scaling; vLLM reads both
+    base = {k: v for k, v in DSV3.items() if k != "rope_scaling"}
+    yarn = dict(base, rope_parameters={"rope_type": "yarn", "factor": 32.0, "rope_theta": 10000.0})
+    problems, _ = check_model_dir(_ckpt(tmp_path / "y", yarn), ep_size=2, engine="vllm-cpu")
+    assert _keys(problems, "warning") == []
+    plain = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    problems, _ = check_model_dir(_ckpt(tmp_path / "p", plain), ep_size=2, engine="vllm-cpu")
+    assert _keys(problems, "warning") == ["rope_scaling"]

