@@ -63,6 +63,8 @@ FIGURE_SOURCES: dict[str, str] = {
     "prefetch_calls_by_rank": "measured: prefetch_weight calls per rank (first generation)",
     "remote_bytes_from_owners_by_rank": "measured: bytes the prefetch copies read from rows another rank owns, "
                                         "counted at the copy (ops.commplan.PrefetchStats)",
+    "quantized_fill_bytes_by_rank": "measured: quantized experts' slot fills, weight bytes and scale bytes "
+                                    "counted apart at the copy (all and from remote owners)",
     "without_padding_by_owner_expert": "derived: the fills MoonEP's planner makes for the real entries alone "
                                        "(re-planned per dispatch without vLLM's capacity padding)",
     # -- the dp_replicated run ------------------------------------------------------------------
@@ -175,8 +177,22 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
         "remote_bytes_from_owners_by_rank": [int((dp.get(r, {}).get("forward_stats") or {}).get(
             "remote_bytes_at_copy", 0)) for r in ranks],
     }
+    quantized = [(dp.get(r, {}).get("forward_stats") or {}).get("quantized_bytes_at_copy") for r in ranks]
+    if any(quantized):
+        fields["quantized_fill_bytes_by_rank"] = quantized
     fields.update(load_memory_fields(stats, ranks))
     return fields
+
+
+def _expert_bytes(store: dict[str, Any]) -> int:
+    """Bytes of one expert row (all tensors of the store's format: weights plus scales), from the store's dims."""
+    hidden, inter = int(store.get("hidden") or 0), int(store.get("intermediate") or 0)
+    fmt = store.get("format") or "bf16"
+    if fmt == "bf16" or not hidden:
+        return 3 * hidden * inter * 2
+    from ..layout.formats import expert_projections, projection_bytes
+
+    return projection_bytes(expert_projections(fmt, hidden, inter))["total_bytes"]
 
 
 def _replicated_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
@@ -284,7 +300,7 @@ def _sharded_checks(s: dict[str, Any], stats: list[dict[str, Any]], ranks: list[
     fills = s["remote_prefetch_fills"]
     per = stats_by_rank(stats, ranks)
     store = (per[0].get("store") or {}) if per else {}
-    expert_row_bytes = 3 * int(store.get("hidden") or 0) * int(store.get("intermediate") or 0) * 2
+    expert_row_bytes = _expert_bytes(store)
     checks = {
         "stats_from_every_ep_rank": found == ranks,
         "no_expert_weight_in_load_collectives": s["expert_weight_bytes_in_load_collectives"] == 0,

@@ -145,7 +145,8 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
     layout.format, layout.views = store.format, views
     layer._moonep_weight_layout = layout
     _LAYOUTS[views[f"w13_{weight}"].data_ptr()] = (store.format, views, store.num_experts)
-    if method.moe_kernel is None or not isinstance(method.moe_kernel.fused_experts, experts_class()):
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is None or not isinstance(kernel.fused_experts, experts_class()):
         method.moe_quant_config = method.get_fused_moe_quant_config(layer)
         prepare_finalize = maybe_make_prepare_finalize(moe=method.moe, quant_config=method.moe_quant_config,
                                                        routing_tables=layer._expert_routing_tables(),
