@@ -240,6 +240,9 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def destroy(self) -> None:
         super().destroy()  # the buffer pools first: they may still reference the views
+        from .quantized_engine import forget_layouts
+
+        forget_layouts()
         stores, self.expert_stores = self.expert_stores, []
         for store in stores:
             store.close()

@@ -37,7 +37,8 @@ from ..errors import ConfigError
 FORMAT_ATTR = "_moonep_ep_format"
 #: w1/w3 -> the half of the fused w13 row; w2 -> the whole w2 row
 _PART_OF_SHARD = {"w1": 0, "w3": 1, "w2": None}
-#: ``data_ptr`` of a layer's ``[E+B]`` w13 weight view -> (format, {name: view}); read by the prefetch
+#: ``id`` of a bound layer's ``[E+B]`` w13 weight view (the tensor object MoonEP's prepare() hands the
+#: buffer) -> (format, {name: view}, E); the entry holds the view, so the id stays unique until forgotten
 _LAYOUTS: dict[int, tuple[str, dict[str, torch.Tensor], int]] = {}
 
 
@@ -144,7 +145,7 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
                                    store.num_slots)
     layout.format, layout.views = store.format, views
     layer._moonep_weight_layout = layout
-    _LAYOUTS[views[f"w13_{weight}"].data_ptr()] = (store.format, views, store.num_experts)
+    _LAYOUTS[id(views[f"w13_{weight}"])] = (store.format, views, store.num_experts)
     kernel = getattr(method, "moe_kernel", None)
     if kernel is None or not isinstance(kernel.fused_experts, experts_class()):
         method.moe_quant_config = method.get_fused_moe_quant_config(layer)
@@ -243,7 +244,15 @@ def quantized_views_for(full_gate_weight: Any) -> tuple[str, dict[str, torch.Ten
     """``(format, {name: [E+B] view}, E)`` when ``full_gate_weight`` is a bound quantized layer's w13 view."""
     if not isinstance(full_gate_weight, torch.Tensor) or full_gate_weight.dtype == torch.bfloat16:
         return None
-    return _LAYOUTS.get(full_gate_weight.data_ptr())
+    entry = _LAYOUTS.get(id(full_gate_weight))
+    if entry is None or not any(v is full_gate_weight for v in entry[1].values()):
+        return None
+    return entry
+
+
+def forget_layouts() -> None:
+    """Drop every bound layer's views (the manager's destroy: the stores close next)."""
+    _LAYOUTS.clear()
 
 
 def prefetch_quantized(views: dict[str, torch.Tensor], row: list[int], num_experts: int, rank: int, epn: int
