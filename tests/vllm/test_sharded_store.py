@@ -160,3 +160,69 @@ def test_first_load_casts_and_updates_keep_the_checkpoint_dtype():
     for out in run_ranks(cast_rank, 2, timeout_s=120):
         assert out["dtypes"] == ["torch.float32"]
         assert "dtype torch.bfloat16 differs from the checkpoint the engine loaded" in out["bf16_update"]
+
+
+# -- a quantized store (INT4 W4A16 g32, vLLM's fused w13 names): what the engine binding relies on ------------
+
+def _int4_rows(seed: int, layer: int, expert: int) -> dict:
+    g = torch.Generator().manual_seed(seed * 100_003 + layer * 1009 + expert)
+    return {"w1_packed": torch.randint(-2**31, 2**31 - 1, (I, H // 8), generator=g, dtype=torch.int32),
+            "w3_packed": torch.randint(-2**31, 2**31 - 1, (I, H // 8), generator=g, dtype=torch.int32),
+            "w2_packed": torch.randint(-2**31, 2**31 - 1, (H, I // 8), generator=g, dtype=torch.int32),
+            "w1_scale": (torch.rand(I, H // 32, generator=g) / 8).to(torch.bfloat16),
+            "w3_scale": (torch.rand(I, H // 32, generator=g) / 8).to(torch.bfloat16),
+            "w2_scale": (torch.rand(H, I // 32, generator=g) / 8).to(torch.bfloat16)}
+
+
+def quantized_rank(ctx, skip_up: bool) -> dict:
+    from moonep_ep.memory.host import HostDriver
+    from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
+    from moonep_ep.vllm.quantized_engine import prefetch_quantized
+
+    rank, epn, out = ctx.rank, E // 2, {}
+    store = ModelExpertStore(layer_names=[f"l{i}" for i in range(L)], num_experts=E, hidden=H, intermediate=I,
+                             num_slots=B, group=None, device=torch.device("cpu"), fmt="int4-g32",
+                             driver=HostDriver(rank=rank, granularity=GRAN))
+    try:
+        for layer in range(L):
+            for j in range(epn):
+                rows = _int4_rows(0, layer, rank * epn + j)
+                for kind in ("packed", "scale"):
+                    name = "weight_packed" if kind == "packed" else "weight_scale"
+                    store.write_expert(layer, f"w13_{name}", j, rows[f"w1_{kind}"], "t", part=0)
+                    if not (skip_up and rank == 1 and (layer, j) == (1, 2)):
+                        store.write_expert(layer, f"w13_{name}", j, rows[f"w3_{kind}"], "t", part=1)
+                    store.write_expert(layer, f"w2_{name}", j, rows[f"w2_{kind}"], "t")
+        out["error"] = _error(store.settle)
+        if skip_up:
+            return out
+        views = store.named_views(1)
+        out["slots_poisoned"] = bool((views["w13_weight_packed"][E:] == 0).all()) and \
+            bool(torch.isnan(views["w13_weight_scale"][E:]).all())
+        other = 1 - rank
+        remote = [other * epn + b for b in range(B)]
+        out["fill"] = prefetch_quantized(views, remote[:3] + [-1], E, rank, epn)
+        out["slots_equal_sources"] = all(torch.equal(v[E + b], v[remote[b]]) for v in views.values() for b in range(3))
+        rows = _int4_rows(0, 1, remote[0])
+        out["source_rows_are_the_checkpoint"] = torch.equal(views["w13_weight_packed"][remote[0]][:I], rows["w1_packed"]) \
+            and torch.equal(views["w13_weight_scale"][remote[0]][I:], rows["w3_scale"])
+        cu = torch.zeros(E + B, dtype=torch.int32)
+        cu[E + 3:] = 4  # 4 rows in the unfilled (poisoned) slot 3: the output must show it
+        hidden = torch.randn(4, H).to(torch.bfloat16)
+        out["unfilled_slot_is_nan"] = bool(torch.isnan(
+            quantized_grouped_ffn(hidden, "int4-g32", *views_of("int4-g32", views), cu)).all())
+    finally:
+        store.close()
+    return out
+
+
+def test_a_quantized_store_loads_halves_of_w13_counts_scales_apart_and_poisons_integer_slots():
+    for out in run_ranks(quantized_rank, 2, args=(False,), timeout_s=120):
+        assert out["error"] == "no error" and out["slots_poisoned"], out
+        per_expert_weight = (2 * I * H // 8 + H * I // 8) * 4
+        per_expert_scale = (2 * I * H // 32 + H * I // 32) * 2
+        assert out["fill"]["weight_bytes"] == 3 * per_expert_weight == out["fill"]["remote_weight_bytes"]
+        assert out["fill"]["scale_bytes"] == 3 * per_expert_scale == out["fill"]["remote_scale_bytes"]
+        assert out["slots_equal_sources"] and out["source_rows_are_the_checkpoint"] and out["unfilled_slot_is_nan"]
+    for out in run_ranks(quantized_rank, 2, args=(True,), timeout_s=120):
+        assert "rank(s) [1]" in out["error"] and "l1.w13_weight_packed[expert 6]" in out["error"], out["error"]

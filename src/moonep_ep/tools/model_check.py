@@ -115,9 +115,7 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
                                 "serve this model with another --all2all-backend"))
     quant = merged.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
-        problems.append(Problem("quantization_config", f"quantized checkpoint ({method}): MoonEP's sharded layout "
-                                "holds unquantized bf16 experts", "use a bf16 checkpoint or another backend"))
+        problems += _quantization_problems(quant, engine, info)
     native = str(merged.get("torch_dtype") or merged.get("dtype") or "")
     if native and native not in ("bfloat16", "bf16"):
         problems.append(Problem("torch_dtype", f"the checkpoint is {native}: vLLM casts it to bfloat16 at load "
@@ -126,6 +124,19 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     problems += _deepseek_problems(merged, arch, E, K, engine)
     problems += _file_problems(path)
     return problems, info
+
+
+def _quantization_problems(quant: Any, engine: str, info: dict[str, Any]) -> list[Problem]:
+    """A quantized checkpoint: its expert format (``vllm/quantized.py``), or each reason with its fix."""
+    from ..vllm.quantized import classify, refusal
+
+    scheme = classify(quant, engine)
+    info["quantization"] = {"quant_method": scheme.quant_method, "format": scheme.format}
+    message = refusal(scheme)
+    if message is None:
+        return []
+    text, _, fix = message.rpartition(". Fix: ") if len(scheme.problems) <= 1 else (message, "", "")
+    return [Problem("quantization_config", text or message, fix or "see each reason above")]
 
 
 def _deepseek_problems(merged: dict[str, Any], arch: Optional[str], E: int, K: int, engine: str) -> list[Problem]:

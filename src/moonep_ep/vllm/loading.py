@@ -271,6 +271,11 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
         if not model_stores(model):
             return original(vllm_config, model, weights_iterator=weights_iterator, weights_path=weights_path,
                             is_checkpoint_format=is_checkpoint_format)
+        quantized = sorted({s.format for s in model_stores(model) if getattr(s, "format", "bf16") != "bf16"})
+        if quantized:
+            raise ConfigError(f"moonep_ep: reload_weights of {'/'.join(quantized)} experts in MoonEP's sharded store "
+                              "is not supported yet (the in-place update path checks bf16 gate/up/down rows only); "
+                              "the loaded weights keep serving. Fix: start a new engine on the new checkpoint")
         if not is_checkpoint_format:
             raise ConfigError("moonep_ep: reload_weights(is_checkpoint_format=False) writes kernel-format tensors "
                               "into parameters by name, but MoonEP's sharded layout keeps each rank's experts in "

