@@ -34,6 +34,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm
 from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
 from .buffers import select_buffer, system_check
+from .padding import real_tokens_across_dp
 from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
 from .sharded import ModelExpertStore
 from .stats import STATS, stats_dir
@@ -97,7 +98,7 @@ class InstrumentedBuffer:
                 STATS.record_quantized_fill(copied.weight_bytes, copied.scale_bytes, copied.remote_weight_bytes,
                                             copied.remote_scale_bytes)
             STATS.record_prefetch(plan, rank, epn, copied=copied or getattr(self._inner, "last_prefetch", None),
-                                  real_tokens=_real_tokens_across_dp(), hosts=store.hosts if store else None)
+                                  real_tokens=real_tokens_across_dp(), hosts=store.hosts if store else None)
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
         return out
@@ -107,20 +108,6 @@ class InstrumentedBuffer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-def _real_tokens_across_dp() -> list[int] | None:
-    """Every DP rank's real token count this step (vLLM's forward context; the prepare step pads each
-    rank's batch to the buffer's capacity), or None outside a forward."""
-    try:
-        from vllm.forward_context import get_forward_context
-
-        meta = get_forward_context().dp_metadata
-    except (AssertionError, ImportError):
-        return None
-    if meta is None:
-        return None
-    return [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
 
 
 class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):

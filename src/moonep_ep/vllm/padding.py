@@ -180,7 +180,9 @@ def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
     return _COST[key]
 
 
-def _dp_tokens(R: int) -> list[int] | None:
+def real_tokens_across_dp() -> list[int] | None:
+    """Every DP rank's real token count this step (vLLM's forward context; the prepare step pads each
+    rank's batch to the buffer's capacity), or None outside a forward."""
     try:
         from vllm.forward_context import get_forward_context
 
@@ -189,8 +191,12 @@ def _dp_tokens(R: int) -> list[int] | None:
         return None
     if meta is None:
         return None
-    tokens = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
-    return tokens if len(tokens) == R else None
+    return [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+
+
+def _dp_tokens(R: int) -> list[int] | None:
+    tokens = real_tokens_across_dp()
+    return tokens if tokens is not None and len(tokens) == R else None
 
 
 def last_padding() -> dict[str, Any] | None:
