@@ -16,7 +16,7 @@ def test_bytes_per_expert_match_the_published_formats():
     k2, k3 = get_model("kimi-k2"), get_model("kimi-k3")
     assert expert_bytes_for(k2, "bf16") == 88_080_384
     assert expert_bytes_for(k2, "fp8-block") == 44_050_944
-    assert expert_bytes_for(k2, "int4-w4a16") == 24_772_608
+    assert expert_bytes_for(k2, "int4-g32") == 24_772_608
     assert expert_bytes_for(k2, "mxfp4") == 23_396_352
     assert expert_bytes_for(k3, "mxfp4") == 17_547_264
     with pytest.raises(ValueError, match="unknown weight format"):

@@ -18,7 +18,7 @@ Inputs, each overridable (``envs.py``, the cost-model variables):
   tensor-core FLOP rate per weight format, HBM bandwidth, NVLink bandwidth
   per direction, each with its source;
 * bytes per expert of the weight format, scales included
-  (:func:`expert_bytes_for`; a local table until ``models.py`` knows formats).
+  (:func:`expert_bytes_for`, from the store's tensors in ``layout.formats``).
 
 Every time this module returns is **derived** from these inputs, never measured.
 """
@@ -32,7 +32,7 @@ from typing import Any
 from .. import envs
 from ..models import MoEModelConfig
 
-__all__ = ["GpuProfile", "PROFILES", "FORMATS", "expert_bytes_for", "CostModel", "cost_model"]
+__all__ = ["GpuProfile", "PROFILES", "FORMATS", "expert_bytes_for", "canonical_format", "CostModel", "cost_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +72,11 @@ class WeightFormat:
     notes: str
 
 
-#: Bytes per expert of each format: :func:`expert_bytes_for`. Kept local and small so it can later
-#: point at the project's format support in ``models.py``/footprint.
+#: The FLOP rate each format's grouped GEMM runs at; its bytes come from ``layout.formats``.
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in [
     WeightFormat("bf16", "bf16", "3*H*I bf16"),
     WeightFormat("fp8-block", "fp8", "3*H*I e4m3 + fp32 scale per 128x128 block (DeepSeek-V3 / Kimi K2 release)"),
-    WeightFormat("int4-w4a16", "bf16", "3*H*I int4 packed + bf16 scale per 32 (K2-Thinking, compressed-tensors "
+    WeightFormat("int4-g32", "bf16", "3*H*I int4 packed + bf16 scale per 32 (K2-Thinking, compressed-tensors "
                  "pack-quantized g32); activations bf16"),
     WeightFormat("mxfp4", "fp4", "3*H*I e2m1 packed + e8m0 scale per 32 (Kimi K3); FP8 activations x FP4 weights "
                  "(DeepGEMM fp8_fp4) where FP4 tensor cores exist, else dequantised to bf16"),
@@ -85,22 +84,28 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in [
 
 
 def expert_bytes_for(model: MoEModelConfig, fmt: str) -> int:
-    """Bytes of one routed expert (gate, up, down) in ``fmt``, scales included.
+    """Bytes of one routed expert (gate, up, down) in ``fmt``, scales included: the store's own
+    tensors (``layout.formats``), so the cost model prices exactly what a slot fill moves.
 
-    Kimi K2 (H=7168, I=2048): bf16 88,080,384; fp8-block 44,050,944; int4-w4a16
+    Kimi K2 (H=7168, I=2048): bf16 88,080,384; fp8-block 44,050,944; int4-g32
     24,772,608; mxfp4 23,396,352. Kimi K3 (H=3584, I=3072) mxfp4: 17,547,264."""
-    H, I = model.hidden_size, model.moe_intermediate_size
-    params = 3 * H * I
-    if fmt == "bf16":
-        return 2 * params
-    if fmt == "fp8-block":
-        blocks = 2 * math.ceil(I / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(I / 128)
-        return params + 4 * blocks
-    if fmt == "int4-w4a16":
-        return params // 2 + 2 * (params // 32)
-    if fmt == "mxfp4":
-        return params // 2 + params // 32
-    raise ValueError(f"unknown weight format {fmt!r}: use one of {sorted(FORMATS)}")
+    from ..layout.formats import expert_format_bytes
+
+    return int(expert_format_bytes(canonical_format(fmt), model.hidden_size,
+                                   model.moe_intermediate_size)["total_bytes"])
+
+
+def canonical_format(fmt: str) -> str:
+    """The format's name in :data:`FORMATS` (``layout.formats`` aliases accepted); unknown: ValueError."""
+    from ..layout.formats import get_format
+
+    try:
+        name = get_format(fmt).name
+    except Exception as exc:  # noqa: BLE001 - the layout's own error, re-raised with this module's choices
+        raise ValueError(f"unknown weight format {fmt!r}: use one of {sorted(FORMATS)}") from exc
+    if name not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}: use one of {sorted(FORMATS)}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +174,7 @@ def cost_model(model: MoEModelConfig, fmt: str = "bf16", profile: str | None = N
     if name not in PROFILES:
         raise ValueError(f"unknown GPU profile {name!r}: use one of {sorted(PROFILES)}")
     p = PROFILES[name]
-    compute = FORMATS[fmt].compute if fmt in FORMATS else "bf16"
+    compute = FORMATS[canonical_format(fmt)].compute
     # MXFP4: FP8 activations x FP4 weights at the FP8 rate where FP4 tensor cores exist (Blackwell),
     # else dequantised to BF16 (Hopper, Marlin-style W4A16).
     rate = {"bf16": p.bf16_tflops, "fp8": p.fp8_tflops,

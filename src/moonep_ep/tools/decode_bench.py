@@ -39,7 +39,7 @@ from ..ops.planner import plan_dispatch
 
 __all__ = ["add_arguments", "run", "plan_step", "sweep"]
 
-DEFAULT_FORMATS = {"kimi-k2": ("bf16", "fp8-block", "int4-w4a16"), "kimi-k3": ("bf16", "mxfp4")}
+DEFAULT_FORMATS = {"kimi-k2": ("bf16", "fp8-block", "int4-g32"), "kimi-k3": ("bf16", "mxfp4")}
 POLICIES = ("vllm-0.33.0", "padding-fixed", "fixed+cost-model")
 MIN_CAPACITY = 128          # vLLM's MOONEP_MIN_DISPATCH_TOKENS
 MAX_TOKENS_PER_RANK = 8192  # vLLM's default max_num_batched_tokens: the pool's largest capacity
