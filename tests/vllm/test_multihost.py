@@ -21,6 +21,7 @@ import pytest
 from tests.support.vllm_envs import ROOT, run_in, run_json
 
 _RESULT: dict = {}
+_FAILED: list = []
 
 
 def _require_root() -> None:
@@ -34,9 +35,15 @@ def _require_root() -> None:
 @pytest.fixture(scope="module")
 def multihost():
     _require_root()
+    if _FAILED:  # one failed run answers for every test here (each run starts three servers)
+        pytest.fail(f"the multi-host check failed in an earlier test of this module:\n{_FAILED[0]}")
     if not _RESULT:
         t0 = time.monotonic()
-        out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.multihost_check", "--json"], timeout=1500)
+        try:
+            out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.multihost_check", "--json"], timeout=1500)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            _FAILED.append(str(exc)[-6000:])
+            raise
         out["_elapsed_s"] = round(time.monotonic() - t0, 1)
         _RESULT.update(out)
     return _RESULT

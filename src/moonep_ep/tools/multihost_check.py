@@ -205,9 +205,21 @@ def _error_lines(text: str, pattern: str) -> list[str]:
     return seen
 
 
+def serve_prompts() -> list[list[int]]:
+    """Eight "low" prompts of the tiny DeepSeek-V3's router skew (they route mostly to owner 0's experts;
+    ``tiny_deepseek_v3.py``) first, then the mixed ones. The plugin's padding moves no weights, so only
+    real load above S*K on one home group makes the planner prefetch: the low prompts, prefilled on both
+    ranks in the first steps, put it there, and the other host's rank fills slots from owner 0's host."""
+    from .engine_demo import IMBALANCE_PROMPT_TOKENS
+    from .tiny_deepseek_v3 import low_prompt_ids
+    from .tiny_model import mixed_prompt_ids
+
+    low = [low_prompt_ids(IMBALANCE_PROMPT_TOKENS, start=k + 1) for k in range(8)]
+    return low + mixed_prompt_ids(6)
+
+
 def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> dict[str, Any]:
     from .serve_check import _traffic, max_in_flight
-    from .tiny_model import mixed_prompt_ids
 
     node = hostnames[0].rsplit("-host", 1)[0]
     spec = (NVL72_TWO_CLIQUES if name == "wrong-clique" else NVL72).format(name=node)
@@ -237,7 +249,7 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
             result["processes_per_host"] = [len(t) for t in trees]
             result["leaks_while_serving"] = leak_scan(prefix)  # the positive control: the store's memory
             t1 = time.monotonic()
-            requests = asyncio.run(_traffic(dep.url, result["served_model"], mixed_prompt_ids(6)))
+            requests = asyncio.run(_traffic(dep.url, result["served_model"], serve_prompts()))
             result["traffic_s"] = round(time.monotonic() - t1, 1)
             result["max_in_flight"] = max_in_flight(requests)
             for r in requests:

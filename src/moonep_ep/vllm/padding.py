@@ -56,9 +56,19 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
     """``[R, R + 1]``: every rank's ``[n, real entries per home group...]`` (collective)."""
     import torch.distributed as dist
 
+    from ..errors import PeerLostError
+    from ..memory.group import default_timeout_s, lost_peers
+
     group = _group_of(manager, local.device)
     out = [torch.empty_like(local) for _ in range(manager.world_size)]
-    dist.all_gather(out, local, group=group)
+    try:
+        dist.all_gather(out, local, group=group)
+    except (RuntimeError, ConnectionError, OSError) as exc:
+        # The first collective of a MoE layer: a dead peer surfaces here, so it is named here, as the
+        # Buffer's own steps name it (memory/group.py), not left a bare backend error.
+        detail = f"{type(exc).__name__}: {exc}"
+        raise PeerLostError("capacity padding", manager.rank, lost_peers(group, detail, manager.rank) + detail,
+                            default_timeout_s()) from exc
     return torch.stack(out).cpu()
 
 
