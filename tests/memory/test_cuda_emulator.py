@@ -29,7 +29,7 @@ from moonep_ep.memory.driver import HandleType
 from moonep_ep.testing.cuda_emulator import (PROFILES, EmulatedCudaApi, NodeSpec, NodeSpecError, UnknownCall,
                                              UnsupportedKernel, visible_gpus)
 from moonep_ep.tools.launch import run_ranks
-from tests.support.memory import bind_and_map_multicast
+from tests.support.memory import bind_and_map_multicast, unmap_and_release_multicast
 
 MiB = 1 << 20
 FD, FABRIC = HandleType.POSIX_FD, HandleType.FABRIC
@@ -338,12 +338,7 @@ def test_multicast_addresses_take_multimem_only():
     with pytest.raises(DriverError, match="multiple of 16"):
         drv.multimem_store(va, data[:10])
     drv.synchronize()
-    drv.multicast_unbind(mc, 0, 2 * MiB)
-    for addr in (va, uc):
-        drv.unmap(addr, 2 * MiB)
-        drv.free_reservation(addr, 2 * MiB)
-    drv.multicast_release(mc)
-    drv.release(mem)
+    unmap_and_release_multicast(drv, mc, mem, uc, va, 2 * MiB)
     drv.close()
     assert not any(drv.api.live().values()), drv.api.live()
 

@@ -21,6 +21,7 @@ from moonep_ep.memory.driver import HandleType
 from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 from moonep_ep.tools.launch import run_ranks
 from tests.memory.test_cuda_emulator import _multicast_range
+from tests.support.memory import unmap_and_release_multicast
 
 MiB = 1 << 20
 FD = HandleType.POSIX_FD
@@ -88,12 +89,7 @@ def test_the_library_refuses_a_misaligned_source_before_the_launch():
     drv.synchronize()                                # usable
     drv.multimem_store(va, src[16:16 + 4096].clone())
     assert torch.equal(drv.as_tensor(uc, 4096, None), src[16:16 + 4096])
-    drv.multicast_unbind(mc, 0, 2 * MiB)
-    for addr in (va, uc):
-        drv.unmap(addr, 2 * MiB)
-        drv.free_reservation(addr, 2 * MiB)
-    drv.multicast_release(mc)
-    drv.release(mem)
+    unmap_and_release_multicast(drv, mc, mem, uc, va, 2 * MiB)
     drv.close()
     assert not any(drv.api.live().values()), drv.api.live()
 

@@ -103,3 +103,14 @@ def bind_and_map_multicast(drv, mc, size: int) -> tuple[int, int, int]:
     va = drv.reserve(size, size)
     drv.multicast_map(va, size, mc)
     return mem, uc, va
+
+
+def unmap_and_release_multicast(drv, mc, mem, uc: int, va: int, size: int) -> None:
+    """The undo of :func:`bind_and_map_multicast` plus the multicast object, in the driver's order
+    (unbind before the bound memory goes; NCCL nvls.cc and PyTorch do the same)."""
+    drv.multicast_unbind(mc, 0, size)
+    for addr in (va, uc):
+        drv.unmap(addr, size)
+        drv.free_reservation(addr, size)
+    drv.multicast_release(mc)
+    drv.release(mem)
