@@ -367,6 +367,27 @@ def judge(results: dict[str, dict[str, Any]], hostnames: list[str]) -> dict[str,
     return {**out, "checks": checks, "ok": bool(checks) and all(checks.values())}
 
 
+def _failure_figures(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> dict[str, Any]:
+    """What a failed run's reader needs first: each scenario's error, the serve run's fills and oracle."""
+    figures: dict[str, Any] = {name: r["error"] for name, r in results.items() if "error" in r}
+    serve = results.get("serve") or {}
+    if serve.get("stats"):
+        figures["serve_fills"] = [{k: s.get(k) for k in ("host", "remote_prefetched", "cross_host_fills",
+                                                          "same_host_remote_fills", "remote_by_owner_host")}
+                                  for s in serve["stats"]]
+    if "oracle_verdict" in verdict:
+        figures["serve_oracle"] = {k: verdict["oracle_verdict"].get(k) for k in ("ok", "failed", "divergences")}
+    for name in ("serve", "sigkill", "wrong-clique"):
+        r = results.get(name) or {}
+        for key in ("sigterm", "head_ended", "ended", "after_kill", "after_kill_s", "left_running_in_namespaces",
+                    "leaks_after", "leftover_hosts"):
+            if key in r:
+                figures[f"{name}.{key}"] = r[key]
+    if results.get("sigkill", {}).get("peer_lost_errors") is not None:
+        figures["sigkill.peer_lost_errors"] = results["sigkill"]["peer_lost_errors"][:3]
+    return figures
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.multihost_check")
     p.add_argument("--json", action="store_true")
@@ -391,6 +412,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         results[name] = run_scenario(name, names[name], args.startup_timeout)
     verdict = judge(results, names.get("serve") or names.get("sigkill") or [])
     out = {"results": results, **verdict, "total_s": round(time.monotonic() - t0, 1)}
+    # Last in the document, so that a log's tail names what failed and the figures behind it.
+    out["failed_checks"] = sorted(k for k, v in verdict["checks"].items() if not v)
+    out["failure_figures"] = _failure_figures(results, verdict) if out["failed_checks"] else {}
     print(json.dumps(out, indent=1 if args.json else None, default=str))
     return 0 if out["ok"] else 1
 
