@@ -187,3 +187,22 @@ def test_cost_model_doubles_the_capacity_instead_of_moving_experts(monkeypatch):
         assert (fills == set()) == (max_tokens == 1024), (max_tokens, fills)
     # 8 ranks x 24 tokens x K=4 = 768 entries on group 0: S*K >= 768 first at S = 256
     assert capacities == {(1024, 256, "buffer S=256"), (32, 32, "buffer S=32")}
+
+
+@pytest.mark.parametrize("fmt, gate_shape, dtype", [("bf16", (8 + 2, 256, 512), torch.bfloat16),
+                                                    ("int4-g32", (8 + 2, 2 * 256, 512 // 8), torch.int32),
+                                                    ("mxfp4", (8 + 2, 2 * 256, 512 // 2), torch.uint8)])
+def test_the_capacity_cost_model_prices_the_layer_in_its_stored_format(fmt, gate_shape, dtype, monkeypatch):
+    """The plugin's prefetch budget reads the format off the bound layout (a quantized layout's gate field is
+    the fused w13 weight, [E+B, 2I, H/pack]): an INT4 expert is priced at its INT4 bytes, scales included."""
+    from moonep_ep.layout.formats import expert_format_bytes
+
+    monkeypatch.setenv("MOONEP_EP_GPU_PROFILE", "h200")
+    layout = types.SimpleNamespace(full_gate_weight=torch.empty(gate_shape, dtype=dtype))
+    if fmt != "bf16":
+        layout.format = fmt
+    plugin_padding._COST.clear()
+    model = plugin_padding._cost_model(types.SimpleNamespace(weight_layout=layout), hidden=512, K=4, E=8)
+    assert model.expert_bytes == expert_format_bytes(fmt, 512, 256)["total_bytes"]
+    if fmt != "bf16":  # the negative control: the BF16 price of the same dims is what the old code used
+        assert model.expert_bytes < expert_format_bytes("bf16", 512, 256)["total_bytes"] // 3

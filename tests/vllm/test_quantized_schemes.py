@@ -91,15 +91,14 @@ def test_a_scheme_that_leaves_the_experts_unquantized_is_refused():
     assert not scheme.ok and "does not quantize the routed experts" in scheme.problems[0]
 
 
-def test_int4_and_mxfp4_are_served_on_the_cpu_engine_and_the_other_formats_keep_their_refusal():
-    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32", "mxfp4") and ENGINE_FORMATS["vllm"] == ()
-    assert refusal(classify(ct(W4A16, "pack-quantized"), "vllm-cpu")) is None
-    assert refusal(classify(ct(MXFP4, "mxfp4-pack-quantized"), "vllm-cpu")) is None
-    for config, engine in ((ct(W4A16, "pack-quantized"), "vllm"), (ct(MXFP4, "mxfp4-pack-quantized"), "vllm"),
-                           (FP8_BLOCK, "vllm-cpu"), (FP8_BLOCK, "vllm")):
-        message = refusal(classify(config, engine))
-        assert message is not None and f"into the sharded store on {engine} yet" in message, message
-        assert "served: int4-g32 on vllm-cpu, mxfp4 on vllm-cpu" in message and "Fix:" in message
+def test_the_three_formats_are_served_on_the_cpu_engine_and_refused_on_the_gpu_engine_until_wired():
+    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32", "mxfp4", "fp8-block") and ENGINE_FORMATS["vllm"] == ()
+    for config in (ct(W4A16, "pack-quantized"), ct(MXFP4, "mxfp4-pack-quantized"), FP8_BLOCK):
+        assert refusal(classify(config, "vllm-cpu")) is None
+        message = refusal(classify(config, "vllm"))  # the negative control: recognised, not served there
+        assert message is not None and "into the sharded store on vllm yet" in message, message
+        assert "served: int4-g32 on vllm-cpu, mxfp4 on vllm-cpu, fp8-block on vllm-cpu" in message
+        assert "Fix:" in message
 
 
 def test_model_check_reports_the_quantization_verdict(tmp_path):
@@ -114,3 +113,23 @@ def test_model_check_reports_the_quantization_verdict(tmp_path):
     assert len(quant) == 1 and quant[0].severity == "error" and "zero points" in quant[0].message
     assert "quantize symmetrically" in quant[0].fix
     assert info["quantization"] == {"quant_method": "compressed-tensors", "format": None}
+
+
+def test_the_reload_precheck_reads_weights_and_scales_of_every_format():
+    """``reload_weights`` from disk is checked from the safetensors headers before any tensor is read:
+    the served format (config.json), each expert tensor's name, shape and dtype, scales as well as weights.
+    Each refusal case has its same-format control that passes (``tests/support/reload_precheck.py``)."""
+    from tests.support.vllm_envs import run_json
+
+    out = run_json("vllm-cpu", ["-m", "tests.support.reload_precheck"], timeout=120)
+    for control in ("int4_same_shapes", "fp8_same_shapes", "bf16_same_shapes"):
+        assert out[control] == [], (control, out[control])
+    assert len(out["int4_other_intermediate"]) == 12  # 2 experts x 3 projections x (weight_packed, weight_scale)
+    assert any(".gate_proj.weight_scale: shape (128, 8), served (256, 8)" in p for p in out["int4_other_intermediate"])
+    assert any(".down_proj.weight_scale_inv: shape (2, 1), served (2, 2)" in p for p in out["fp8_other_intermediate"])
+    assert all("dtype torch.float32, served int4-g32 torch.bfloat16" in p for p in out["int4_fp32_scales"])
+    assert len(out["int4_fp32_scales"]) == 6  # the scales only: the weights match
+    for case, found, served in (("int4_served_fp8_checkpoint", "fp8-block", "int4-g32"),
+                                ("bf16_served_int4_checkpoint", "int4-g32", "bf16")):
+        assert out[case][0] == f"config.json: {found} experts, served {served}", out[case]
+        assert all("not a tensor of the served" in p for p in out[case][1:]) and len(out[case]) == 13

@@ -97,6 +97,10 @@ def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = 
 
 def _reload_checkpoints(spec: str) -> tuple[str, str]:
     """Checkpoint B (same shapes, other values) and one whose experts have another shape."""
+    from .tiny_quantized import QUANTIZED_MODELS, build_tiny_quantized
+
+    if spec in QUANTIZED_MODELS:  # same format; B's weights and scales both differ from A's
+        return build_tiny_quantized(spec, seed=1), build_tiny_quantized(spec, seed=2, moe_intermediate=128)
     if spec == "tiny-deepseek-v3":
         from .tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3, default_model_dir
 
@@ -113,10 +117,12 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     """Build a tiny model or take a checkpoint directory; check it before any engine starts."""
     from .model_check import require_servable
 
-    if cfg.reload and cfg.model not in TINY_MODELS:
+    from .tiny_quantized import QUANTIZED_MODELS
+
+    if cfg.reload and cfg.model not in TINY_MODELS and cfg.model not in QUANTIZED_MODELS:
         raise ConfigError(f"--reload needs a model this command builds (it writes checkpoint B and one of another "
-                          f"shape); got --model {cfg.model}. Fix: --model tiny-deepseek-v3 or tiny-qwen3 with "
-                          "--reload")
+                          f"shape); got --model {cfg.model}. Fix: --model "
+                          f"{', '.join(TINY_MODELS + tuple(QUANTIZED_MODELS))} with --reload")
     path = model_path(cfg.model, cfg.model_dir, progress)
     reload_dir, wrong_dir = _reload_checkpoints(cfg.model) if cfg.reload else (None, None)
     info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
@@ -133,8 +139,6 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
                               "directory of the same architecture")
         progress(f"oracle checkpoint: {cfg.oracle_model} (--oracle-model)")
         oracle_path = cfg.oracle_model
-    from .tiny_quantized import QUANTIZED_MODELS
-
     built = cfg.model in TINY_MODELS or cfg.model in QUANTIZED_MODELS
     return ModelChoice(cfg.model if built else "checkpoint", info["path"], built, info, reload_dir, wrong_dir,
                        oracle_path)

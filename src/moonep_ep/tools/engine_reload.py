@@ -60,18 +60,29 @@ class MoonEPProbe:
     def moonep_ep_expert_digest(self) -> dict[str, str]:
         """SHA-256 of every MoE layer's expert rows ``[0, E)`` of its gate, up and down views (every owner's
         experts, read through this rank's mappings; the slot rows ``[E, E+B)`` hold whatever was prefetched
-        last and are left out). Equal digests mean equal bytes, whatever batch a later forward sees."""
+        last and are left out). Quantized layers: ``weights:<sha>/scales:<sha>``, over every weight view and
+        every scale view apart. Equal digests mean equal bytes, whatever batch a later forward sees."""
         import hashlib
 
         import torch
 
+        def digest(views: list[Any], experts: int) -> str:
+            h = hashlib.sha256()
+            for view in views:
+                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy())
+            return h.hexdigest()
+
         out = {}
         for name, _, layout in self._moonep_layers():
             experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
-            h = hashlib.sha256()
-            for view in (layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight):
-                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy())
-            out[name] = h.hexdigest()
+            named = getattr(layout, "views", None)  # quantized: {vLLM parameter name: view}, weights and scales
+            if named is None:
+                out[name] = digest([layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight], experts)
+            else:
+                scales = sorted(n for n in named if n.endswith(("_scale", "_scale_inv")))
+                weights = sorted(n for n in named if n not in scales)
+                out[name] = (f"weights:{digest([named[n] for n in weights], experts)}"
+                             f"/scales:{digest([named[n] for n in scales], experts)}")
         return out
 
     def moonep_ep_forward_stats(self) -> dict[str, Any]:
@@ -191,8 +202,10 @@ def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> 
         digest_a, digest_b = seq.get("digest_a") or {}, seq.get("digest_b") or {}
         fresh_digest = ((fresh.get(rank) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None]
         bytes_as_fresh.append(_equal(digest_b, fresh_digest[0]))
-        bytes_changed.append(bool(digest_a) and bool(digest_b)
-                             and all(digest_a.get(layer) != d for layer, d in digest_b.items()))
+        # every part changed (quantized: the weights and the scales, apart)
+        bytes_changed.append(bool(digest_a) and bool(digest_b) and all(
+            all(a != b for a, b in zip(str(digest_a.get(layer)).split("/"), str(d).split("/")))
+            for layer, d in digest_b.items()))
         bytes_same_after_wrong.append(_equal(digest_b, seq.get("digest_after_wrong_shape")))
         errors.append(seq.get("wrong_shape_error"))
         seconds.append(seq.get("reload_s"))

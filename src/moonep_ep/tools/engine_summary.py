@@ -339,11 +339,16 @@ def _reload_summary(dp: dict[int, Any], first_on_a: list[Optional[dict[str, Any]
     on_fresh = sequences_by_prompt(fresh, n)
     progress("oracle on checkpoint B: the sequences after the in-place update, after the refused one and of "
              "the fresh engine on B")
-    on_b = judge(choice.reload_dir, {"after_update": [s for s in after_update if s],
+    oracle_b = choice.reload_dir
+    if (choice.info.get("quantization") or {}).get("format"):
+        from .tiny_quantized import dequantized_copy  # B's experts decompressed by the format's own library
+
+        oracle_b = dequantized_copy(choice.reload_dir)
+    on_b = judge(oracle_b, {"after_update": [s for s in after_update if s],
                                      "after_refused_update": [s for s in after_wrong if s],
                                      "fresh_engine": [s for s in on_fresh if s]},
                  dtypes=(RULE.reference_dtype,))
-    on_a = judge(choice.path, {"after_update": [s for s in after_update if s]}, dtypes=(RULE.reference_dtype,),
+    on_a = judge(getattr(choice, "oracle_path", None) or choice.path, {"after_update": [s for s in after_update if s]}, dtypes=(RULE.reference_dtype,),
                  oracles=oracles_a)
     verdict = {k: v[RULE.reference_dtype] for k, v in on_b.items()}
     control = on_a["after_update"][RULE.reference_dtype]

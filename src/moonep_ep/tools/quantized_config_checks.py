@@ -30,7 +30,7 @@ REWRITES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def _rewritten(src: str, name: str, rewrite: Callable[[dict[str, Any]], None], root: str) -> str:
+def rewritten(src: str, name: str, rewrite: Callable[[dict[str, Any]], None], root: str) -> str:
     dst = os.path.join(root, name)
     shutil.copytree(src, dst, symlinks=True, ignore=lambda d, names: [n for n in names if n.endswith(".safetensors")])
     for n in os.listdir(src):
@@ -53,7 +53,7 @@ def collect() -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="moonep-ep-qcheck-") as root:
         cases = {name: build_tiny_quantized(name) for name in QUANTIZED_MODELS}
         int4 = cases["tiny-kimi-k2-thinking-int4"]
-        cases.update({name: _rewritten(int4, name, fn, root) for name, fn in REWRITES.items()})
+        cases.update({name: rewritten(int4, name, fn, root) for name, fn in REWRITES.items()})
         for name, path in cases.items():
             try:
                 config = VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"),

@@ -99,7 +99,11 @@ def _wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float) -> tupl
     return None, time.monotonic() - t0
 
 
-async def _traffic(url: str, model: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+async def _traffic(url: str, model: str, prompts: list[list[int]], completion_dp_ranks: Optional[list[int]] = None
+                   ) -> list[dict[str, Any]]:
+    """``CONCURRENT`` completions (prompt ``i``) and as many chats, all at once. ``completion_dp_ranks``: pin
+    completion ``i`` to DP rank ``completion_dp_ranks[i % len]`` with vLLM's router header
+    ``X-data-parallel-rank`` (default: vLLM's own load balancer decides)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=300, max_retries=0)
@@ -112,6 +116,8 @@ async def _traffic(url: str, model: str, prompts: list[list[int]]) -> list[dict[
         t0 = time.monotonic()
         kw = dict(model=model, prompt=prompts[i % len(prompts)], max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
                   extra_body=extra)
+        if completion_dp_ranks:
+            kw["extra_headers"] = {"X-data-parallel-rank": str(completion_dp_ranks[i % len(completion_dp_ranks)])}
         prompt_ids: list[int] = []
         ids: list[int] = []
         lps: list[tuple[str, Optional[float]]] = []

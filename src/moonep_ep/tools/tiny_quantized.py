@@ -70,14 +70,16 @@ _CT_PRESET = {"int4-g32": "W4A16", "mxfp4": "MXFP4A16"}
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-def _tiny_config(seed: int = 0) -> Any:
+def _tiny_config(seed: int = 0, moe_intermediate: Optional[int] = None) -> Any:
     from .tiny_deepseek_v3 import TinyDeepseekV3Config
 
-    return TinyDeepseekV3Config(seed=seed)
+    c = TinyDeepseekV3Config(seed=seed)
+    return c if moe_intermediate is None else dataclasses.replace(c, moe_intermediate=moe_intermediate)
 
 
-def default_dir(name: str, seed: int = 0) -> str:
-    return os.path.join(tempfile.gettempdir(), f"moonep-ep-{name}" + (f"-s{seed}" if seed else ""))
+def default_dir(name: str, seed: int = 0, moe_intermediate: Optional[int] = None) -> str:
+    return os.path.join(tempfile.gettempdir(), f"moonep-ep-{name}" + (f"-s{seed}" if seed else "")
+                        + (f"-i{moe_intermediate}" if moe_intermediate else ""))
 
 
 def expert_weight_names(weights: dict[str, Any]) -> list[str]:
@@ -169,10 +171,10 @@ def fp8_block_dequantize(weight: Any, scale_inv: Any) -> Any:
     return weight.float() * full
 
 
-def _quantized_weights(fmt: str, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _quantized_weights(fmt: str, c: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     from .tiny_deepseek_v3 import _weights
 
-    weights = _weights(_tiny_config(seed))
+    weights = _weights(c)
     names = expert_weight_names(weights)
     if fmt == "fp8-block":
         out = {k: v for k, v in weights.items() if k[:-len(".weight")] not in set(names)}
@@ -181,7 +183,6 @@ def _quantized_weights(fmt: str, seed: int) -> tuple[dict[str, Any], dict[str, A
         # vLLM's Fp8Config: quantize every linear except ignored_layers (vLLM names; its fused q_a_proj +
         # kv_a_proj_with_mqa is fused_qkv_a_proj, gate_proj + up_proj is gate_up_proj)
         ignored = ["lm_head"]
-        c = _tiny_config(seed)
         for layer in range(c.layers):
             p = f"model.layers.{layer}."
             ignored += [p + "self_attn." + n for n in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
@@ -199,23 +200,27 @@ def _quantized_weights(fmt: str, seed: int) -> tuple[dict[str, Any], dict[str, A
     return out, qcfg
 
 
-def build_tiny_quantized(name: str, out_dir: Optional[str] = None, seed: int = 0) -> str:
-    """Write tiny quantized checkpoint ``name`` (a key of :data:`QUANTIZED_MODELS`); idempotent. Returns its dir."""
+def build_tiny_quantized(name: str, out_dir: Optional[str] = None, seed: int = 0,
+                         moe_intermediate: Optional[int] = None) -> str:
+    """Write tiny quantized checkpoint ``name`` (a key of :data:`QUANTIZED_MODELS`); idempotent. Returns its dir.
+
+    ``seed`` draws other weights (``--reload``'s checkpoint B); ``moe_intermediate`` another expert shape
+    (the reload that must be refused)."""
     from .tiny_deepseek_v3 import hf_config
     from .tiny_model import write_checkpoint
 
     if name not in QUANTIZED_MODELS:
         raise ConfigError(f"unknown tiny quantized model {name!r}. Fix: one of {sorted(QUANTIZED_MODELS)}")
     fmt = QUANTIZED_MODELS[name]
-    c = _tiny_config(seed)
-    out = out_dir or default_dir(name, seed)
+    c = _tiny_config(seed, moe_intermediate)
+    out = out_dir or default_dir(name, seed, moe_intermediate)
     stamp = json.loads(json.dumps({"format": fmt, **dataclasses.asdict(c)}))
     stamp_path = os.path.join(out, "moonep_ep_tiny.json")
     if os.path.exists(stamp_path) and os.path.exists(os.path.join(out, "model.safetensors")):
         with open(stamp_path) as f:
             if json.load(f) == stamp:
                 return out
-    tensors, qcfg = _quantized_weights(fmt, seed)
+    tensors, qcfg = _quantized_weights(fmt, c)
     return write_checkpoint(out, stamp, {**hf_config(c), "quantization_config": qcfg}, lambda: tensors, c.vocab,
                             c.max_positions)
 

@@ -256,8 +256,9 @@ def _defer(error: BaseException) -> bool:
 def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's in-place ``reload_weights``, for models with a sharded store.
 
-    A reload from disk is checked first (:func:`precheck_reload`); kernel-format
-    reloads are refused. vLLM's layerwise reload moves every layer's tensors to
+    A reload from disk is checked first (:func:`precheck_reload`: expert
+    format, tensor names, shapes and dtypes, weights and scales alike);
+    kernel-format reloads are refused. vLLM's layerwise reload moves every layer's tensors to
     ``meta`` and puts them back only in its final step, so a refusal raised by
     the model's ``load_weights`` would leave the layers without weights: the
     refusal is kept and raised here, after vLLM put the unchanged tensors back.
@@ -271,11 +272,6 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
         if not model_stores(model):
             return original(vllm_config, model, weights_iterator=weights_iterator, weights_path=weights_path,
                             is_checkpoint_format=is_checkpoint_format)
-        quantized = sorted({s.format for s in model_stores(model) if getattr(s, "format", "bf16") != "bf16"})
-        if quantized:
-            raise ConfigError(f"moonep_ep: reload_weights of {'/'.join(quantized)} experts in MoonEP's sharded store "
-                              "is not supported yet (the in-place update path checks bf16 gate/up/down rows only); "
-                              "the loaded weights keep serving. Fix: start a new engine on the new checkpoint")
         if not is_checkpoint_format:
             raise ConfigError("moonep_ep: reload_weights(is_checkpoint_format=False) writes kernel-format tensors "
                               "into parameters by name, but MoonEP's sharded layout keeps each rank's experts in "
@@ -316,8 +312,8 @@ def precheck_reload(model: Any, path: str | None) -> None:
         raise config_error(stores[0].rank, f"reload refused before any weight was read, on every EP rank: the "
                            f"checkpoint's routed experts do not match the served model ({problems[0]}; "
                            f"{len(problems)} tensor(s) differ); the current weights still serve", path,
-                           "reload a checkpoint of the same architecture and dtype (a model of another shape "
-                           "needs a new engine)")
+                           "reload a checkpoint of the same architecture, expert format and dtype (a model of "
+                           "another shape needs a new engine)")
 
 
 def _checkpoint_problems(model: Any, stores: list[Any], path: str | None) -> list[str]:
@@ -326,30 +322,78 @@ def _checkpoint_problems(model: Any, stores: list[Any], path: str | None) -> lis
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         return []
-    names = _expert_checkpoint_names(model)
     store = stores[0]
-    want = {"gate": store.shapes["gate"], "up": store.shapes["up"], "down": store.shapes["down"]}
-    dtypes = set().union(*(s.checkpoint_dtypes for s in stores))
+    problems = _format_problems(store.format, path)
+    want = _expected_checkpoint_tensors(store)
+    modules = _expert_checkpoint_modules(model)
+    dtypes = set().union(*(s.checkpoint_dtypes for s in stores)) if store.format == "bf16" else set()
     from safetensors import safe_open
 
-    problems: list[str] = []
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                projection = _projection_of(key, names)
-                if projection is None:
+                tensor = _expert_tensor_of(key, modules)
+                if tensor is None:
+                    continue
+                if tensor not in want:
+                    if not tensor.endswith(_CHECKED_ONLY):
+                        problems.append(f"{key}: not a tensor of the served {store.format} experts "
+                                        f"(those are {sorted(k.split('.', 1)[1] for k in want if k.startswith('gate'))})")
                     continue
                 piece = f.get_slice(key)
                 shape, dtype = tuple(piece.get_shape()), _torch_dtype_name(piece.get_dtype())
-                if shape != want[projection]:
-                    problems.append(f"{key}: shape {shape}, served {want[projection]}")
+                want_shape, want_dtype = want[tensor]
+                if shape != want_shape:
+                    problems.append(f"{key}: shape {shape}, served {want_shape}")
+                elif want_dtype is not None and dtype != want_dtype:
+                    problems.append(f"{key}: dtype {dtype}, served {store.format} {want_dtype}")
                 elif dtypes and dtype not in dtypes:
                     problems.append(f"{key}: dtype {dtype}, served checkpoint {sorted(dtypes)}")
     return problems
 
 
-def _expert_checkpoint_names(model: Any) -> dict[str, str]:
-    """Checkpoint suffix -> projection, from the layers' own checkpoint names (``gate_proj`` ...)."""
+#: per-expert checkpoint tensors that are checked by the loader, not stored (compressed-tensors' unpacked shape)
+_CHECKED_ONLY = (".weight_shape",)
+
+
+def _format_problems(served: str, path: str) -> list[str]:
+    """The reload checkpoint's expert format (its ``quantization_config``) against the served one."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            q = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return []  # no readable config: the per-tensor checks below still apply
+    if q is None:
+        found = "bf16"
+    else:
+        from .. import envs
+        from .quantized import classify
+
+        scheme = classify(q, "vllm-cpu" if envs.MOONEP_EP_CPU else "vllm")
+        if not scheme.ok:
+            return [f"config.json quantization_config: {scheme.problems[0]}"]
+        found = str(scheme.format)
+    return [] if found == served else [f"config.json: {found} experts, served {served}"]
+
+
+def _expected_checkpoint_tensors(store: Any) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """``"<projection>.<tensor>"`` -> (shape, dtype or None) of one expert in the checkpoint's own layout."""
+    if store.format == "bf16":
+        return {f"{p}.weight": (tuple(store.shapes[p]), None) for p in ("gate", "up", "down")}
+    from ..layout.formats import expert_projections, get_format
+
+    fmt = get_format(store.format)
+    out = {}
+    for spec in expert_projections(fmt, store.hidden, store.intermediate, split_w13=True):
+        name = fmt.scale_name if spec.role == "scale" else fmt.weight_name
+        out[f"{spec.projection}.{name}"] = (tuple(spec.shape), str(spec.dtype))
+    return out
+
+
+def _expert_checkpoint_modules(model: Any) -> dict[str, str]:
+    """Checkpoint module name -> projection, from the layers' own checkpoint names (``gate_proj`` ...)."""
     names: dict[str, str] = {}
     for layer in model.modules():
         if getattr(layer, BINDING_ATTR, None) is not None:
@@ -357,24 +401,25 @@ def _expert_checkpoint_names(model: Any) -> dict[str, str]:
                                      ("ckpt_down_proj_name", "down")):
                 name = getattr(layer, attr, None)
                 if name:
-                    names[f".{name}.weight"] = projection
+                    names[name] = projection
     return names
 
 
-def _projection_of(key: str, names: dict[str, str]) -> str | None:
+def _expert_tensor_of(key: str, modules: dict[str, str]) -> str | None:
+    """``"<projection>.<tensor>"`` for a per-expert checkpoint tensor (``...experts.7.gate_proj.weight``)."""
     if ".experts." not in key:
         return None
-    expert = key.rsplit(".experts.", 1)[1].split(".", 1)[0]
+    expert, _, rest = key.rsplit(".experts.", 1)[1].partition(".")
     if not expert.isdecimal():
         return None  # a fused tensor of all experts: checked per tensor by the loader
-    for suffix, projection in names.items():
-        if key.endswith(suffix):
-            return projection
-    return None
+    module, _, tensor = rest.partition(".")
+    projection = modules.get(module)
+    return None if projection is None or not tensor else f"{projection}.{tensor}"
 
 
 _SAFETENSORS_DTYPES = {"BF16": "torch.bfloat16", "F16": "torch.float16", "F32": "torch.float32",
-                       "F64": "torch.float64", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2"}
+                       "F64": "torch.float64", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2",
+                       "I32": "torch.int32", "U8": "torch.uint8", "I8": "torch.int8"}
 
 
 def _torch_dtype_name(safetensors_dtype: str) -> str:

@@ -165,20 +165,24 @@ def _cost_model_applies() -> bool:
 
 
 def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
-    """The cost model of this layer's BF16 experts (None before the weights are bound)."""
+    """The cost model of this layer's experts in their stored format (None before the weights are bound)."""
     layout = getattr(self, "weight_layout", None) or getattr(getattr(self, "_fused_experts", None),
                                                              "weight_layout", None)
     gate = getattr(layout, "full_gate_weight", None)
     if gate is None:
         return None
-    key = (hidden, int(gate.shape[1]), E, K, gate.element_size())
+    # BF16: the gate view [E+B, I, H]; quantized (quantized_engine.QuantizedWeightLayout): the fused w13
+    # weight [E+B, 2I, H/pack], the format on the layout. Bytes per expert, scales included, from layout.formats.
+    fmt = getattr(layout, "format", None) or "bf16"
+    intermediate = int(gate.shape[1]) // (1 if fmt == "bf16" else 2)
+    key = (hidden, intermediate, E, K, fmt)
     if key not in _COST:
         from ..models import MoEModelConfig
         from ..ops.decode_cost import cost_model
         from .stats import STATS, stats_dir
 
-        shape = MoEModelConfig("vllm-moe-layer", hidden, int(gate.shape[1]), E, K, 1)
-        model = cost_model(shape, "bf16")
+        shape = MoEModelConfig("vllm-moe-layer", hidden, intermediate, E, K, 1)
+        model = cost_model(shape, fmt)
         _COST[key] = model
         import logging
 

