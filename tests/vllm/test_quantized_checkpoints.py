@@ -190,6 +190,8 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]
     assert run["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"]
+    # the oracle's copy holds one model.safetensors: no index of the source's shards beside it
+    assert sorted(p.name for p in (tmp_path / "ct-w4a16-dequantized").glob("*.safetensors*")) == ["model.safetensors"]
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_weight_bytes"] == 8 * q["remote_scale_bytes"], q  # INT4 g32: 8 packed bytes per scale byte
     with capsys.disabled():
