@@ -281,14 +281,15 @@ def _native_dtype(cfg: Mapping[str, Any]) -> str:
     q = cfg.get("quantization_config")
     if isinstance(q, Mapping):
         method = str(q.get("quant_method") or q.get("format") or "quantized")
-        bits = q.get("num_bits")
+        bits, kind = q.get("num_bits"), q.get("type")
         groups = q.get("config_groups")
         if bits is None and isinstance(groups, Mapping):
             for group in groups.values():
                 if isinstance(group, Mapping) and isinstance(group.get("weights"), Mapping):
-                    bits = group["weights"].get("num_bits")
+                    bits, kind = group["weights"].get("num_bits"), group["weights"].get("type")
                     break
-        return f"{method} int{bits}" if bits else method
+        # compressed-tensors' weight type: "int" (INT4 W4A16) or "float" (MXFP4: fp4 e2m1 values)
+        return f"{method} {'fp' if kind == 'float' else 'int'}{bits}" if bits else method
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bf16")
 
 

@@ -610,3 +610,16 @@ def test_unsupported_quantization_needs_an_explicit_format(tmp_path, capsys, wei
     per_tensor = dict(DEEPSEEK_STYLE, quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
     rc, _, err = _run(capsys, "--config", _write(tmp_path, "pt", per_tensor), "--ep", "8")
     assert rc == 2 and "only 128x128 block FP8" in err
+
+
+@pytest.mark.parametrize("weights,native", [
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+     "compressed-tensors int4"),
+    ({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
+     "compressed-tensors fp4"),  # MXFP4: fp4 e2m1 values, not int4
+])
+def test_native_dtype_of_a_compressed_tensors_checkpoint_names_int_or_float(weights, native):
+    from moonep_ep.models import parse_hf_config
+
+    cfg = dict(DEEPSEEK_STYLE, quantization_config=_quant(weights, "pack-quantized"))
+    assert parse_hf_config(cfg).native_dtype == native

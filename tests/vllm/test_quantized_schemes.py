@@ -133,3 +133,90 @@ def test_the_reload_precheck_reads_weights_and_scales_of_every_format():
                                 ("bf16_served_int4_checkpoint", "int4-g32", "bf16")):
         assert out[case][0] == f"config.json: {found} experts, served {served}", out[case]
         assert all("not a tensor of the served" in p for p in out[case][1:]) and len(out[case]) == 13
+
+
+def _tiny_deepseek_module_names(layers=4, first_dense=1, experts=4):
+    """The module names of a DeepSeek-V3 checkpoint (q_lora_rank set: q_a_proj/q_b_proj, no q_proj)."""
+    names = ["lm_head", "model.embed_tokens", "model.norm"]
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        names += [p + "input_layernorm", p + "post_attention_layernorm"]
+        names += [p + "self_attn." + n for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                                 "kv_a_layernorm", "kv_b_proj", "o_proj")]
+        mlps = [p + "mlp."] if layer < first_dense else [p + "mlp.shared_experts."] + [
+            f"{p}mlp.experts.{e}." for e in range(experts)]
+        names += [m + proj for m in mlps for proj in ("gate_proj", "up_proj", "down_proj")]
+        if layer >= first_dense:
+            names.append(p + "mlp.gate")
+    return names
+
+
+def _exact_ignore(names):
+    """``ignore`` as ``ModelCompressor.from_pretrained_model`` writes it: every unquantized Linear by its name."""
+    return [n for n in names if ".mlp.experts." not in n and not n.endswith(("norm", "embed_tokens", "layernorm"))]
+
+
+def test_an_exact_name_ignore_list_is_checked_against_the_checkpoints_own_linears():
+    """ModelCompressor lists every non-expert linear by its exact name (as in K2-Thinking's config.json). The CPU
+    engine's non-expert check tests the checkpoint's own names: DeepSeek-V3 sample names it lacks (q_proj) must
+    not count as quantized attention; a real non-expert linear left out of the list must."""
+    names = _tiny_deepseek_module_names()
+    config = ct(W4A16, "pack-quantized", ignore=_exact_ignore(names))
+    served = classify(config, "vllm-cpu", names)
+    assert served.ok and served.format == "int4-g32" and refusal(served) is None
+    # the sample names alone (no checkpoint at hand) cannot tell: q_proj is not in an exact list
+    assert "quantized attention" in classify(config, "vllm-cpu").problems[0]
+    for left_out, kind in (("model.layers.2.self_attn.q_b_proj", "quantized attention"),
+                           ("model.layers.3.mlp.shared_experts.up_proj", "quantized shared experts"),
+                           ("model.layers.0.mlp.down_proj", "quantized dense MLP layers"),
+                           ("lm_head", "quantized lm_head")):
+        partial = ct(W4A16, "pack-quantized", ignore=[n for n in _exact_ignore(names) if n != left_out])
+        scheme = classify(partial, "vllm-cpu", names)
+        assert not scheme.ok and scheme.problems[0].startswith(kind), (left_out, scheme.problems)
+        assert classify(partial, "vllm", names).ok  # the GPU engine quantizes them itself
+    fp8 = _with(FP8_BLOCK, ignored_layers=_exact_ignore(names))
+    assert classify(fp8, "vllm-cpu", names).ok
+    fp8_attention = _with(FP8_BLOCK, ignored_layers=[n for n in _exact_ignore(names) if "o_proj" not in n])
+    assert "quantized attention" in classify(fp8_attention, "vllm-cpu", names).problems[0]
+
+
+def _safetensors_header_only(path, names):
+    """A file with safetensors' header (u64 little-endian size, then JSON) naming ``names``; no tensor data is
+    read by the name scan, so none is written."""
+    import struct
+
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         **{n: {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]} for n in names}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+
+
+def test_model_check_reads_the_module_names_from_the_index_or_the_safetensors_headers(tmp_path):
+    from moonep_ep.vllm.quantized import checkpoint_module_names
+
+    names = _tiny_deepseek_module_names()
+    tensors = [n + (".weight_packed" if ".mlp.experts." in n else ".weight") for n in names]
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 512,
+           "moe_intermediate_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 4,
+           "first_k_dense_replace": 1, "vocab_size": 1024, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+           "rope_scaling": {"type": "yarn"}, "torch_dtype": "bfloat16", "kv_lora_rank": 512,
+           "quantization_config": ct(W4A16, "pack-quantized", ignore=_exact_ignore(names))}
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    for d in (sharded, single):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "tokenizer.json").write_text("{}")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {t: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, t in
+                                        enumerate(tensors)}}))
+    _safetensors_header_only(single / "model-00001-of-00002.safetensors", tensors[:40])
+    _safetensors_header_only(single / "model-00002-of-00002.safetensors", tensors[40:])
+    for d in (sharded, single):
+        assert checkpoint_module_names(str(d)) == sorted(names)
+        problems, info = check_model_dir(str(d), ep_size=2, engine="vllm-cpu")
+        assert [p for p in problems if p.severity == "error"] == [], problems
+        assert info["quantization"] == {"quant_method": "compressed-tensors", "format": "int4-g32"}
+    assert checkpoint_module_names(str(tmp_path / "absent")) is None
+    (single / "model-00002-of-00002.safetensors").write_bytes(b"\1")  # unreadable header: sample names decide
+    assert checkpoint_module_names(str(single)) is None
+    problems, _ = check_model_dir(str(single), ep_size=2, engine="vllm-cpu")
+    assert any(p.key == "quantization_config" and "quantized attention" in p.message for p in problems)

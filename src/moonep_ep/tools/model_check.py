@@ -115,7 +115,7 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
                                 "serve this model with another --all2all-backend"))
     quant = merged.get("quantization_config")
     if quant:
-        problems += _quantization_problems(quant, engine, info)
+        problems += _quantization_problems(quant, engine, info, path)
     native = str(merged.get("torch_dtype") or merged.get("dtype") or "")
     if native and native not in ("bfloat16", "bf16"):
         problems.append(Problem("torch_dtype", f"the checkpoint is {native}: vLLM casts it to bfloat16 at load "
@@ -126,11 +126,11 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     return problems, info
 
 
-def _quantization_problems(quant: Any, engine: str, info: dict[str, Any]) -> list[Problem]:
+def _quantization_problems(quant: Any, engine: str, info: dict[str, Any], path: str) -> list[Problem]:
     """A quantized checkpoint: its expert format (``vllm/quantized.py``), or each reason with its fix."""
-    from ..vllm.quantized import classify, refusal
+    from ..vllm.quantized import checkpoint_module_names, classify, refusal
 
-    scheme = classify(quant, engine)
+    scheme = classify(quant, engine, checkpoint_module_names(path))
     info["quantization"] = {"quant_method": scheme.quant_method, "format": scheme.format}
     message = refusal(scheme)
     if message is None:

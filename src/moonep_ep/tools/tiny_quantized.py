@@ -243,13 +243,15 @@ def _copy_beside(src: str, dst: str, cfg: dict[str, Any], tensors: dict[str, Any
     from safetensors.torch import save_file
 
     os.makedirs(dst, exist_ok=True)
+    # the tensors go into one model.safetensors: a sharded source's index would name shards the copy lacks
+    weight_files = (".safetensors", ".safetensors.index.json")
     for name in os.listdir(src):
-        if not name.endswith(".safetensors") and name not in ("config.json", "moonep_ep_tiny.json"):
+        if not name.endswith(weight_files) and name not in ("config.json", "moonep_ep_tiny.json"):
             full = os.path.join(src, name)
             if os.path.isfile(full):
                 shutil.copy(full, os.path.join(dst, name))
     for name in os.listdir(dst):
-        if name.endswith(".safetensors"):
+        if name.endswith(weight_files):
             os.remove(os.path.join(dst, name))
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:

@@ -369,9 +369,9 @@ def _format_problems(served: str, path: str) -> list[str]:
         found = "bf16"
     else:
         from .. import envs
-        from .quantized import classify
+        from .quantized import checkpoint_module_names, classify
 
-        scheme = classify(q, "vllm-cpu" if envs.MOONEP_EP_CPU else "vllm")
+        scheme = classify(q, "vllm-cpu" if envs.MOONEP_EP_CPU else "vllm", checkpoint_module_names(path))
         if not scheme.ok:
             return [f"config.json quantization_config: {scheme.problems[0]}"]
         found = str(scheme.format)

