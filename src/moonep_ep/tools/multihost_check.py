@@ -135,7 +135,7 @@ class Deployment:
                        VLLM_CPU_OMP_THREADS_BIND=str(cpus[k % len(cpus)]), **extra_env)
             argv = [sys.executable, "-m", "moonep_ep.cli.main", "serve", "--hosts", ",".join(self.addresses),
                     "--node-rank", str(k), "--port", str(PORT), "--rpc-port", str(RPC_PORT),
-                    "--gloo-ifname", host.interface, "--host", "0.0.0.0"]
+                    "--gloo-ifname", host.interface, "--host", "0.0.0.0", "--", *STEP_TOKENS]
             log = os.path.join(workdir, f"host{k}.log")
             self.logs.append(log)
             with open(log, "w") as f:
@@ -207,6 +207,12 @@ def _error_lines(text: str, pattern: str) -> list[str]:
 
 #: DP rank of completion ``i`` of the serve traffic (the low prompts): both ranks prefill them side by side
 LOW_PROMPT_DP_RANKS = [0, 1]
+#: vLLM's per-step token budget on every host (passed after ``--``; the last value wins over serve's 512):
+#: one 250-token low prompt fills a step, so its capacity is 256 and two ranks' low prompts overload owner 0's
+#: S*K (the engine demo's budget). With 512 a low prompt beside a few chat tokens rounded up to capacity
+#: 512, and whether any step overloaded owner 0 depended on the batching: 0, 3, 4, 9 and 3 fills in five
+#: runs here; with 256, 3 in each of three runs.
+STEP_TOKENS = ["--max-num-batched-tokens", "256"]
 
 
 def serve_prompts() -> list[list[int]]:

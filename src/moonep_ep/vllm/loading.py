@@ -211,12 +211,7 @@ def load_expert_weight(layer: Any, param: torch.Tensor, loaded_weight: torch.Ten
     store, idx = binding
     from .stats import STATS
 
-    if _is_layerwise_replay(param, store, idx):
-        # vLLM's layerwise reload calls each loader twice: first against the meta parameter (the call
-        # it counts, which wrote the row), then replaying into a materialized copy of the layer that
-        # process_weights_after_loading discards. The replay writes nothing.
-        STATS.watch_expert_tensor(param, "vLLM reload: materialized layer")
-        STATS.sample_expert_memory("reload replay")
+    if layerwise_replay(param, store, idx):
         return True if return_success else None
     projection = PROJECTION_OF_SHARD.get(shard_id)
     if projection is None or "bias" in weight_name or loaded_weight.dim() != 2:
@@ -231,12 +226,23 @@ def load_expert_weight(layer: Any, param: torch.Tensor, loaded_weight: torch.Ten
     return True if return_success else None
 
 
-def _is_layerwise_replay(param: torch.Tensor, store: Any, idx: int) -> bool:
-    """True for a materialized copy of the layer's parameter (real memory, not the store's view)."""
+def layerwise_replay(param: torch.Tensor, store: Any, idx: int) -> bool:
+    """True for a call of vLLM's layerwise-reload replay, which then writes nothing (both loaders).
+
+    vLLM's layerwise reload calls each loader twice: first against the ``meta`` parameter (the call it
+    counts, which wrote the row), then replaying into a materialized copy of the layer that
+    ``process_weights_after_loading`` discards: real memory that is none of the store's views. The copy is
+    watched, as the update's peak memory counts it."""
     if param.is_meta:
         return False
-    gate, _, down = store.views(idx)
-    return param.data_ptr() not in (gate.data_ptr(), down.data_ptr())
+    views = store.views(idx) if store.format == "bf16" else store.named_views(idx).values()
+    if any(param.data_ptr() == view.data_ptr() for view in views):
+        return False
+    from .stats import STATS
+
+    STATS.watch_expert_tensor(param, "vLLM reload: materialized layer")
+    STATS.sample_expert_memory("reload replay")
+    return True
 
 
 # -- 4. vLLM's reload_weights -------------------------------------------------------------------

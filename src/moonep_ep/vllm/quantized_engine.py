@@ -93,7 +93,7 @@ def _param_name(layer: Any, param: torch.Tensor, weight_name: str) -> str:
 def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str,
                           shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
     """The ``weight_loader`` of a sharded quantized MoonEP layer (vLLM's expert-loader signature)."""
-    from .loading import BINDING_ATTR
+    from .loading import BINDING_ATTR, layerwise_replay
     from .stats import STATS
 
     ok = True if return_success else None
@@ -105,11 +105,7 @@ def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.
         raise ConfigError(f"moonep_ep: MoE layer {layer.layer_name} was built for the sharded MoonEP layout but "
                           "no store was allocated for it. Fix: load the model with vLLM's default loader")
     store, idx = binding
-    if not param.is_meta and name_of_view(store, idx, param) is None:
-        # vLLM's layerwise reload replays each call into a materialized copy of the layer, which
-        # process_weights_after_loading discards; the first (counted) call against meta wrote the row.
-        STATS.watch_expert_tensor(param, "vLLM reload: materialized layer")
-        STATS.sample_expert_memory("reload replay")
+    if layerwise_replay(param, store, idx):
         return ok
     name = _param_name(layer, param, weight_name)
     if name.endswith("_weight_shape"):  # compressed-tensors' [out, in] of the unpacked weight: checked only
@@ -128,15 +124,6 @@ def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.
     STATS.register_loaded_weight(loaded_weight)
     store.write_expert(idx, name, local, loaded_weight, where=weight_name, part=_PART_OF_SHARD[shard_id])
     return ok
-
-
-def name_of_view(store: Any, idx: int, param: torch.Tensor) -> str | None:
-    """The store tensor whose ``[E+B]`` view ``param`` is (same data pointer), or None."""
-    ptr = param.data_ptr()
-    for name, view in store.named_views(idx).items():
-        if view.data_ptr() == ptr:
-            return name
-    return None
 
 
 # -- 4. after loading ----------------------------------------------------------------------------
