@@ -208,3 +208,39 @@ def test_gpu_system_check_names_every_missing_capability(monkeypatch):
     good = Capabilities(driver="cuda", available=True, vmm=True, posix_fd=True, peer_access=True, device="cuda:0")
     monkeypatch.setattr(cuda.CudaDriver, "capabilities", lambda self: good)
     assert system_check("cuda", "reference")["vmm"] is True
+
+
+def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
+    """vLLM's per-step DP all-reduce (``dp_utils._run_ar``) meets a killed peer as a bare gloo error; the
+    plugin names the peer from the store's registered addresses, and leaves any other error as it was."""
+    import types
+
+    from moonep_ep.errors import PeerLostError
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import plugin
+
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:44191: Connection reset by peer"
+    module = types.ModuleType("fake_dp_utils")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(module.message)
+
+    module._run_ar = failing
+    saved = dict(group_mod._PEERS)
+    try:
+        group_mod._PEERS.clear()
+        group_mod.register_peers(object(), [("host-a", "10.1.2.2"), ("host-b", "10.1.2.3")])
+        plugin._patch_dp_sync(module)
+        assert module._run_ar is not failing
+        module.message = gloo
+        with pytest.raises(PeerLostError) as lost:
+            module._run_ar()
+        assert "lost rank(s) [1] on host host-b (10.1.2.3)" in str(lost.value)
+        assert "DP batch synchronization" in str(lost.value)
+        module.message = "RuntimeError: something else"  # negative control: not a peer's address
+        with pytest.raises(RuntimeError, match="something else") as other:
+            module._run_ar()
+        assert not isinstance(other.value, PeerLostError)
+    finally:
+        group_mod._PEERS.clear()
+        group_mod._PEERS.update(saved)

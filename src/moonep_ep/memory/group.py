@@ -134,8 +134,9 @@ def register_peers(group: Any, peers: list[tuple[str, str]]) -> None:
 def lost_peers(group: Any, detail: str, rank: int) -> str:
     """``"lost rank(s) [1] on host b (10.0.0.2): "`` when ``detail`` names a registered peer's address, else ''.
 
-    Ranks sharing that address (one host) are all named: the transport names the host, not the process."""
-    table = _PEERS.get(id(group))
+    Ranks sharing that address (one host) are all named: the transport names the host, not the process.
+    ``group`` None: any registered group's table (a collective of another group over the same processes)."""
+    table = _PEERS.get(id(group)) if group is not None else next(iter(_PEERS.values()), None)
     addresses = set(re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", detail))
     if not table or not addresses:
         return ""

@@ -86,6 +86,7 @@ MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 MOD_VLLM_CONFIG = "vllm.config.vllm"
+MOD_DP_UTILS = "vllm.v1.worker.dp_utils"
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -402,6 +403,38 @@ def _patch_config_check(module: ModuleType) -> None:
 _hide_quantization = threading.local()
 
 
+def _patch_dp_sync(module: ModuleType) -> None:
+    """vLLM's per-step DP batch synchronization (``dp_utils._run_ar``, an all-reduce over the DP group): a
+    peer lost there is named like in the MoonEP steps (rank and host, ``PeerLostError``). Whichever collective
+    a survivor is in when a peer dies meets the loss first; a bare gloo error here named nobody."""
+    orig = getattr(module, "_run_ar", None)
+    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+        return
+
+    def _run_ar(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return orig(*args, **kwargs)
+        except (RuntimeError, ConnectionError, OSError) as exc:
+            from ..errors import PeerLostError
+            from ..memory.group import default_timeout_s, lost_peers
+
+            detail = f"{type(exc).__name__}: {exc}"
+            named = lost_peers(None, detail, -1)
+            if not named:
+                raise  # not a registered peer's address: vLLM's own error stands
+            try:
+                from vllm.distributed import get_ep_group
+
+                rank = get_ep_group().rank_in_group
+            except Exception:  # noqa: BLE001 - no EP group in this process: name the peer only
+                rank = None
+            raise PeerLostError("DP batch synchronization", rank,
+                                lost_peers(None, detail, -1 if rank is None else rank) + detail,
+                                default_timeout_s()) from exc
+
+    _install(module, "_run_ar", _run_ar, orig, "dp_utils._run_ar (a lost peer named)")
+
+
 def _request_amx_permission() -> None:
     """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
 
@@ -446,6 +479,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)
             when_imported(MOD_VLLM_CONFIG, _patch_config_check)
+            when_imported(MOD_DP_UTILS, _patch_dp_sync)
             for target, patch in quantized_hooks.PATCHES.items():
                 when_imported(target, functools.partial(patch, install=_install, note=_state))
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
