@@ -87,9 +87,7 @@ class GroupComm:
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except (RuntimeError, ConnectionError, OSError) as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-            raise PeerLostError(step, self.rank, lost_peers(self.group, detail, self.rank) + detail,
-                                self.timeout_s) from exc
+            raise peer_lost_error(step, self.rank, self.group, exc, self.timeout_s) from exc
         return out
 
     def barrier(self, step: str) -> None:
@@ -129,6 +127,15 @@ _PEERS: dict[int, list[tuple[str, str]]] = {}
 
 def register_peers(group: Any, peers: list[tuple[str, str]]) -> None:
     _PEERS[id(group)] = [(str(h), str(a)) for h, a in peers]
+
+
+def peer_lost_error(step: str, rank: int | None, group: Any, exc: BaseException,
+                    timeout_s: float | None = None) -> PeerLostError:
+    """The :class:`PeerLostError` for a transport error ``exc`` met at ``step``: the lost rank(s) and host
+    named when ``exc`` names a registered peer's address (``group`` None: any registered group's table)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    named = lost_peers(group, detail, -1 if rank is None else rank)
+    return PeerLostError(step, rank, named + detail, default_timeout_s() if timeout_s is None else timeout_s)
 
 
 def lost_peers(group: Any, detail: str, rank: int) -> str:

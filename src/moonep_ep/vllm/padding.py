@@ -56,8 +56,7 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
     """``[R, R + 1]``: every rank's ``[n, real entries per home group...]`` (collective)."""
     import torch.distributed as dist
 
-    from ..errors import PeerLostError
-    from ..memory.group import default_timeout_s, lost_peers
+    from ..memory.group import peer_lost_error
 
     group = _group_of(manager, local.device)
     out = [torch.empty_like(local) for _ in range(manager.world_size)]
@@ -66,9 +65,7 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
     except (RuntimeError, ConnectionError, OSError) as exc:
         # The first collective of a MoE layer: a dead peer surfaces here, so it is named here, as the
         # Buffer's own steps name it (memory/group.py), not left a bare backend error.
-        detail = f"{type(exc).__name__}: {exc}"
-        raise PeerLostError("capacity padding", manager.rank, lost_peers(group, detail, manager.rank) + detail,
-                            default_timeout_s()) from exc
+        raise peer_lost_error("capacity padding", manager.rank, group, exc) from exc
     return torch.stack(out).cpu()
 
 

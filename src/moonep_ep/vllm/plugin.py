@@ -415,12 +415,9 @@ def _patch_dp_sync(module: ModuleType) -> None:
         try:
             return orig(*args, **kwargs)
         except (RuntimeError, ConnectionError, OSError) as exc:
-            from ..errors import PeerLostError
-            from ..memory.group import default_timeout_s, lost_peers
+            from ..memory.group import lost_peers, peer_lost_error
 
-            detail = f"{type(exc).__name__}: {exc}"
-            named = lost_peers(None, detail, -1)
-            if not named:
+            if not lost_peers(None, f"{type(exc).__name__}: {exc}", -1):
                 raise  # not a registered peer's address: vLLM's own error stands
             try:
                 from vllm.distributed import get_ep_group
@@ -428,9 +425,7 @@ def _patch_dp_sync(module: ModuleType) -> None:
                 rank = get_ep_group().rank_in_group
             except Exception:  # noqa: BLE001 - no EP group in this process: name the peer only
                 rank = None
-            raise PeerLostError("DP batch synchronization", rank,
-                                lost_peers(None, detail, -1 if rank is None else rank) + detail,
-                                default_timeout_s()) from exc
+            raise peer_lost_error("DP batch synchronization", rank, None, exc) from exc
 
     _install(module, "_run_ar", _run_ar, orig, "dp_utils._run_ar (a lost peer named)")
 
