@@ -109,7 +109,7 @@ def test_sigkilled_headless_node_fails_requests_ends_the_head_and_leaves_nothing
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 @pytest.mark.xfail(strict=False, reason="known open defect (issue 19 stays open): the survivor names the lost rank "
-                   "and host when it meets the loss in a MoonEP step or vLLM's worker DP sync (all but 1 of 19 runs "
+                   "and host when it meets the loss in a MoonEP step or vLLM's worker DP sync (all but 2 of 21 runs "
                    "here); not when a vLLM collective moonep_ep does not wrap (e.g. the EngineCore's DP all-reduce) "
                    "meets it first")
 def test_sigkill_survivor_names_the_lost_rank_and_host(multihost):
