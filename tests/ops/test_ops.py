@@ -300,6 +300,60 @@ def worked_example(ctx: Any) -> dict:
     return out
 
 
+#: Where the victim rank dies (instead of entering that payload exchange), and so where the survivor meets it.
+PAYLOAD_STEPS = ["dispatch: counts", "dispatch: rows", "combine: rows"]
+
+
+def killed_in_payload_exchange(ctx: Any, step: str) -> dict:
+    """Rank 1 SIGKILLs itself where it would enter ``step``'s all-to-all (after every lockstep round before
+    it); rank 0 meets the loss inside that exchange and reports its error. The peer table is what the
+    vLLM plugin's store registers for its group (hostname, gloo address per rank)."""
+    import os
+    import signal
+    import socket
+
+    from moonep_ep.memory.group import register_peers, transport_address
+
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32)
+    x = torch.ones(4, 128, dtype=torch.bfloat16)
+    buf = ReferenceBuffer(4, 128, 2, 4, 2, lockstep_checks=False, explicitly_destroy=True)
+    register_peers(buf.group, [(f"{socket.gethostname()}-r{r}", transport_address()) for r in range(2)])
+    if ctx.rank == 1:
+        enter = buf.comm.all_to_all_single
+
+        def die_at_step(name, *args, **kwargs):
+            if name == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return enter(name, *args, **kwargs)
+        buf.comm.all_to_all_single = die_at_step
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=4).to(torch.int32)
+    try:
+        hidden_nvsh, _, _, plan = buf.dispatch(x, None, ids, tpe)
+        buf.combine(plan, hidden_nvsh)
+    except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None, "error": None}
+
+
+@pytest.mark.parametrize("step", PAYLOAD_STEPS)
+def test_a_peer_killed_in_a_payload_exchange_is_named_by_the_survivor(step):
+    """The payload all-to-alls (counts, metadata, rows, route weights) follow the lockstep rounds with no
+    round of their own, so a survivor meets a SIGKILLed peer inside one: it raises PeerLostError naming
+    the step, the lost rank and its host (a CI run's survivor once met it in the metadata exchange and
+    named nobody)."""
+    from moonep_ep.tools.launch import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(killed_in_payload_exchange, 2, args=(step,), env={"MOONEP_EP_TIMEOUT_S": "10"},
+                  group_timeout_s=10, timeout_s=120)
+    failure = info.value
+    assert set(failure.errors) == {1} and "-9" in failure.errors[1]  # the victim only
+    survivor = failure.results[0]
+    assert survivor["type"] == "PeerLostError", survivor
+    assert survivor["error"].startswith("[rank 0]") and f"during '{step}'" in survivor["error"], survivor
+    assert "lost rank(s) [1] on host " in survivor["error"] and "-r1 (" in survivor["error"], survivor
+
+
 def _attempt(fn) -> tuple[str, str]:
     try:
         fn()

@@ -217,7 +217,7 @@ def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
 
     from moonep_ep.errors import PeerLostError
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import plugin
+    from moonep_ep.vllm import peer_naming, plugin
 
     gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:44191: Connection reset by peer"
     module = types.ModuleType("fake_dp_utils")
@@ -230,7 +230,7 @@ def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
     try:
         group_mod._PEERS.clear()
         group_mod.register_peers(object(), [("host-a", "10.1.2.2"), ("host-b", "10.1.2.3")])
-        plugin._patch_dp_sync(module)
+        peer_naming.patch_dp_batch_sync(module, install=plugin._install, note={})
         assert module._run_ar is not failing
         module.message = gloo
         with pytest.raises(PeerLostError) as lost:
@@ -241,6 +241,78 @@ def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
         with pytest.raises(RuntimeError, match="something else") as other:
             module._run_ar()
         assert not isinstance(other.value, PeerLostError)
+    finally:
+        group_mod._PEERS.clear()
+        group_mod._PEERS.update(saved)
+
+
+def _fake_engine_core(message: str, backend: str = "moonep", rank: int = 0, size: int = 2):
+    """A stand-in for vLLM's ``DPEngineCoreProc`` (the attributes the patch reads) whose busy loop meets
+    ``message`` as its DP all-reduce would; ``dp_store`` is a real torch.distributed store."""
+    import types
+
+    import torch.distributed as dist
+
+    class DPEngineCoreProc:
+        def __init__(self):
+            self.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(all2all_backend=backend))
+            self.dp_rank, self.dp_size, self.dp_group, self.dp_store = rank, size, object(), dist.HashStore()
+
+        def run_busy_loop(self):
+            raise RuntimeError(message)
+
+    return types.ModuleType("fake_engine_core"), DPEngineCoreProc
+
+
+def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_host(monkeypatch, caplog):
+    """The engine core's DP state all-reduce (its own gloo group, in the engine-core process, where no store
+    table exists) meets a killed host as a bare gloo error. Each DP rank publishes (hostname, gloo address) in
+    vLLM's DP TCPStore at the start of its busy loop; the error then names the lost DP rank and host.
+    Controls: another backend, an error naming no peer, an error the worker already named, and a peer that
+    never published are all left as vLLM raised them."""
+    import json
+
+    from moonep_ep.errors import PeerLostError
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import peer_naming, plugin
+
+    gloo = "[../gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:44191: Connection reset by peer"
+    monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "1")
+    saved = dict(group_mod._PEERS)
+
+    def engine(message, backend="moonep", peer_published=True):
+        module, cls = _fake_engine_core(message, backend)
+        module.DPEngineCoreProc = cls
+        peer_naming.patch_engine_core(module, install=plugin._install, note={})
+        assert getattr(cls.run_busy_loop, "_moonep_ep_wrapped", False)
+        core = cls()
+        if peer_published:  # DP rank 1, on the other host, published its entry at its own busy-loop start
+            core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))
+        return core
+
+    try:
+        group_mod._PEERS.clear()
+        core = engine(gloo)
+        with pytest.raises(PeerLostError) as lost:
+            core.run_busy_loop()
+        text = str(lost.value)
+        assert text.startswith("[rank 0]") and "lost rank(s) [1] on host host-b (10.1.2.3)" in text, text
+        assert "DP state synchronization (engine core of DP rank 0)" in text
+        own = json.loads(core.dp_store.get(peer_naming.PEER_KEY.format(rank=0)))
+        assert own[0] == __import__("socket").gethostname()  # this rank's own entry, for the others
+        # Controls: each raises vLLM's own RuntimeError, unchanged.
+        for message, backend in [(gloo, "allgather_reducescatter"), ("RuntimeError: something else", "moonep"),
+                                 ("Worker failed with error '[rank 0] lost contact with a peer during 'combine': "
+                                  "lost rank(s) [1] on host host-b (10.1.2.3): Read error [10.1.2.3]:1'", "moonep")]:
+            with pytest.raises(RuntimeError) as other:
+                engine(message, backend).run_busy_loop()
+            assert not isinstance(other.value, PeerLostError) and str(other.value) == message
+        group_mod._PEERS.clear()
+        with caplog.at_level("WARNING", logger="vllm.moonep_ep"):
+            with pytest.raises(RuntimeError) as unnamed:
+                engine(gloo, peer_published=False).run_busy_loop()   # waits MOONEP_EP_TIMEOUT_S=1 for rank 1
+        assert not isinstance(unnamed.value, PeerLostError)
+        assert "not every DP rank published its host" in caplog.text
     finally:
         group_mod._PEERS.clear()
         group_mod._PEERS.update(saved)

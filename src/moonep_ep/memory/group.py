@@ -90,6 +90,15 @@ class GroupComm:
             raise peer_lost_error(step, self.rank, self.group, exc, self.timeout_s) from exc
         return out
 
+    def all_to_all_single(self, step: str, output: Any, input: Any, output_splits: list[int] | None = None,
+                          input_splits: list[int] | None = None) -> None:
+        """``all_to_all_single`` over the group (a payload exchange: dispatch and combine rows); a dead
+        peer becomes a :class:`PeerLostError` naming this rank, ``step`` and the lost rank and host."""
+        try:
+            dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
+        except (RuntimeError, ConnectionError, OSError) as exc:
+            raise peer_lost_error(step, self.rank, self.group, exc, self.timeout_s) from exc
+
     def barrier(self, step: str) -> None:
         """Wait for every rank at ``step`` (one metadata round)."""
         self.all_gather_object(None, step)

@@ -340,7 +340,7 @@ class ReferenceBuffer:
         send = source_routes(dst, hidden_sh.shape[0], self.K, self.NvS, R, weights_sk)
         counts_send = torch.tensor([send.row_splits, send.entry_splits], dtype=torch.int64).t().contiguous().to(dev)
         counts_recv = torch.empty_like(counts_send)
-        dist.all_to_all_single(counts_recv, counts_send, group=self.group)
+        self.comm.all_to_all_single("dispatch: counts", counts_recv, counts_send)
         counts_recv = counts_recv.cpu()
         recv_row_splits, recv_entry_splits = counts_recv[:, 0].tolist(), counts_recv[:, 1].tolist()
         expected = gplan.route_count[:, :, rank].sum(dim=1).tolist()
@@ -348,9 +348,10 @@ class ReferenceBuffer:
             raise RuntimeError(f"[rank {rank}] received entry counts {recv_entry_splits} differ from the plan {expected}")
         width = send.meta.shape[1]
         meta_recv = torch.empty(sum(recv_entry_splits) * width, dtype=torch.int32, device=dev)
-        dist.all_to_all_single(meta_recv, send.meta.reshape(-1).to(dev), [c * width for c in recv_entry_splits],
-                               [c * width for c in send.entry_splits], group=self.group)
-        rows_recv = self._exchange_rows(hidden_sh[send.row_token.to(dev)], send.row_splits, recv_row_splits)
+        self.comm.all_to_all_single("dispatch: metadata", meta_recv, send.meta.reshape(-1).to(dev),
+                                    [c * width for c in recv_entry_splits], [c * width for c in send.entry_splits])
+        rows_recv = self._exchange_rows("dispatch: rows", hidden_sh[send.row_token.to(dev)], send.row_splits,
+                                        recv_row_splits)
         zero_fill = gplan.zero_fill_ranges[rank]
         routing, weights_recv = destination_routes(send, meta_recv.to("cpu", torch.int64).view(-1, width),
                                                    recv_entry_splits, recv_row_splits, zero_fill)
@@ -367,10 +368,11 @@ class ReferenceBuffer:
             nvs_s=gplan.nvs_s, rank=rank, cu_seqlens=i32(gplan.cu_seqlens[rank]), global_plan=gplan,
             num_received=int(routing.recv_entry_loff.numel()), routing=routing, buffer_uid=self.uid)
 
-    def _exchange_rows(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    def _exchange_rows(self, step: str, send: torch.Tensor, send_splits: list[int],
+                       recv_splits: list[int]) -> torch.Tensor:
         """``all_to_all_single`` of ``[rows, H]`` bf16 activations (the token payload)."""
         recv = torch.empty(sum(recv_splits), send.shape[1], dtype=send.dtype, device=self.device)
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
+        self.comm.all_to_all_single(step, recv, send.contiguous(), recv_splits, send_splits)
         return recv
 
     def _place(self, routing: Routing, rows_recv: torch.Tensor, weights_recv: Optional[torch.Tensor]) -> None:
@@ -386,12 +388,14 @@ class ReferenceBuffer:
 
     def _reuse_dispatch(self, plan: CommPlan, hidden_sh: torch.Tensor, weights_sk: Optional[torch.Tensor]) -> None:
         rt, dev = plan.routing, self.device
-        rows_recv = self._exchange_rows(hidden_sh[rt.send_row_token.to(dev)], rt.send_row_splits, rt.recv_row_splits)
+        rows_recv = self._exchange_rows("dispatch (reused plan): rows", hidden_sh[rt.send_row_token.to(dev)],
+                                        rt.send_row_splits, rt.recv_row_splits)
         weights_recv = None
         if weights_sk is not None:
             send = weights_sk.reshape(-1)[rt.send_entry_index.to(dev)].contiguous()
             weights_recv = torch.empty(sum(rt.recv_entry_splits), dtype=torch.float32, device=dev)
-            dist.all_to_all_single(weights_recv, send, rt.recv_entry_splits, rt.send_entry_splits, group=self.group)
+            self.comm.all_to_all_single("dispatch (reused plan): route weights", weights_recv, send,
+                                        rt.recv_entry_splits, rt.send_entry_splits)
         self._place(rt, rows_recv, weights_recv)
 
     # -- combine ------------------------------------------------------------------------------
@@ -440,7 +444,7 @@ class ReferenceBuffer:
             acc.index_add_(0, rt.recv_entry_row[dup].to(dev), Y[rt.recv_entry_loff[dup].to(dev)].float())
         merged = acc.to(torch.bfloat16)
         Y[prim_loff] = merged
-        back = self._exchange_rows(merged, rt.recv_row_splits, rt.send_row_splits)
+        back = self._exchange_rows("combine: rows", merged, rt.recv_row_splits, rt.send_row_splits)
         s = plan.num_tokens
         out = torch.zeros(s, self.H, dtype=torch.float32, device=dev)
         out.index_add_(0, rt.send_row_token.to(dev), back.float())
@@ -449,7 +453,8 @@ class ReferenceBuffer:
         if route_weights_nvs is not None:
             send = route_weights_nvs[rt.recv_entry_loff.to(dev)].contiguous()
             got = torch.empty(sum(rt.send_entry_splits), dtype=torch.float32, device=dev)
-            dist.all_to_all_single(got, send, rt.send_entry_splits, rt.recv_entry_splits, group=self.group)
+            self.comm.all_to_all_single("combine: route weights", got, send, rt.send_entry_splits,
+                                        rt.recv_entry_splits)
             flat = torch.empty(s * self.K, dtype=torch.float32, device=dev)
             flat[rt.send_entry_index.to(dev)] = got
             weights_sk = flat.view(s, self.K)

