@@ -135,6 +135,8 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
                            "a lost peer will be reported by vLLM unnamed", self.dp_rank)
         else:
             register_peers(self.dp_group, table)
+            logger.info("moonep_ep: engine core of DP rank %s knows every DP rank's host %s (a lost one is named)",
+                        self.dp_rank, [h for h, _ in table])
         try:
             return orig(self)
         except TRANSPORT_ERRORS as exc:
