@@ -316,3 +316,54 @@ def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_h
     finally:
         group_mod._PEERS.clear()
         group_mod._PEERS.update(saved)
+
+
+def engine_core_meets_a_killed_peer(ctx) -> dict:
+    """Two real gloo ranks, each an engine core (the patched busy loop of a stand-in ``DPEngineCoreProc``) whose
+    loop all-reduces over its DP group as vLLM's ``sync_dp_state`` does; rank 1 dies after the first round."""
+    import os
+    import signal
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from moonep_ep.vllm import peer_naming, plugin
+
+    class DPEngineCoreProc:
+        def __init__(self):
+            self.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(all2all_backend="moonep"))
+            self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+            self.dp_group, self.dp_store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
+
+        def run_busy_loop(self):
+            for step in range(2):
+                if step == 1 and self.dp_rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.all_reduce(torch.tensor([1, 0], dtype=torch.int32), group=self.dp_group)
+
+    module = types.ModuleType("fake_engine_core")
+    module.DPEngineCoreProc = DPEngineCoreProc
+    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+    try:
+        DPEngineCoreProc().run_busy_loop()
+    except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None}
+
+
+def test_the_engine_core_names_a_peer_killed_in_a_real_gloo_all_reduce():
+    """The same with a real gloo all-reduce and a real TCPStore: the address gloo's error names is the one the
+    peer published, so the survivor's error names DP rank 1 and its host."""
+    import socket
+
+    from moonep_ep.tools.launch import RankFailure, run_ranks
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(engine_core_meets_a_killed_peer, 2, env={"MOONEP_EP_TIMEOUT_S": "10"}, group_timeout_s=10,
+                  timeout_s=120)
+    assert set(info.value.errors) == {1} and "-9" in info.value.errors[1]
+    survivor = info.value.results[0]
+    assert survivor["type"] == "PeerLostError", survivor
+    assert f"lost rank(s) [1] on host {socket.gethostname()} (" in survivor["error"], survivor
+    assert "DP state synchronization (engine core of DP rank 0)" in survivor["error"], survivor
