@@ -84,19 +84,24 @@ class GroupComm:
         :class:`PeerLostError` naming this rank and ``step`` (not a bare backend error)."""
         out: list[Any] = [None] * self.world_size
         self.rounds["metadata"] += 1
-        try:
+        with self.peer_loss_named(step):
             dist.all_gather_object(out, obj, group=self.group)
-        except (RuntimeError, ConnectionError, OSError) as exc:
-            raise peer_lost_error(step, self.rank, self.group, exc, self.timeout_s) from exc
         return out
 
     def all_to_all_single(self, step: str, output: Any, input: Any, output_splits: list[int] | None = None,
                           input_splits: list[int] | None = None) -> None:
         """``all_to_all_single`` over the group (a payload exchange: dispatch and combine rows); a dead
         peer becomes a :class:`PeerLostError` naming this rank, ``step`` and the lost rank and host."""
-        try:
+        with self.peer_loss_named(step):
             dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
-        except (RuntimeError, ConnectionError, OSError) as exc:
+
+    @contextlib.contextmanager
+    def peer_loss_named(self, step: str) -> Iterator[None]:
+        """A transport error inside becomes a :class:`PeerLostError` naming this rank, ``step`` and, when the
+        error names a registered peer's address, the lost rank and host."""
+        try:
+            yield
+        except TRANSPORT_ERRORS as exc:
             raise peer_lost_error(step, self.rank, self.group, exc, self.timeout_s) from exc
 
     def barrier(self, step: str) -> None:
@@ -132,6 +137,8 @@ class GroupComm:
 #: whoever gathered them (the vLLM plugin's expert store), so that a transport error naming only
 #: an address ("Read error [10.0.0.2]:9446") can name the rank and host that went away.
 _PEERS: dict[int, list[tuple[str, str]]] = {}
+#: What a lost peer looks like to a collective (gloo: RuntimeError naming the peer's address).
+TRANSPORT_ERRORS = (RuntimeError, ConnectionError, OSError)
 
 
 def register_peers(group: Any, peers: list[tuple[str, str]]) -> None:

@@ -56,13 +56,13 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
     """``[R, R + 1]``: every rank's ``[n, real entries per home group...]`` (collective)."""
     import torch.distributed as dist
 
-    from ..memory.group import peer_lost_error
+    from ..memory.group import TRANSPORT_ERRORS, peer_lost_error
 
     group = _group_of(manager, local.device)
     out = [torch.empty_like(local) for _ in range(manager.world_size)]
     try:
         dist.all_gather(out, local, group=group)
-    except (RuntimeError, ConnectionError, OSError) as exc:
+    except TRANSPORT_ERRORS as exc:
         # The first collective of a MoE layer: a dead peer surfaces here, so it is named here, as the
         # Buffer's own steps name it (memory/group.py), not left a bare backend error.
         raise peer_lost_error("capacity padding", manager.rank, group, exc) from exc

@@ -46,8 +46,6 @@ MOD_DP_UTILS = "vllm.v1.worker.dp_utils"
 MOD_ENGINE_CORE = "vllm.v1.engine.core"
 #: Key of DP rank ``rank``'s entry in vLLM's DP TCPStore.
 PEER_KEY = "moonep_ep/dp_peer/{rank}"
-#: What a transport failure looks like (anything else raised in these collectives is vLLM's own).
-TRANSPORT_ERRORS = (RuntimeError, ConnectionError, OSError)
 
 
 def _already_named(exc: BaseException) -> bool:
@@ -73,6 +71,8 @@ def patch_dp_batch_sync(module: ModuleType, install: Callable[..., None], note: 
         return
 
     def _run_ar(*args: Any, **kwargs: Any) -> Any:
+        from ..memory.group import TRANSPORT_ERRORS  # torch.distributed: imported when used, not by the plugin
+
         try:
             return orig(*args, **kwargs)
         except TRANSPORT_ERRORS as exc:
@@ -95,7 +95,7 @@ def patch_dp_batch_sync(module: ModuleType, install: Callable[..., None], note: 
 def publish_dp_peers(store: Any, rank: int, size: int, timeout_s: float) -> Optional[list[tuple[str, str]]]:
     """Write this DP rank's ``(hostname, gloo address)`` into ``store``; return every rank's, in rank order,
     or None when some rank's entry did not arrive within ``timeout_s``."""
-    from ..memory.group import transport_address
+    from ..memory.group import TRANSPORT_ERRORS, transport_address
 
     store.set(PEER_KEY.format(rank=rank), json.dumps([socket.gethostname(), transport_address()]))
     keys = [PEER_KEY.format(rank=r) for r in range(size)]
@@ -122,7 +122,7 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
     def run_busy_loop(self: Any) -> Any:
         if not _serves_moonep(self):
             return orig(self)
-        from ..memory.group import default_timeout_s, register_peers
+        from ..memory.group import TRANSPORT_ERRORS, default_timeout_s, register_peers
 
         try:
             table = publish_dp_peers(self.dp_store, self.dp_rank, self.dp_size, default_timeout_s())
