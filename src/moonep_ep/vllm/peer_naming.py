@@ -69,10 +69,10 @@ def patch_dp_batch_sync(module: ModuleType, install: Callable[..., None], note: 
     orig = getattr(module, "_run_ar", None)
     if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
         return
+    # Imported here, once (vLLM's module has loaded torch by now), not by the plugin nor on each step.
+    from ..memory.group import TRANSPORT_ERRORS
 
     def _run_ar(*args: Any, **kwargs: Any) -> Any:
-        from ..memory.group import TRANSPORT_ERRORS  # torch.distributed: imported when used, not by the plugin
-
         try:
             return orig(*args, **kwargs)
         except TRANSPORT_ERRORS as exc:
@@ -127,16 +127,16 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
         try:
             table = publish_dp_peers(self.dp_store, self.dp_rank, self.dp_size, default_timeout_s())
         except TRANSPORT_ERRORS as exc:  # the store's own server is gone: vLLM will meet that too
-            table = None
             logger.warning("moonep_ep: DP rank %s could not publish its peer entry (%s); a lost peer will be "
                            "reported by vLLM unnamed", self.dp_rank, exc)
-        if table is None:
-            logger.warning("moonep_ep: DP rank %s: not every DP rank published its host within MOONEP_EP_TIMEOUT_S; "
-                           "a lost peer will be reported by vLLM unnamed", self.dp_rank)
-        else:
+            table = []  # warned here; neither branch below applies
+        if table:
             register_peers(self.dp_group, table)
             logger.info("moonep_ep: engine core of DP rank %s knows every DP rank's host %s (a lost one is named)",
                         self.dp_rank, [h for h, _ in table])
+        elif table is None:
+            logger.warning("moonep_ep: DP rank %s: not every DP rank published its host within MOONEP_EP_TIMEOUT_S; "
+                           "a lost peer will be reported by vLLM unnamed", self.dp_rank)
         try:
             return orig(self)
         except TRANSPORT_ERRORS as exc:
