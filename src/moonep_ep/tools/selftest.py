@@ -22,10 +22,6 @@ from ..memory.driver import HandleType
 from ..memory.group import GroupComm
 from ..memory.symmetric import SymmetricMemory
 
-#: What ``inject_leak`` can leave behind (positive controls of the leak counters).
-LEAKS = ("handle", "mapping", "context")
-
-
 def _pattern(owner: int, writer: int, n: int, device: str) -> torch.Tensor:
     # Distinct per (owner, writer) and per byte position, so a misplaced page shows.
     base = torch.arange(n, dtype=torch.int64, device=device)
