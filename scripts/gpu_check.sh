@@ -93,7 +93,7 @@ PYEOF
                      --cycles 6 --json ;;
     gpu_tests) timeout "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" ;;
     footprint) timeout "$limit" $CLI footprint --measure --ranks "$RANKS" --model tiny --layers 8 --driver cuda --json ;;
-    perf) timeout "$limit" "$PY" -m moonep_ep.tools.gpu_perf --driver cuda --json ;;
+    perf) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_perf --driver cuda --json ;;
     ops_demo) timeout "$limit" $CLI demo --ranks "$RANKS" --skew 8 --driver cuda --json ;;
     make_demo) timeout "$limit" "$VLLM_PY" -m moonep_ep vllm-demo --reload --json ;;
     kv_accounting) TIMEOUT_S=$((limit - 10)) timeout "$limit" bash scripts/gpu_checks/kv_accounting.sh ;;

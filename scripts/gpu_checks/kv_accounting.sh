@@ -2,7 +2,7 @@
 # GPU check (>= 2 GPUs, vllm==0.33.0 in .venv-vllm): vLLM's memory profiling counts the sharded MoonEP
 # expert store as model memory, so the KV cache leaves room for it. Called by scripts/gpu_check.sh.
 #   the `cuda`/`multi_gpu`-marked test tests/vllm/test_gpu_kv_accounting.py, which runs the tool
-#   (python -m moonep_ep.tools.kv_accounting: one DP=2 engine start) and prints its JSON, kept in $OUT for
+#   (python -m tests.support.kv_accounting: one DP=2 engine start) and prints its JSON, kept in $OUT for
 #   the session's notes. gpu_check.sh's GPU-test step leaves this test to this script.
 CHECK=kv-accounting
 source "$(dirname "$0")/common.sh"

@@ -2,7 +2,7 @@
 # GPU check (>= 2 GPUs, vllm==0.33.0 in .venv-vllm): `make serve` unchanged on the CUDA engine -- the OpenAI
 # server with --data-parallel-size 2 --enable-expert-parallel --all2all-backend moonep -- under the openai
 # client: concurrency, the HF oracle, 4xx errors, SIGTERM without leaks. Called by scripts/gpu_check.sh.
-# It runs tests/vllm/test_serve.py (which runs `python -m moonep_ep.tools.serve_check -- make serve`: one
+# It runs tests/vllm/test_serve.py (which runs `python -m tests.support.serve_check -- make serve`: one
 # server start) and keeps pytest's output, with the test's summary line, in $OUT.
 # The test runs its check in the environment named by MOONEP_EP_VLLM_CPU_PYTHON (it needs transformers and
 # openai next to vLLM; vllm==0.33.0 brings both); on a GPU machine that is .venv-vllm, set below.

@@ -59,7 +59,7 @@ def test_rank_counts_beyond_moonep_fail_at_once_with_the_limit_and_the_fix(comma
 
 def test_more_ranks_than_cores_warn_and_report_progress(monkeypatch):
     """Progress is reported every few seconds while ranks start; more ranks than cores warn."""
-    from moonep_ep.tools import launch
+    from moonep_ep import launch
 
     monkeypatch.setattr(launch, "PROGRESS_INTERVAL_S", 0.5)
     cores = len(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""``tools/launch.ProcessSet``: the process management under ``run_ranks`` and the vLLM engine harness."""
+"""``launch.ProcessSet``: the process management under ``run_ranks`` and the vLLM engine harness."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from moonep_ep.tools.launch import ProcessSet, _proc_stat, descendants
+from moonep_ep.launch import ProcessSet, proc_stat, descendants
 
 
 def spawn_grandchild_and_report(key, results):
@@ -35,7 +35,7 @@ def hang(key, results):
 
 
 def _alive(pid: int) -> bool:
-    return _proc_stat(pid) is not None
+    return proc_stat(pid) is not None
 
 
 def test_descendants_that_outlive_their_parent_are_ended_by_id():
@@ -83,7 +83,7 @@ def test_timeouts_name_every_missing_key_and_unrelated_processes_are_never_signa
         procs = ProcessSet()
         procs.start(0, hang, (0, procs.results), name="hangs")
         # A recorded pid whose start time does not match (a recycled pid) must be left alone.
-        procs.recorded[outsider.pid] = _proc_stat(outsider.pid)[1] + 1
+        procs.recorded[outsider.pid] = proc_stat(outsider.pid)[1] + 1
         out, errors = procs.collect([0], 1.0)
         assert errors == {0: "no result within 1s"}
         procs.end(term_s=2)

@@ -41,7 +41,7 @@ def test_gpus_take_vllm_serve_with_the_same_flags():
 
 
 def test_requests_in_flight_are_counted_from_send_and_finish_times():
-    from moonep_ep.tools.serve_check import max_in_flight
+    from tests.support.serve_check import max_in_flight
 
     one_after_another = [{"sent": i, "done": i + 0.5} for i in range(8)]
     all_at_once = [{"sent": 0.0, "done": 1.0 + i} for i in range(16)]

@@ -376,9 +376,9 @@ def test_measure_is_delegated(monkeypatch):
         seen["args"] = args
         return 7
 
-    fake = types.ModuleType("moonep_ep.tools.measure")
+    fake = types.ModuleType("moonep_ep.tools.commands.measure")
     fake.measure_footprint = fake_measure
-    monkeypatch.setitem(sys.modules, "moonep_ep.tools.measure", fake)
+    monkeypatch.setitem(sys.modules, "moonep_ep.tools.commands.measure", fake)
     args = _parser().parse_args(["footprint", "--measure", "--ranks", "2", "--layers", "3"])
     assert cli.run(args) == 7
     assert seen["args"].ranks == 2 and seen["args"].layers == 3

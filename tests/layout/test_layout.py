@@ -16,7 +16,7 @@ from moonep_ep.layout.plan import plan_expert_region, predict_rank_bytes, slot_p
 from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from tests.support.cli import moonep_ep_json
 
 

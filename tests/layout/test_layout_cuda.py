@@ -88,7 +88,7 @@ def test_the_sharded_store_on_a_real_gpu():
     """Two ranks on one GPU (POSIX fds, gloo metadata): views are CUDA tensors on the rank's device.
     Device bytes come from cuMemGetInfo, which two ranks on one GPU share, so only each rank's
     handle sizes are compared with the plan here."""
-    from moonep_ep.tools.launch import run_ranks
+    from moonep_ep.launch import run_ranks
 
     for res in run_ranks(store_over_the_cuda_driver, 2, backend="gloo", use_cuda=True, timeout_s=300):
         assert res["errors"] == [] and res["push_seen"] and res["slots_zeroed"], res

@@ -26,7 +26,7 @@ from moonep_ep.layout.store import ShardedExpertStore
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
 from moonep_ep.ops.prefetch import pull_slots
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from tests.support.cli import moonep_ep_json
 
 H, I, E, L = 512, 256, 16, 3

@@ -20,7 +20,7 @@ from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType
 from moonep_ep.memory.exchange import vote
 from moonep_ep.testing.cuda_emulator import EmulatedCudaApi, NodeSpec, NodeSpecError, visible_gpus
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 
 MiB = 1 << 20
 FD, FABRIC = HandleType.POSIX_FD, HandleType.FABRIC

@@ -14,7 +14,7 @@ import pytest
 
 from moonep_ep.errors import MoonEPError
 from moonep_ep.memory.symmetric import SymmetricMemory
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from tests.support.memory import (allocate_map_and_close, emulated_cuda_driver, holdings, leaks,
                                   run_emulated_ranks)
 
@@ -79,7 +79,7 @@ def store_and_selftest(ctx: Any, put_back: str | None) -> dict[str, Any]:
     from moonep_ep.memory import make_driver
     from moonep_ep.memory import symmetric
     from moonep_ep.memory.cuda import CudaDriver
-    from moonep_ep.tools.selftest import selftest_rank
+    from moonep_ep.tools.commands.selftest import selftest_rank
 
     if put_back == "granularity":
         CudaDriver._fixed_granularity = CudaDriver.granularity

@@ -28,7 +28,7 @@ from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType
 from moonep_ep.testing.cuda_emulator import (PROFILES, EmulatedCudaApi, NodeSpec, NodeSpecError, UnknownCall,
                                              UnsupportedKernel, visible_gpus)
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from tests.support.memory import bind_and_map_multicast, unmap_and_release_multicast
 
 MiB = 1 << 20

@@ -19,7 +19,7 @@ from moonep_ep.memory import multimem
 from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType
 from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from tests.memory.test_cuda_emulator import _multicast_range
 from tests.support.memory import unmap_and_release_multicast
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ep.tools.launch import run_ranks
-from moonep_ep.tools.selftest import selftest_rank
+from moonep_ep.launch import run_ranks
+from moonep_ep.tools.commands.selftest import selftest_rank
 
 
 def _gpus() -> int:

@@ -15,7 +15,7 @@ from moonep_ep.errors import CollectiveError
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
 from moonep_ep.memory.symmetric import SymmetricMemory
-from moonep_ep.tools.launch import RankFailure, run_ranks
+from moonep_ep.launch import RankFailure, run_ranks
 from tests.support.cli import moonep_ep_json
 from tests.support.memory import GRAN, emulated_cuda_driver, holdings, leaks
 

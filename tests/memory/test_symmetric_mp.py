@@ -13,7 +13,7 @@ from moonep_ep.errors import CollectiveError, MoonEPError
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
 from moonep_ep.memory.symmetric import Segment, SymmetricMemory
-from moonep_ep.tools.launch import RankFailure, run_ranks
+from moonep_ep.launch import RankFailure, run_ranks
 from tests.support.memory import GRAN, allocate_map_and_close, leaks
 
 

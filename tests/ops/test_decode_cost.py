@@ -1,4 +1,4 @@
-"""The prefetch cost model (ops/decode_cost.py) and `moonep-ep bench decode` (tools/decode_bench.py)."""
+"""The prefetch cost model (ops/decode_cost.py) and `moonep-ep bench decode` (tools/bench/decode.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from moonep_ep.models import get_model
 from moonep_ep.ops.decode_cost import PROFILES, cost_model, expert_bytes_for
-from moonep_ep.tools import decode_bench
+from moonep_ep.tools.bench import decode as decode_bench
 
 
 def test_bytes_per_expert_match_the_published_formats():

@@ -26,7 +26,7 @@ from moonep_ep.ops.experts import (ENTRY_REL_TOL, TOKEN_REL_TOL, grouped_ffn, gr
                                    reference_moe_bf16, reference_rows_bf16, token_rel_errors)
 from moonep_ep.ops.instrument import CollectiveRecorder
 from moonep_ep.ops.planner import entry_dst, nvs_rows
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 
 
 PROJ = ("gate", "up", "down")
@@ -341,7 +341,7 @@ def test_a_peer_killed_in_a_payload_exchange_is_named_by_the_survivor(step):
     round of their own, so a survivor meets a SIGKILLed peer inside one: it raises PeerLostError naming
     the step, the lost rank and its host (a CI run's survivor once met it in the metadata exchange and
     named nobody)."""
-    from moonep_ep.tools.launch import RankFailure
+    from moonep_ep.launch import RankFailure
 
     with pytest.raises(RankFailure) as info:
         run_ranks(killed_in_payload_exchange, 2, args=(step,), env={"MOONEP_EP_TIMEOUT_S": "10"},
@@ -661,7 +661,7 @@ def test_demo_four_ranks_json():
 @pytest.mark.parametrize("fault, entries_over", [("swap_cold_experts", None), ("drop_lowest_weight", 1)])
 def test_demo_rule_catches_a_cold_expert_swap_and_one_dropped_expert(fault, entries_over):
     """Negative controls: the faults hit the MoonEP path only, never the oracles."""
-    from moonep_ep.tools.demo import resolve_config, run_demo
+    from moonep_ep.tools.commands.demo import resolve_config, run_demo
 
     cfg = resolve_config(ranks=4, skew=8.0, model="tiny", tokens=128, slots=None, driver="host", granularity=None,
                          layers=2, seed=0)

@@ -160,7 +160,7 @@ def test_quantized_experts_over_the_cuda_emulator(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_experts_on_a_real_gpu(fmt):
     """Two ranks on one GPU (POSIX fds, gloo metadata): the store's rows, the fill and the FFN on the device."""
-    from moonep_ep.tools.launch import run_ranks
+    from moonep_ep.launch import run_ranks
 
     results = run_ranks(quantized_ffn_over_the_cuda_driver, 2, args=(fmt,), backend="gloo", use_cuda=True,
                         timeout_s=300)

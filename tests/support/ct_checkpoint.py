@@ -1,6 +1,6 @@
 """A compressed-tensors checkpoint written the way a compressed-tensors user writes one, not by moonep_ep.
 
-The project's own builder (``moonep_ep.tools.tiny_quantized``) writes its
+The project's own builder (``moonep_ep.tools.checkpoints.tiny_quantized``) writes its
 checkpoints with ``tiny_model.write_checkpoint`` and hand-writes
 ``quantization_config`` (a regex ``ignore`` list, keys in its own order).
 This module shares none of that writer, so ``vllm-demo --model PATH`` is
@@ -84,7 +84,7 @@ def write(out_dir: str, scheme_name: str = "W4A16", seed: int = SEED) -> dict[st
     from compressed_tensors.quantization.utils.helpers import is_module_quantized
     from safetensors.torch import load_file, save_file
 
-    from moonep_ep.tools.tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3
+    from moonep_ep.tools.checkpoints.tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3
 
     src = build_tiny_deepseek_v3(os.path.join(os.path.dirname(os.path.abspath(out_dir)), f"ct-bf16-s{seed}"),
                                  TinyDeepseekV3Config(seed=seed))

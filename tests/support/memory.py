@@ -56,7 +56,7 @@ def run_emulated_ranks(fn, world: int, args: tuple = (), timeout_s: float = 180,
     import os
     from unittest import mock
 
-    from moonep_ep.tools.launch import plan_launch, run_ranks
+    from moonep_ep.launch import plan_launch, run_ranks
 
     with mock.patch.dict(os.environ, EMULATOR_ENV):
         plan = plan_launch("cuda", world)

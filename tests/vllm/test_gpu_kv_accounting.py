@@ -1,7 +1,7 @@
 """GPU: vLLM's memory profiling counts the sharded store as model memory (the KV cache does not over-commit).
 
 Needs >= 2 CUDA GPUs and the ``vllm==0.33.0`` environment; runs
-``python -m moonep_ep.tools.kv_accounting`` (DP=2, ``all2all_backend="moonep"``)
+``python -m tests.support.kv_accounting`` (DP=2, ``all2all_backend="moonep"``)
 and checks, on every worker: vLLM's reported model memory includes the
 store's physical bytes, its ``cuMemGetInfo``-based ``total_consumed`` does
 too, and the KV cache it chose leaves them out of the requested memory.
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from moonep_ep.tools.kv_accounting import check
+from tests.support.kv_accounting import check
 from tests.support.vllm_envs import run_json
 
 
@@ -31,7 +31,7 @@ def _gpus() -> int:
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs (the DP=2 moonep engine)")
 def test_vllm_counts_the_store_as_model_memory_and_sizes_kv_around_it():
-    out = run_json("vllm", ["-m", "moonep_ep.tools.kv_accounting", "--json"], timeout=580)
+    out = run_json("vllm", ["-m", "tests.support.kv_accounting", "--json"], timeout=580)
     print(json.dumps(out))  # scripts/gpu_checks/kv_accounting.sh keeps it (pytest -s)
     assert len(out["workers"]) == 2
     for w in out["workers"]:

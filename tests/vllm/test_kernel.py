@@ -1,6 +1,6 @@
 """Kernel tier: vLLM 0.33.0's real MoonEP classes over the sharded layout, 2 and 4 gloo ranks (CPU).
 
-Runs ``python -m moonep_ep.tools.kernel_check`` in the ``vllm==0.33.0``
+Runs ``python -m tests.support.kernel_check`` in the ``vllm==0.33.0``
 environment (see ``tests/support/vllm_envs.py``) and asserts on its JSON: vLLM's
 own MoE layers (``RoutedExperts``) load their experts straight into the
 plugin's store (parameters on ``meta``), and vLLM's
@@ -10,7 +10,7 @@ tolerance under skewed routing, equals vLLM's replicated (all-gathered)
 layout bit for bit, prefetches redundant experts from remote owners, and
 holds fewer expert bytes per rank (printed side by side).
 
-``python -m moonep_ep.tools.load_check`` (one 2-rank start for every case):
+``python -m tests.support.load_check`` (one 2-rank start for every case):
 zero-copy load with its measured peak, stale slots (with a positive
 control), vLLM's own in-place ``reload_weights`` to another checkpoint,
 wrong-shape updates refused on every rank (iterator and disk pre-check),
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_real_vllm_kernel_sharded_equals_dense_and_replicated(ranks, capsys):
-    out = run_json("vllm", ["-m", "moonep_ep.tools.kernel_check", "--ranks", str(ranks), "--json"], timeout=280)
+    out = run_json("vllm", ["-m", "tests.support.kernel_check", "--ranks", str(ranks), "--json"], timeout=280)
     assert out["ok"]
     results = out["ranks"]
     E, L = out["case"]["experts"], out["case"]["layers"]
@@ -75,7 +75,7 @@ def test_real_vllm_kernel_sharded_equals_dense_and_replicated(ranks, capsys):
 
 
 def test_misconfigurations_fail_on_every_rank_with_a_fix():
-    out = run_json("vllm", ["-m", "moonep_ep.tools.kernel_check", "--bad", "all", "--ranks", "2"], timeout=180)
+    out = run_json("vllm", ["-m", "tests.support.kernel_check", "--bad", "all", "--ranks", "2"], timeout=180)
     assert out["ok"]
     needles = {
         "experts_not_divisible": "E % EP size == 0",
@@ -95,7 +95,7 @@ def test_misconfigurations_fail_on_every_rank_with_a_fix():
 
 
 def test_plugin_is_lazy_idempotent_and_leaves_other_backends_alone():
-    out = run_json("vllm", ["-m", "moonep_ep.tools.kernel_check", "--plugin-checks"], timeout=120)
+    out = run_json("vllm", ["-m", "tests.support.kernel_check", "--plugin-checks"], timeout=120)
     assert out["compat"]["supported"] and out["compat"]["version"] == "0.33.0"
     assert out["compat"]["moonep_files_match"]
     # Nothing is imported or patched at plugin load; the patches wait for their modules.
@@ -108,7 +108,7 @@ def test_plugin_is_lazy_idempotent_and_leaves_other_backends_alone():
 
 def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm", ["-m", "moonep_ep.tools.load_check", "--ranks", "2", "--json"], timeout=280)
+    out = run_json("vllm", ["-m", "tests.support.load_check", "--ranks", "2", "--json"], timeout=280)
     elapsed = time.monotonic() - t0
     assert out["ok"] and out["failed"] == []
     for r in out["ranks"]:
@@ -166,7 +166,7 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
 
 def test_kernel_verdict_fails_when_any_check_fails():
     """Positive control of the kernel tier's "ok": one failed check on one rank makes it false."""
-    from moonep_ep.tools.kernel_check import verdict
+    from tests.support.kernel_check import verdict
 
     def passing(rank: int) -> dict:
         layer = {"within_tolerance": True, "sharded_equals_replicated": True, "slot_contents_ok": True}
@@ -197,7 +197,7 @@ def test_kernel_verdict_fails_when_any_check_fails():
 
 def test_load_check_verdict_fails_when_any_check_fails():
     """Positive control of load_check's "ok"."""
-    from moonep_ep.tools.load_check import verdict
+    from tests.support.load_check import verdict
 
     def fwd(nan=False, slots=1):
         return [{"within_tolerance": not nan, "has_nan": nan, "slots_used": slots}]

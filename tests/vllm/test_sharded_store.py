@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moonep_ep.errors import CollectiveError
-from moonep_ep.tools.launch import run_ranks
+from moonep_ep.launch import run_ranks
 from moonep_ep.vllm.sharded import ModelExpertStore
 from tests.support.memory import GRAN
 

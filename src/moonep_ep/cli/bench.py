@@ -11,9 +11,9 @@ import importlib
 from typing import Any
 
 BENCHMARKS = {
-    "layout": ("moonep_ep.tools.layout_bench", "map a Kimi-K2-shaped sharded layout; per-rank mapping time, collective rounds"),
-    "prefetch": ("moonep_ep.tools.prefetch_bench", "pull-prefetch bandwidth from remote shards vs a local copy"),
-    "decode": ("moonep_ep.tools.decode_bench", "experts and bytes MoonEP's planner moves per layer at decode, "
+    "layout": ("moonep_ep.tools.bench.layout", "map a Kimi-K2-shaped sharded layout; per-rank mapping time, collective rounds"),
+    "prefetch": ("moonep_ep.tools.bench.prefetch", "pull-prefetch bandwidth from remote shards vs a local copy"),
+    "decode": ("moonep_ep.tools.bench.decode", "experts and bytes MoonEP's planner moves per layer at decode, "
                "per padding policy; cost-model crossover per GPU profile"),
 }
 

@@ -4,7 +4,7 @@ Dispatch → pull prefetch from the owners' pages → grouped expert FFN →
 combine, per layer, compared with a dense reference MoE; the per-rank report
 covers rows received, experts prefetched and from whom, the error, physical
 expert bytes vs the replicated layout, and prefetch bandwidth remote vs
-local. The work lives in :mod:`moonep_ep.tools.demo`; this module parses
+local. The work lives in :mod:`moonep_ep.tools.commands.demo`; this module parses
 options and prints.
 """
 
@@ -39,8 +39,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..tools.demo import format_report, resolve_config, run_demo
-    from ..tools.launch import RankFailure, admit_ranks, plan_one_gpu_per_rank
+    from ..tools.commands.demo import format_report, resolve_config, run_demo
+    from ..launch import RankFailure, admit_ranks, plan_one_gpu_per_rank
 
     if not admit_ranks(args.ranks, "moonep-ep demo"):
         return 2

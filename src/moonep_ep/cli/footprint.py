@@ -6,7 +6,7 @@ under ``replicated`` (vLLM 0.33.0 MoonEP), ``per_layer_slots`` (SGLang-style),
 which GPUs they fit on; then each scheme's load peak (the transient while the
 model loads, derived from its load sequence). The arithmetic lives in ``moonep_ep.layout.footprint``; this
 module only parses options and formats. ``--measure`` hands over to
-``moonep_ep.tools.measure.measure_footprint``, which allocates real memory.
+``moonep_ep.tools.commands.measure.measure_footprint``, which allocates real memory.
 
 Wiring (done in ``moonep_ep.cli.main``)::
 
@@ -137,7 +137,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write a bar chart (per-GPU GB per scheme and EP size, GPU capacities)")
     p.add_argument("--measure", action="store_true",
                    help="allocate the moonep_ep layout for real and measure it "
-                        "(moonep_ep.tools.measure)")
+                        "(moonep_ep.tools.commands.measure)")
     p.add_argument("--ranks", type=int, default=None, metavar="R",
                    help="with --measure: EP ranks to run")
     p.add_argument("--layers", type=int, default=None, metavar="L",
@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     0 on success; 2 on a configuration error (message on stderr).
     """
     if getattr(args, "measure", False):
-        from ..tools.measure import measure_footprint  # allocates real memory; lazy on purpose
+        from ..tools.commands.measure import measure_footprint  # allocates real memory; lazy on purpose
 
         return int(measure_footprint(args))
     try:

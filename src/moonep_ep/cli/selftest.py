@@ -34,8 +34,8 @@ def _leaks_ok(r: dict[str, Any]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.launch import RankFailure, admit_ranks, plan_launch, run_ranks
-    from ..tools.selftest import selftest_rank
+    from ..launch import RankFailure, admit_ranks, plan_launch, run_ranks
+    from ..tools.commands.selftest import selftest_rank
 
     if not admit_ranks(args.ranks, "moonep-ep selftest"):
         return 2

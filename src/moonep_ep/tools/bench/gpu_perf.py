@@ -1,0 +1,146 @@
+"""Two performance facts of the sharded store, each a ratio measured side by side in one run.
+
+``python -m moonep_ep.tools.bench.gpu_perf --json`` (``scripts/gpu_check.sh`` part 2):
+
+* **slot fill**: ``slot <- full[e]`` from rows another rank allocated (read
+  through this rank's *imported* mapping of the peer's memory) over the same
+  bytes copied from a local allocation (``prefetch_bench.measure_pull``),
+  bytes per second over bytes per second. Two ranks on one GPU: both sides
+  read the same HBM, so a ratio far from 1.0 means the imported mapping
+  itself costs something (page size, access flags, caching). Ranks on two
+  GPUs: NVLink over HBM.
+* **grouped FFN**: the SiLU-gated expert FFN (``ops.experts.grouped_ffn``)
+  over the store's ``[E+B]`` views over the same FFN over plain
+  ``torch.empty`` tensors of the same shapes and bytes, seconds over seconds
+  (inverted: throughput ratio). The views are VMM-mapped, possibly
+  multi-owner; a ratio far from 1.0 means the kernels run slower on them.
+
+Trials alternate which side runs first; medians are reported. On the host
+driver or the emulator the figures are CPU memcpy / matmul times: they show
+the tool works, not GPU facts (``"device"`` says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int) -> dict[str, Any]:
+    """Grouped FFN over the store's ``[E+B]`` views vs over ``torch.empty`` copies of the same shapes."""
+    from ...ops.experts import grouped_ffn
+
+    views = {p.name: store.gen_a(layer, p.name) for p in store.projections}
+    plain = {name: torch.empty_like(v).copy_(v) for name, v in views.items()}
+    device = views["gate"].device
+    groups, hidden = views["gate"].shape[0], views["gate"].shape[2]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.1).to(device=device, dtype=views["gate"].dtype)
+    counts = torch.full((groups,), tokens // groups, dtype=torch.int32)
+    counts[: tokens % groups] += 1
+    cu = torch.cumsum(counts, 0).to(torch.int32).to(device)
+
+    def run(w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return grouped_ffn(x, w["gate"], w["up"], w["down"], cu)
+
+    same = torch.equal(run(views), run(plain))  # warm-up, and the two sides compute the same thing
+    view_t, plain_t = [], []
+    for rep in range(max(1, reps)):
+        order = ((views, view_t), (plain, plain_t))
+        for w, sink in (order if rep % 2 == 0 else order[::-1]):
+            sink.append(_timed(lambda: run(w), device))
+    view_s, plain_s = statistics.median(view_t), statistics.median(plain_t)
+    return {"tokens": tokens, "groups": groups, "views_seconds": view_s, "plain_seconds": plain_s,
+            "views_over_plain_throughput": plain_s / view_s, "outputs_equal": same}
+
+
+def perf_rank(ctx: Any, driver_name: str, hidden: int, inter: int, experts_per_rank: int, tokens: int,
+              reps: int) -> dict[str, Any]:
+    from ...layout.store import ShardedExpertStore, ffn_projections
+    from ...memory import make_driver
+    from .prefetch import measure_pull, split_by_holder
+
+    with make_driver(driver_name, rank=ctx.rank) as driver:
+        store = ShardedExpertStore(num_layers=1, num_experts=experts_per_rank * ctx.world_size,
+                                   projections=ffn_projections(hidden, inter), num_slots=experts_per_rank,
+                                   driver=driver)
+        try:
+            gen = torch.Generator().manual_seed(ctx.rank)
+            for p in store.projections:  # non-zero content: nothing can short-cut a copy or a matmul
+                own = store.owner_view(0, p.name)
+                own.copy_((torch.randn(own.shape, generator=gen) * 0.05).to(device=own.device, dtype=own.dtype))
+            store.finish_loading()
+            remote, _ = split_by_holder(store, ctx.rank)
+            out: dict[str, Any] = {"rank": ctx.rank, "device": str(driver.torch_device), "driver": driver.name,
+                                   "emulated": bool(getattr(driver, "emulated", False))}
+            for turn in range(ctx.world_size):  # one rank at a time: no contention between ranks
+                if turn == ctx.rank:
+                    out["slot_fill"] = measure_pull(store, 0, remote[:store.num_slots], reps)
+                    out["ffn"] = ffn_views_vs_plain(store, 0, tokens, reps)
+                store.finish_loading()  # a barrier: nobody unmaps while a peer still reads
+            return out
+        finally:
+            store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ...launch import RankFailure, plan_launch, run_ranks
+
+    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.bench.gpu_perf", description=__doc__.splitlines()[0])
+    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="auto")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=1024)
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    plan = plan_launch(args.driver, 2)  # two ranks; on one GPU both share it (gloo), as selftest does
+    try:
+        per_rank = run_ranks(perf_rank, 2, args=(plan.driver, args.hidden, args.inter, args.experts_per_rank,
+                                                 args.tokens, args.reps),
+                             backend=plan.backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs)
+    except RankFailure as exc:
+        print(json.dumps({"ok": False, "errors": exc.errors}))
+        return 1
+    fills = [r["slot_fill"]["ratio"] for r in per_rank]
+    ffns = [r["ffn"]["views_over_plain_throughput"] for r in per_rank]
+    summary = {
+        "ok": all(f is not None and f > 0 for f in fills) and all(r["ffn"]["outputs_equal"] for r in per_rank),
+        "driver": plan.driver, "emulated": per_rank[0]["emulated"], "device": per_rank[0]["device"],
+        "measure": "medians of interleaved trials; CUDA events on a GPU, wall clock on CPU",
+        "slot_fill_imported_over_local": fills,
+        "slot_fill_gbps": [(r["slot_fill"]["remote_gbps"], r["slot_fill"]["local_gbps"]) for r in per_rank],
+        "ffn_views_over_plain": ffns,
+        "ffn_outputs_equal": [r["ffn"]["outputs_equal"] for r in per_rank],
+        "per_rank": per_rank,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"slot fill, imported mapping / local allocation (B/s over B/s): {fills}")
+        print(f"grouped FFN, [E+B] views / torch.empty tensors (throughput): {ffns}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

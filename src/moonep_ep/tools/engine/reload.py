@@ -1,0 +1,228 @@
+"""Weight updates and load memory: what ``vllm-demo --reload`` adds to the DP sharded run and its summary.
+
+In every DP rank's process, after the first generation on checkpoint A
+(:func:`run_reload_sequence`):
+
+1. the data pointers of every MoE layer's parameters and ``[E+B]`` views are
+   read from the worker (:class:`MoonEPProbe`, a vLLM worker extension);
+2. generation is paused on every DP rank together (vLLM's ``pause_scheduler``:
+   a DP-wide consensus, so no rank is still stepping a wave whose MoE layers
+   need its peers) and the prefix cache is cleared (its KV blocks were
+   computed with A's weights: a prompt seen before would reuse them), then
+   ``collective_rpc("reload_weights", weights_path=B)`` updates the weights
+   in place, then generation resumes;
+3. pointers and a digest of the rank's own expert bytes again, and the same
+   prompts are generated on B;
+4. the same with a checkpoint whose experts have another shape: the reload
+   must fail (its message is kept), pointers and expert bytes stay, and the
+   next generation still serves B.
+
+Every generation runs the rank's prompts phase by phase, as the first one
+did. The oracle for steps 3 and 4 is HF transformers on checkpoint B (the
+summary judges those sequences like every other run's,
+``tools/engine/summary.py``); whether step 4 repeats step 3's tokens is
+reported beside it. ``vllm-demo --reload`` also starts a fresh DP engine on
+B (same layout, prompts and phases): the updated engine must hold the same
+expert bytes (digests per rank); its tokens are compared and reported (a
+near-tie token can flip with the DP batching on the CPU engine). That is an
+equivalence of two load paths, the update and a first load, not a
+correctness verdict; the oracle on B is the verdict for both.
+:func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
+and these results into the ``vllm-demo --json`` fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+PROBE = "moonep_ep.tools.engine.reload.MoonEPProbe"
+
+
+class MoonEPProbe:
+    """Worker extension (``LLM(worker_extension_cls=...)``): methods run in the worker via ``collective_rpc``."""
+
+    def _moonep_layers(self) -> Iterator[tuple[str, Any, Any]]:
+        """``(name, module, [E+B] layout)`` of every MoE layer converted to MoonEP's layout."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        for name, module in model.named_modules():
+            layout = getattr(module, "_moonep_weight_layout", None)
+            if layout is not None:
+                yield name, module, layout
+
+    def moonep_ep_pointers(self) -> dict[str, dict[str, int]]:
+        return {name: {"w13_weight": module.w13_weight.data_ptr(), "w2_weight": module.w2_weight.data_ptr(),
+                       "full_gate_weight": layout.full_gate_weight.data_ptr(),
+                       "full_up_weight": layout.full_up_weight.data_ptr(),
+                       "full_down_weight": layout.full_down_weight.data_ptr()}
+                for name, module, layout in self._moonep_layers()}
+
+    def moonep_ep_expert_digest(self) -> dict[str, str]:
+        """SHA-256 of every MoE layer's expert rows ``[0, E)`` of its gate, up and down views (every owner's
+        experts, read through this rank's mappings; the slot rows ``[E, E+B)`` hold whatever was prefetched
+        last and are left out). Quantized layers: ``weights:<sha>/scales:<sha>``, over every weight view and
+        every scale view apart. Equal digests mean equal bytes, whatever batch a later forward sees."""
+        import hashlib
+
+        import torch
+
+        def digest(views: list[Any], experts: int) -> str:
+            h = hashlib.sha256()
+            for view in views:
+                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy())
+            return h.hexdigest()
+
+        out = {}
+        for name, _, layout in self._moonep_layers():
+            experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
+            named = getattr(layout, "views", None)  # quantized: {vLLM parameter name: view}, weights and scales
+            if named is None:
+                out[name] = digest([layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight], experts)
+            else:
+                scales = sorted(n for n in named if n.endswith(("_scale", "_scale_inv")))
+                weights = sorted(n for n in named if n not in scales)
+                out[name] = (f"weights:{digest([named[n] for n in weights], experts)}"
+                             f"/scales:{digest([named[n] for n in scales], experts)}")
+        return out
+
+    def moonep_ep_forward_stats(self) -> dict[str, Any]:
+        """This worker's prefetch counts so far (``vllm/stats.py``'s ``forward``; empty with stats off)."""
+        import copy
+
+        from ...vllm.stats import STATS
+
+        return copy.deepcopy(STATS.data["forward"])
+
+    def moonep_ep_memory(self) -> dict[str, Any]:
+        """What vLLM measured for this worker (model memory, KV cache) next to the store's physical bytes."""
+        import torch
+        from vllm.distributed import get_ep_group
+
+        manager = getattr(get_ep_group().device_communicator, "all2all_manager", None)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        snapshot = getattr(self, "init_snapshot", None)
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (None, None)
+        return {"store_bytes": manager.store_bytes() if hasattr(manager, "store_bytes") else None,
+                "model_memory_usage": int(getattr(runner, "model_memory_usage", 0) or 0),
+                "total_consumed": getattr(self, "total_consumed", None),
+                "requested_memory": getattr(self, "requested_memory", None),
+                "available_kv_cache_memory_bytes": getattr(self, "available_kv_cache_memory_bytes", None),
+                "init_free_memory": getattr(snapshot, "free_memory", None),
+                "free_memory_now": free, "total_memory": total,
+                "gpu_memory_utilization": self.cache_config.gpu_memory_utilization}  # type: ignore[attr-defined]
+
+
+def _paused(llm: Any, call: Any) -> Any:
+    """Run ``call()`` while every DP rank's scheduler is paused (vLLM's DP-wide pause consensus), with the
+    prefix cache cleared: after a weight update, cached KV blocks hold keys and values of the old weights."""
+    core = llm.llm_engine.engine_core
+    core.call_utility("pause_scheduler", "abort", True)
+    try:
+        return call()
+    finally:
+        core.call_utility("resume_scheduler")
+
+
+def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str, Any]]]) -> dict[str, Any]:
+    """Steps 1-4 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
+    out: dict[str, Any] = {"pointers_a": llm.collective_rpc("moonep_ep_pointers")[0],
+                           "digest_a": llm.collective_rpc("moonep_ep_expert_digest")[0]}
+    t0 = time.perf_counter()
+    _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.reload_model_dir}))
+    out["reload_s"] = round(time.perf_counter() - t0, 2)
+    out["pointers_b"] = llm.collective_rpc("moonep_ep_pointers")[0]
+    out["digest_b"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
+    out["generated_b"] = generate()
+    out["wrong_shape_error"] = None
+    if cfg.wrong_shape_model_dir:
+        def wrong() -> None:
+            try:
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.wrong_shape_model_dir})
+            except Exception as exc:  # noqa: BLE001 - the refusal is the expected result
+                out["wrong_shape_error"] = f"{type(exc).__name__}: {exc}"
+
+        _paused(llm, wrong)
+        out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
+        out["digest_after_wrong_shape"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
+        out["generated_after_wrong_shape"] = generate()
+    return out
+
+
+def stats_by_rank(stats: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]:
+    """The workers' stats in EP-rank order (``{}`` for a rank that reported none)."""
+    by_rank = {s.get("ep_rank"): s for s in stats if s.get("ep_rank") is not None}
+    return [by_rank.get(r, {}) for r in ranks]
+
+
+def load_memory_fields(stats: list[dict[str, Any]], ranks: list[int]) -> dict[str, Any]:
+    """The load-peak fields of the summary, from every EP rank's stats (either layout)."""
+    per = stats_by_rank(stats, ranks)
+    peaks = [(s.get("load_memory") or {}).get("peak_expert_bytes") for s in per]
+    stores = [s.get("store") or {} for s in per]
+    replicated = [s.get("replicated") or {} for s in per]
+    one_layer = [st.get("one_layer_local_bytes") or rep.get("one_layer_local_bytes")
+                 for st, rep in zip(stores, replicated)]
+    # The store as the OS reports it (host), else the driver's handles; vLLM's gathered tensors (replicated).
+    final = [(st.get("os_bytes") or {}).get("total_bytes") or (st.get("physical_bytes") or {}).get("total_bytes")
+             or rep.get("layout_bytes") for st, rep in zip(stores, replicated)]
+    within = [isinstance(p, int) and isinstance(f, int) and isinstance(o, int) and p <= f + o
+              for p, f, o in zip(peaks, final, one_layer)]
+    return {
+        "load_peak_expert_bytes_per_rank": peaks,
+        "one_layer_local_expert_bytes": one_layer[0] if len(set(one_layer)) == 1 else one_layer,
+        "final_expert_bytes_per_rank": final,
+        "load_peak_within_final_plus_one_layer_by_rank": within,
+        "load_peak_at_by_rank": [(s.get("load_memory") or {}).get("peak_at") for s in per],
+        "load_peak_tensors_by_rank": [(s.get("load_memory") or {}).get("tensors_at_peak") for s in per],
+        "load_peak_samples_by_rank": [(s.get("load_memory") or {}).get("samples") for s in per],
+        "load_peak_method": (per[0].get("load_memory") or {}).get("method") if per else None,
+        "update_peak_expert_bytes_per_rank": [(s.get("update_memory") or {}).get("peak_expert_bytes") for s in per],
+        "weight_passes_by_rank": [s.get("passes") for s in per],
+    }
+
+
+def _equal(before: Any, after: Any) -> bool:
+    """Both were read (non-empty) and they are equal."""
+    return bool(before) and before == after
+
+
+def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> dict[str, Any]:
+    """The ``--reload`` fields the engine itself shows: pointers and expert digests (against the fresh
+    engine on B, whose per-rank payloads are ``fresh``), the wrong-shape refusal, and the sequences generated
+    on B and after the refusal (by prompt index; the oracle on B judges them)."""
+    from .harness import sequences_by_prompt
+
+    pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
+    bytes_as_fresh, bytes_changed, bytes_same_after_wrong = [], [], []
+    reloads = {rank: dp[rank].get("reload") or {} for rank in dp}
+    for rank in sorted(dp):
+        seq = reloads[rank]
+        pointers_same.append(_equal(seq.get("pointers_a"), seq.get("pointers_b")))
+        pointers_same_after_wrong.append(_equal(seq.get("pointers_a"), seq.get("pointers_after_wrong_shape")))
+        digest_a, digest_b = seq.get("digest_a") or {}, seq.get("digest_b") or {}
+        fresh_digest = ((fresh.get(rank) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None]
+        bytes_as_fresh.append(_equal(digest_b, fresh_digest[0]))
+        # every part changed (quantized: the weights and the scales, apart)
+        bytes_changed.append(bool(digest_a) and bool(digest_b) and all(
+            all(a != b for a, b in zip(str(digest_a.get(layer)).split("/"), str(d).split("/")))
+            for layer, d in digest_b.items()))
+        bytes_same_after_wrong.append(_equal(digest_b, seq.get("digest_after_wrong_shape")))
+        errors.append(seq.get("wrong_shape_error"))
+        seconds.append(seq.get("reload_s"))
+    on_b = sequences_by_prompt(reloads, n_prompts, "generated_b")
+    after = sequences_by_prompt(reloads, n_prompts, "generated_after_wrong_shape")
+    return {
+        "reload_pointers_unchanged_by_rank": pointers_same,
+        "reload_seconds_by_rank": seconds,
+        "reload_expert_bytes_match_fresh_engine_by_rank": bytes_as_fresh,
+        "reload_changes_expert_bytes_by_rank": bytes_changed,
+        "wrong_shape_reload_error_by_rank": errors,
+        "wrong_shape_reload_refused": bool(errors) and all(e is not None for e in errors),
+        "wrong_shape_pointers_unchanged_by_rank": pointers_same_after_wrong,
+        "wrong_shape_expert_bytes_unchanged_by_rank": bytes_same_after_wrong,
+        "generation_after_wrong_shape_repeats_b": all(a is not None and b is not None
+                                                      and a["token_ids"] == b["token_ids"]
+                                                      for a, b in zip(after, on_b)),
+        "sequences_after_update": on_b,
+        "sequences_after_wrong_shape": after,
+    }

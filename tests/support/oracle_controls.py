@@ -1,0 +1,115 @@
+"""Controls of the oracle rule: a correct bf16 implementation passes it, simulated MoE bugs fail it.
+
+Each "engine" here is HF transformers itself generating greedily (16 tokens,
+the demo's prompts) on the tiny DeepSeek-V3, and the fp32 oracle judges it
+with the same rule as the vLLM runs (``oracle.py``):
+
+* ``bf16`` — the unchanged model in bf16: right, but with bf16 arithmetic
+  (near-tie routing flips included); must **pass**;
+* ``swap_experts`` — experts 8 and 9 exchanged in every MoE layer (a slot
+  or a view serving the wrong expert's rows);
+* ``expert_zeroed`` — expert 3's down projection zeroed (a slot never
+  filled);
+* ``no_routed_scaling`` — routed weights not multiplied by 2.5;
+* ``no_shared_expert`` — the shared expert's output dropped;
+* ``bias_ignored`` — the ``noaux_tc`` correction bias left out of the
+  selection.
+
+Every bug must **fail**. ``python -m tests.support.oracle_controls --json``
+(in an environment with transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from moonep_ep.tools.engine.oracle import RULE, judge_runs
+
+BUGS = ("swap_experts", "expert_zeroed", "no_routed_scaling", "no_shared_expert", "bias_ignored")
+
+
+def _perturb(model: Any, bug: str) -> None:
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            if not hasattr(mlp, "experts"):
+                continue  # the dense first layer
+            if bug == "swap_experts":
+                for t in (mlp.experts.gate_up_proj, mlp.experts.down_proj):
+                    t[[8, 9]] = t[[9, 8]].clone()
+            elif bug == "expert_zeroed":
+                mlp.experts.down_proj[3].zero_()
+            elif bug == "no_routed_scaling":
+                mlp.gate.routed_scaling_factor = 1.0
+            elif bug == "no_shared_expert":
+                mlp.shared_experts.down_proj.weight.zero_()
+            elif bug == "bias_ignored":
+                mlp.gate.e_score_correction_bias.zero_()
+            else:
+                raise ValueError(f"unknown bug {bug!r}; known: {BUGS}")
+
+
+def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """Greedy tokens and each token's log-prob from an HF model (the "engine" under test)."""
+    import torch
+
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        tokens, logprobs = [], []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+                lp = torch.log_softmax(logits, dim=-1)
+                token = int(lp.argmax())
+                tokens.append(token)
+                logprobs.append(float(lp[token]))
+                ids.append(token)
+        out.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": logprobs})
+    return out
+
+
+def run_controls(max_tokens: int = 16) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moonep_ep.tools.engine.demo import DemoConfig, resolve_model, workload
+
+    choice = resolve_model(DemoConfig(), lambda m: None)
+    prompts = workload(choice, 2)[0]
+    runs = {}
+    t0 = time.perf_counter()
+    for name in ("bf16", *BUGS):
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(choice.path, dtype=dtype, attn_implementation="eager",
+                                                     local_files_only=True).eval()
+        if name != "bf16":
+            _perturb(model, name)
+        runs[name] = greedy(model, prompts, max_tokens)
+    verdicts = judge_runs(choice.path, runs, dtypes=(RULE.reference_dtype,))
+    out = {name: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
+                                                          "max_gap_at_divergence", "abs_logprob_diff")}
+           for name, v in verdicts.items()}
+    return {"model": choice.path, "rule": RULE.__dict__, "controls": out,
+            "ok": out["bf16"]["ok"] and not any(out[b]["ok"] for b in BUGS),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.support.oracle_controls")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = run_controls(args.max_tokens)
+    print(json.dumps(out, indent=1 if args.json else None))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The oracle on quantized checkpoints, and the negative controls that must fail it.
+
+For each tiny quantized checkpoint (``tiny_quantized.py``) the oracle is HF
+transformers (fp32) on :func:`~moonep_ep.tools.checkpoints.tiny_quantized.dequantized_copy`
+— the experts decompressed by compressed-tensors' own decompressor, or by
+DeepSeek's documented formula for FP8 block — under the same rule as every
+vLLM run (``oracle.py``). The "engines" judged here are HF transformers too:
+
+* ``bf16`` — the clean copy in bf16 arithmetic (a correct implementation):
+  must **pass**;
+* ``scale_doubled`` — expert 0's scales doubled in every MoE layer;
+* ``nibble_swapped`` — the two nibbles of every packed INT4/MXFP4 byte
+  exchanged (an unpacker reading the wrong nibble first);
+* ``stale_scale`` — expert 0's weights with expert 8's scales (a slot
+  refilled with its weight but still holding the previous expert's scale);
+
+each bug is written into a copy of the quantized checkpoint
+(:func:`~moonep_ep.tools.checkpoints.tiny_quantized.corrupt`) and decompressed by the
+same decompressor; every bug must **fail**.
+
+``python -m tests.support.quantized_controls --json`` (an environment with
+transformers and compressed-tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from moonep_ep.tools.engine.oracle import RULE, judge_runs
+from moonep_ep.tools.checkpoints.tiny_quantized import CONTROLS, QUANTIZED_MODELS, build_tiny_quantized, corrupt, dequantized_copy
+
+
+def controls_of(name: str) -> tuple[str, ...]:
+    return tuple(c for c in CONTROLS if not (c == "nibble_swapped" and QUANTIZED_MODELS[name] == "fp8-block"))
+
+
+def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: int = 16,
+                 num_prompts: int = 6) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.oracle_controls import greedy
+    from moonep_ep.tools.checkpoints.tiny_model import mixed_prompt_ids
+
+    prompts = mixed_prompt_ids(num_prompts)
+    out: dict[str, Any] = {"rule": RULE.__dict__, "models": {}}
+    t0 = time.perf_counter()
+    for name in models:
+        path = build_tiny_quantized(name)
+        clean = dequantized_copy(path)
+        runs = {}
+        for run in ("bf16", *controls_of(name)):
+            src = clean if run == "bf16" else dequantized_copy(corrupt(path, run))
+            dtype = torch.bfloat16 if run == "bf16" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="eager",
+                                                         local_files_only=True).eval()
+            runs[run] = greedy(model, prompts, max_tokens)
+        verdicts = judge_runs(clean, runs, dtypes=(RULE.reference_dtype,))
+        res = {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
+                                                             "max_gap_at_divergence", "abs_logprob_diff")}
+               for run, v in verdicts.items()}
+        out["models"][name] = {"format": QUANTIZED_MODELS[name], "oracle_checkpoint": clean, "controls": res,
+                               "ok": res["bf16"]["ok"] and not any(res[c]["ok"] for c in controls_of(name))}
+    out["ok"] = all(m["ok"] for m in out["models"].values())
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.support.quantized_controls")
+    p.add_argument("--model", action="append", choices=sorted(QUANTIZED_MODELS),
+                   help="a tiny quantized model (repeatable; default: all three)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = run_controls(args.model or tuple(QUANTIZED_MODELS), args.max_tokens)
+    print(json.dumps(out, indent=1 if args.json else None))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
