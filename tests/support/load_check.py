@@ -45,8 +45,8 @@ import sys
 import tempfile
 from typing import Any
 
-from tests.support.kernel_check import TOLERANCE, KernelCase, setup_vllm, dense_reference, expert_weights, routing
-from tests.support.vllm_moe_model import SEED_A, SEED_B, build, checkpoint
+from tests.support.kernel_check import TOLERANCE, setup_vllm, dense_reference, routing
+from tests.support.vllm_moe_model import SEED_A, SEED_B, KernelCase, build, checkpoint, expert_weights
 
 def _forward(case: KernelCase, model: Any, rank: int, weight_seed: int) -> list[dict[str, Any]]:
     import torch

@@ -12,11 +12,52 @@ record the reload metadata, bind the MoonEP layers to a store.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
-from tests.support.kernel_check import KernelCase, fused_moe_config, expert_weights
-
 SEED_A, SEED_B = 0, 1
+
+
+@dataclasses.dataclass
+class KernelCase:
+    ranks: int = 2
+    experts: int = 16
+    top_k: int = 4
+    hidden: int = 256
+    intermediate: int = 128
+    layers: int = 2
+    tokens: int = 128          # rank r routes tokens - 9*r tokens (all within one pool capacity)
+    skew: float = 8.0
+    max_num_tokens: int = 256
+    seed: int = 0
+
+
+def expert_weights(case: KernelCase, layer: int, expert: int) -> tuple[Any, Any, Any]:
+    """gate ``[I, H]``, up ``[I, H]``, down ``[H, I]`` bf16 of one global expert (any rank can regenerate it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(case.seed * 1_000_003 + layer * 10_007 + expert)
+    I, H = case.intermediate, case.hidden
+    gate = (torch.randn(I, H, generator=g) * 0.06).to(torch.bfloat16)
+    up = (torch.randn(I, H, generator=g) * 0.06).to(torch.bfloat16)
+    down = (torch.randn(H, I, generator=g) * 0.06).to(torch.bfloat16)
+    return gate, up, down
+
+
+def fused_moe_config(case: KernelCase, rank: int) -> Any:
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+
+    R = case.ranks
+    pc = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=R, ep_size=R, tp_rank=0, pcp_rank=0, dp_rank=rank,
+                                ep_rank=rank, sp_size=1, use_ep=True, all2all_backend="moonep", enable_eplb=False)
+    return FusedMoEConfig(num_experts=case.experts, experts_per_token=case.top_k, hidden_dim=case.hidden,
+                          intermediate_size=case.intermediate, num_local_experts=case.experts // R,
+                          num_logical_experts=case.experts, activation=MoEActivation.SILU, device="cpu",
+                          routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc,
+                          in_dtype=torch.bfloat16, max_num_tokens=case.max_num_tokens)
 
 
 def _layer_names(case: KernelCase, prefix: str = "model") -> list[str]:

@@ -31,6 +31,7 @@ from vllm.distributed.device_communicators.all2all import MoonEPAll2AllManager
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
+from .. import envs
 from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
 from .buffers import select_buffer, system_check
@@ -157,10 +158,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         self.expert_stores: list[ModelExpertStore] = []
         self.num_experts_hint = 1
         if stats_dir() is not None:
-            from .plugin import layout_mode
-
             STATS.set(ep_rank=self.rank, ep_size=self.world_size, buffer=self.buffer_choice.kind,
-                      device=device_type, layout=layout_mode())
+                      device=device_type, layout=envs.MOONEP_EP_LAYOUT)
         logger.info("moonep_ep: MoonEP all2all manager (sharded expert layout, %s buffer) on %d EP ranks",
                     self.buffer_choice.kind, self.world_size)
 

@@ -29,7 +29,6 @@ The step's padding matrix is kept in :data:`LAST` for the instrumentation
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -37,9 +36,10 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..ops.decode_padding import expert_padding, padding_ids
+from .stats import LAST_PADDING, last_padding  # noqa: F401 - last_padding: this module's reader for tests
 
-#: ``{"policy", "real_tokens", "pad"}`` of this thread's last prepare (``pad``: ``[R, E]`` or None).
-LAST = threading.local()
+#: This thread's last prepare, recorded in ``stats`` (which reads it and imports nothing of this module).
+LAST = LAST_PADDING
 
 
 def policy() -> str:
@@ -208,10 +208,6 @@ def real_tokens_across_dp() -> list[int] | None:
 def _dp_tokens(R: int) -> list[int] | None:
     tokens = real_tokens_across_dp()
     return tokens if tokens is not None and len(tokens) == R else None
-
-
-def last_padding() -> dict[str, Any] | None:
-    return getattr(LAST, "state", None)
 
 
 def patch_prepare(module: Any) -> bool:

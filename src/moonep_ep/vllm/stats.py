@@ -340,11 +340,20 @@ def read_stats(directory: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda s: (s.get("ep_rank") is None, s.get("ep_rank") or 0))
 
 
+#: ``{"policy", "real_tokens", "pad", "S"}`` of this thread's last prepare (``pad``: ``[R, E]`` or None),
+#: written by the plugin's padding (``padding.py``); kept here so that stats only records and reads, and
+#: imports none of the plugin's other modules.
+LAST_PADDING = threading.local()
+
+
+def last_padding() -> dict[str, Any] | None:
+    return getattr(LAST_PADDING, "state", None)
+
+
 def _step_padding(global_plan: Any, real_tokens: list[int]) -> Any:
     """This step's padding entries: the ``[R, E]`` matrix the plugin's padding routed
     (``padding.py``), or vLLM's per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
     from ..ops.padding import padding_entries
-    from .padding import last_padding
 
     state = last_padding()
     if state is not None and state.get("S") != global_plan.S:

@@ -371,3 +371,7 @@ def corrupt(path: str, control: str, out_dir: Optional[str] = None, expert: int 
                           f"({'packed 4-bit' if control == 'nibble_swapped' else 'with expert scales'})")
     return _copy_beside(path, out_dir or f"{path.rstrip('/')}-{control}", cfg, out)
 
+
+def skewed_tiny_deepseek(name: str) -> bool:
+    """The tiny DeepSeek-V3 and its quantized variants (same router skew, same prompts)."""
+    return name == "tiny-deepseek-v3" or name in QUANTIZED_MODELS

@@ -167,6 +167,7 @@ def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], 
     scheduler meets them, and a rank left idle pads its batch to expert 0);
     the mixed prompts follow in a third phase."""
     from ..checkpoints.tiny_model import mixed_prompt_ids
+    from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
 
     vocab = int(choice.info.get("vocab_size") or 1024)
     prompts: list[list[int]] = []
@@ -244,11 +245,3 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     # The verdict last: the JSON ends with the oracle, its rule, the per-run figure and ok.
     return {**{k: v for k, v in summary.items() if k not in VERDICT_KEYS},
             **{k: summary[k] for k in VERDICT_KEYS if k in summary}}
-
-
-
-def skewed_tiny_deepseek(name: str) -> bool:
-    """The tiny DeepSeek-V3 and its quantized variants (same router skew, same prompts)."""
-    from ..checkpoints.tiny_quantized import QUANTIZED_MODELS
-
-    return name == "tiny-deepseek-v3" or name in QUANTIZED_MODELS

@@ -227,15 +227,6 @@ def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str =
         shutil.rmtree(stats_dir, ignore_errors=True)
 
 
-def sequences_by_prompt(payloads: dict[Any, Any], n: int, field: str = "generated") -> list[Optional[dict[str, Any]]]:
-    """Merge every rank's sequences into prompt order (``dp_rank`` added)."""
-    out: list[Optional[dict[str, Any]]] = [None] * n
-    for rank, payload in payloads.items():
-        for g in payload.get(field) or []:
-            out[g["index"]] = dict(g, dp_rank=rank)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m moonep_ep.tools.engine.harness``: the DP moonep run alone on a tiny Qwen3-MoE of the given
     shape, for misconfiguration checks: the engine must stop with the plugin's message, not hang."""

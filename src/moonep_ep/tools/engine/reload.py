@@ -34,7 +34,7 @@ and these results into the ``vllm-demo --json`` fields.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 PROBE = "moonep_ep.tools.engine.reload.MoonEPProbe"
 
@@ -186,12 +186,19 @@ def _equal(before: Any, after: Any) -> bool:
     return bool(before) and before == after
 
 
+def sequences_by_prompt(payloads: dict[Any, Any], n: int, field: str = "generated") -> list[Optional[dict[str, Any]]]:
+    """Merge every rank's sequences into prompt order (``dp_rank`` added)."""
+    out: list[Optional[dict[str, Any]]] = [None] * n
+    for rank, payload in payloads.items():
+        for g in payload.get(field) or []:
+            out[g["index"]] = dict(g, dp_rank=rank)
+    return out
+
+
 def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> dict[str, Any]:
     """The ``--reload`` fields the engine itself shows: pointers and expert digests (against the fresh
     engine on B, whose per-rank payloads are ``fresh``), the wrong-shape refusal, and the sequences generated
     on B and after the refusal (by prompt index; the oracle on B judges them)."""
-    from .harness import sequences_by_prompt
-
     pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
     bytes_as_fresh, bytes_changed, bytes_same_after_wrong = [], [], []
     reloads = {rank: dp[rank].get("reload") or {} for rank in dp}

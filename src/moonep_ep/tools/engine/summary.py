@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from .harness import sequences_by_prompt
-from .demo import skewed_tiny_deepseek
-from .reload import load_memory_fields, reload_fields, stats_by_rank
+from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
+from .reload import load_memory_fields, reload_fields, sequences_by_prompt, stats_by_rank
 from .oracle import RULE, TeacherForcedOracle, judge_runs, oracle_version
 
 Progress = Callable[[str], None]

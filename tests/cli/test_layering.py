@@ -1,0 +1,152 @@
+"""No import circles among moonep_ep modules and the test support code (``tests/support``), read statically (every import: module level, inside
+functions, under ``TYPE_CHECKING``), so a circle that only closes at run time is caught too.
+
+One circle is allowed and named: ``memory.cuda`` imports ``cuda_probe`` and ``multimem`` at run time,
+and those two name ``cuda``'s classes in annotations only (under ``TYPE_CHECKING``, never executed).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+
+#: The one allowed circle and why: each of its edges back to ``memory.cuda`` is under TYPE_CHECKING.
+ALLOWED = {frozenset({"moonep_ep.memory.cuda", "moonep_ep.memory.cuda_probe", "moonep_ep.memory.multimem"})}
+
+
+def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
+    out = {}
+    for base, folder in ((SRC, SRC / "moonep_ep"), (ROOT, ROOT / "tests" / "support")):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            out[".".join(parts)] = (path, is_package)
+    return out
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Line numbers of the bodies of ``if TYPE_CHECKING:`` blocks."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def import_graph() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """``module -> modules it imports`` (moonep_ep only) and the edges that exist only under TYPE_CHECKING."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    typing_only: set[tuple[str, str]] = set()
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        hidden = _type_checking_lines(tree)
+        runtime: set[str] = set()
+        typing: set[str] = set()
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[:len(parts) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.append(full if full in modules else base)
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    (typing if node.lineno in hidden else runtime).add(target)
+        edges[name] = runtime | typing
+        typing_only |= {(name, t) for t in typing - runtime}
+    return edges, typing_only
+
+
+def circles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    counter = 0
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_no_import_circle_but_the_named_one():
+    edges, _ = import_graph()
+    unexpected = [sorted(c) for c in circles(edges) if c not in ALLOWED]
+    assert unexpected == [], f"import circles: {unexpected}"
+    assert "tests.support.vllm_moe_model" in edges["tests.support.kernel_check"]  # the graph sees tests/support
+
+
+def test_the_allowed_circle_closes_only_under_type_checking():
+    """With the TYPE_CHECKING-only edges removed, no circle is left at all."""
+    edges, typing_only = import_graph()
+    runtime = {name: {t for t in targets if (name, t) not in typing_only} for name, targets in edges.items()}
+    assert circles(runtime) == []
+    assert {("moonep_ep.memory.cuda_probe", "moonep_ep.memory.cuda"),
+            ("moonep_ep.memory.multimem", "moonep_ep.memory.cuda")} <= typing_only
+
+
+def test_the_check_finds_a_circle():
+    """Positive control: a two-module circle and a three-module one are found; a chain is not."""
+    assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [frozenset({"a", "b"})]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [frozenset({"a", "b", "c"})]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_plugin_layer_is_one_way():
+    """plugin -> manager -> padding -> stats; stats imports none of the plugin's other modules."""
+    edges, _ = import_graph()
+    vllm = "moonep_ep.vllm."
+    assert vllm + "manager" in edges[vllm + "plugin"]
+    assert vllm + "padding" in edges[vllm + "manager"]
+    assert vllm + "stats" in edges[vllm + "padding"]
+    assert not {t for t in edges[vllm + "stats"] if t.startswith(vllm)}
+    assert vllm + "plugin" not in edges[vllm + "manager"]
