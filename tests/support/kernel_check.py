@@ -311,7 +311,7 @@ def bad_configs_rank(ctx: Any) -> dict[str, str]:
 def plugin_checks() -> dict[str, Any]:
     """Single process: install twice (idempotent), version verdict, other backends untouched."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from moonep_ep.vllm import compat, plugin
+    from moonep_ep.vllm import compat, hooks, plugin
 
     first = plugin.install()
     second = plugin.install()
@@ -327,9 +327,9 @@ def plugin_checks() -> dict[str, Any]:
     return {
         "compat": dataclasses.asdict(compat.check_vllm()),
         "first": first, "second": second, "after_import": plugin.state(),
-        "wrapped_in_oracle": getattr(wrapped, "_moonep_ep_wrapped", False),
-        "wrapped_in_method": getattr(method.convert_to_unquantized_kernel_format, "_moonep_ep_wrapped", False),
-        "wrapped_once": getattr(wrapped.__wrapped__, "_moonep_ep_wrapped", False) is False,
+        "wrapped_in_oracle": hooks.is_wrapped(wrapped),
+        "wrapped_in_method": hooks.is_wrapped(method.convert_to_unquantized_kernel_format),
+        "wrapped_once": hooks.is_wrapped(wrapped.__wrapped__) is False,
         "other_backend_untouched": all(torch.equal(x, y) for x, y in zip(a, b)),
     }
 

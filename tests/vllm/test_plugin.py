@@ -284,7 +284,7 @@ def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_h
         module, cls = _fake_engine_core(message, backend)
         module.DPEngineCoreProc = cls
         peer_naming.patch_engine_core(module, install=plugin._install, note={})
-        assert getattr(cls.run_busy_loop, "_moonep_ep_wrapped", False)
+        assert hooks.is_wrapped(cls.run_busy_loop)
         core = cls()
         if peer_published:  # DP rank 1, on the other host, published its entry at its own busy-loop start
             core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))

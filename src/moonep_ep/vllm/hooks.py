@@ -9,6 +9,11 @@ module's loader), or immediately when the module is already in
 ``sys.modules``. A module bound with ``from M import name`` before a patch
 ran keeps the original name; the patches that matter re-bind in every module
 that imports the name (see ``plugin.py``).
+
+Every patch installs its wrapper with :func:`install` (or marks it with
+:func:`mark_wrapped` where it is set by other means) and checks
+:func:`is_wrapped` first, so a patch that runs twice (two hooks on one
+module, a module imported again) wraps once.
 """
 
 from __future__ import annotations
@@ -75,6 +80,30 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             return spec
         spec.loader = _LoaderProxy(spec.loader, fullname)
         return spec
+
+
+#: The attribute that marks a function as one of the plugin's wrappers.
+WRAPPED_ATTR = "_moonep_ep_wrapped"
+
+
+def is_wrapped(fn: Any) -> bool:
+    """True when ``fn`` is a wrapper this plugin installed (its patch already ran)."""
+    return bool(getattr(fn, WRAPPED_ATTR, False))
+
+
+def mark_wrapped(wrapper: Any) -> Any:
+    """Mark ``wrapper`` as the plugin's, for :func:`is_wrapped`; returns it."""
+    setattr(wrapper, WRAPPED_ATTR, True)
+    return wrapper
+
+
+def install(owner: Any, name: str, wrapper: Any, original: Any, doc: str | None = None) -> None:
+    """Put ``wrapper`` in place of ``owner.name`` (= ``original``), marked so a second install skips it;
+    ``__wrapped__`` is the original, ``__doc__`` the original's unless ``doc`` is given."""
+    mark_wrapped(wrapper)
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__ if doc is None else doc
+    setattr(owner, name, wrapper)
 
 
 def when_imported(module_name: str, hook: Hook) -> None:

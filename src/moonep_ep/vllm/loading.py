@@ -54,6 +54,7 @@ import torch
 
 from .. import envs
 from ..errors import ConfigError, config_error
+from .hooks import is_wrapped, mark_wrapped
 
 #: vLLM's shard ids of one expert's tensors -> the store's projections.
 PROJECTION_OF_SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -140,7 +141,7 @@ def model_stores(model: Any) -> list[Any]:
 
 def _wrap_load_weights(model: torch.nn.Module) -> None:
     """Every call of ``model.load_weights`` becomes one pass of each of the model's stores."""
-    if getattr(model.load_weights, "_moonep_ep_wrapped", False):
+    if is_wrapped(model.load_weights):
         return
     original = model.load_weights
 
@@ -165,7 +166,7 @@ def _wrap_load_weights(model: torch.nn.Module) -> None:
             raise failure
         return result
 
-    load_weights._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    mark_wrapped(load_weights)
     object.__setattr__(model, "load_weights", load_weights)
 
 
@@ -269,7 +270,7 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     the model's ``load_weights`` would leave the layers without weights: the
     refusal is kept and raised here, after vLLM put the unchanged tensors back.
     """
-    if getattr(original, "_moonep_ep_wrapped", False):
+    if is_wrapped(original):
         return original
 
     @functools.wraps(original)
@@ -295,7 +296,7 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
             raise deferred[0]
         return result
 
-    reload_weights._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    mark_wrapped(reload_weights)
     return reload_weights
 
 

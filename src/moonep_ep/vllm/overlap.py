@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .hooks import install, is_wrapped
+
 __all__ = ["arm", "prefetch", "apply", "patch_experts", "TRACE"]
 
 _pending = threading.local()
@@ -47,7 +49,7 @@ def arm(prepare: Any) -> None:
     """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
     layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
     experts = getattr(prepare, "_fused_experts", None)
-    _pending.armed = bool(getattr(getattr(type(experts), "apply", None), "_moonep_ep_wrapped", False))
+    _pending.armed = is_wrapped(getattr(type(experts), "apply", None))
 
 
 def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
@@ -128,14 +130,11 @@ def patch_experts(module: Any) -> bool:
     while getattr(cls, "_moonep_ep_cpu", False) and cls.__bases__:  # the plugin's CPU subclass: patch vLLM's
         cls = cls.__bases__[0]
     orig = cls.apply
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return False
 
     def overlapped_apply(self: Any, *args: Any, **kwargs: Any) -> None:
         return apply(self, *args, **kwargs, original=orig)
 
-    overlapped_apply._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    overlapped_apply.__wrapped__ = orig  # type: ignore[attr-defined]
-    overlapped_apply.__doc__ = apply.__doc__
-    cls.apply = overlapped_apply
+    install(cls, "apply", overlapped_apply, orig, doc=apply.__doc__)
     return True

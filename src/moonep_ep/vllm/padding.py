@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..ops.decode_padding import expert_padding, padding_ids
+from .hooks import install, is_wrapped
 from .stats import LAST_PADDING, last_padding  # noqa: F401 - last_padding: this module's reader for tests
 
 #: This thread's last prepare, recorded in ``stats`` (which reads it and imports nothing of this module).
@@ -214,14 +215,11 @@ def patch_prepare(module: Any) -> bool:
     """Put :func:`pad_to_capacity` in place of the class's ``_pad_to_capacity``; False if already done."""
     cls = module.MoonEPPrepareAndFinalize
     orig = cls._pad_to_capacity
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return False
 
     def _pad_to_capacity(self: Any, a1: Any, topk_ids: Any, topk_weights: Any, capacity: int) -> Any:
         return pad_to_capacity(self, a1, topk_ids, topk_weights, capacity, original=orig)
 
-    _pad_to_capacity._moonep_ep_wrapped = True  # type: ignore[attr-defined]
-    _pad_to_capacity.__wrapped__ = orig  # type: ignore[attr-defined]
-    _pad_to_capacity.__doc__ = pad_to_capacity.__doc__
-    cls._pad_to_capacity = _pad_to_capacity
+    install(cls, "_pad_to_capacity", _pad_to_capacity, orig, doc=pad_to_capacity.__doc__)
     return True

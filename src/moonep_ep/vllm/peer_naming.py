@@ -40,6 +40,8 @@ import socket
 from types import ModuleType
 from typing import Any, Callable, Optional
 
+from .hooks import is_wrapped
+
 logger = logging.getLogger("vllm.moonep_ep")
 
 MOD_DP_UTILS = "vllm.v1.worker.dp_utils"
@@ -67,7 +69,7 @@ def named_loss(step: str, rank: Optional[int], group: Any, exc: BaseException) -
 def patch_dp_batch_sync(module: ModuleType, install: Callable[..., None], note: dict[str, Any]) -> None:
     """``dp_utils._run_ar`` (an all-reduce over the DP group, every step): the store's table names the peer."""
     orig = getattr(module, "_run_ar", None)
-    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+    if orig is None or is_wrapped(orig):
         return
     # Imported here, once (vLLM's module has loaded torch by now), not by the plugin nor on each step.
     from ..memory.group import TRANSPORT_ERRORS
@@ -116,7 +118,7 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
     all-reduce is raised as a PeerLostError naming the DP rank and host (MoonEP engines only)."""
     cls = getattr(module, "DPEngineCoreProc", None)
     orig = getattr(cls, "run_busy_loop", None)
-    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+    if orig is None or is_wrapped(orig):
         return
 
     def run_busy_loop(self: Any) -> Any:

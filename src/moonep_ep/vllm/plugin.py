@@ -68,9 +68,9 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import peer_naming, quantized_hooks
+from . import hooks, peer_naming, quantized_hooks
 from .compat import check_vllm
-from .hooks import when_imported
+from .hooks import is_wrapped, mark_wrapped, when_imported
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -113,11 +113,9 @@ def _mark(name: str) -> None:
 
 
 def _install(owner: Any, name: str, wrapper: Any, original: Any, label: str) -> None:
-    """Put ``wrapper`` in place of ``owner.name`` (= ``original``), marked so a second install skips it."""
-    wrapper._moonep_ep_wrapped = True
-    wrapper.__wrapped__ = original
-    wrapper.__doc__ = original.__doc__
-    setattr(owner, name, wrapper)
+    """:func:`hooks.install` (this module's ``install`` is the plugin's entry point), and ``label`` in
+    :func:`state`'s list of patches."""
+    hooks.install(owner, name, wrapper, original)
     _mark(label)
 
 
@@ -133,7 +131,7 @@ def _patch_manager(module: ModuleType) -> None:
 
 def _wrap_convert(module: ModuleType) -> None:
     orig = getattr(module, "convert_to_unquantized_kernel_format", None)
-    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+    if orig is None or is_wrapped(orig):
         return
     original = getattr(orig, "__wrapped__", orig)
 
@@ -169,7 +167,7 @@ def _ep_size() -> int:
 
 def _wrap_gather(module: ModuleType) -> None:
     orig = module.gather_moonep_weight_layout
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return
 
     def gather_moonep_weight_layout(w13_local: Any, w2_local: Any, *args: Any, **kwargs: Any) -> Any:
@@ -211,7 +209,7 @@ def _patch_overlap(module: ModuleType) -> None:
 def _patch_create_weights(module: ModuleType) -> None:
     cls = module.UnquantizedFusedMoEMethod
     orig = cls.create_weights
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
@@ -234,7 +232,7 @@ def _patch_create_weights(module: ModuleType) -> None:
 
 def _patch_initialize_model(module: ModuleType) -> None:
     orig = module.initialize_model
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return
 
     def initialize_model(*args: Any, **kwargs: Any) -> Any:
@@ -266,7 +264,7 @@ def _sharded_manager() -> Any:
 def _patch_reload(module: ModuleType) -> None:
     """``reload_weights`` where it is defined and where the model runners imported it by name."""
     orig = getattr(module, "reload_weights", None)
-    if orig is None or getattr(orig, "_moonep_ep_wrapped", False):
+    if orig is None or is_wrapped(orig):
         return
     from .loading import wrap_reload_weights
 
@@ -280,7 +278,7 @@ def _patch_reload(module: ModuleType) -> None:
 
 def _patch_model_memory(module: ModuleType) -> None:
     cls = getattr(module, "GPUModelRunner", None)
-    if cls is None or getattr(cls.load_model, "_moonep_ep_wrapped", False):
+    if cls is None or is_wrapped(cls.load_model):
         return
     orig = cls.load_model
 
@@ -322,7 +320,7 @@ def _bind_pf_names(module: ModuleType) -> None:
 
 def _patch_cpu_communicator(module: ModuleType) -> None:
     cls = module.CpuCommunicator
-    if getattr(cls.__init__, "_moonep_ep_wrapped", False):
+    if is_wrapped(cls.__init__):
         return
     orig_init = cls.__init__
 
@@ -336,7 +334,7 @@ def _patch_cpu_communicator(module: ModuleType) -> None:
             logger.info("moonep_ep: MOONEP_EP_CPU=1: the CPU communicator uses the MoonEP all2all manager "
                         "(vLLM's CPU fallback notice above does not apply)")
 
-    __init__._moonep_ep_wrapped = True  # type: ignore[attr-defined]
+    mark_wrapped(__init__)
     cls.__init__ = __init__
     _mark("CpuCommunicator.__init__")
 
@@ -367,7 +365,7 @@ def _patch_config_check(module: ModuleType) -> None:
     """Quantized models with ``moonep``: moonep_ep's verdict (scheme and fix, ``quantized.py``) before vLLM's."""
     cls = module.VllmConfig
     orig = cls.__post_init__
-    if getattr(orig, "_moonep_ep_wrapped", False):
+    if is_wrapped(orig):
         return
     engine = check_vllm().distribution or "vllm"
 

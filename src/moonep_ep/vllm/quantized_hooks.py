@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from .. import envs
+from .hooks import is_wrapped
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -58,7 +59,7 @@ def _log_once(note: dict[str, Any], key: str, message: str, *args: Any) -> None:
 def patch_wna16(module: ModuleType, install: Install, note: dict[str, Any]) -> None:
     """compressed-tensors W4A16 MoE: moonep_ep's experts instead of ``select_wna16_moe_backend``'s choice."""
     cls = module.CompressedTensorsWNA16MoEMethod
-    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
+    if is_wrapped(cls.create_weights):
         return
     select = module.select_wna16_moe_backend
 
@@ -82,7 +83,7 @@ def patch_mxfp4(module: ModuleType, install: Install, note: dict[str, Any]) -> N
     MXFP4-weight scheme): moonep_ep's experts instead of the kernel its ``__init__`` picks (CUTLASS, or Marlin
     on CPU: both repack or swizzle the checkpoint layout)."""
     cls = module.CompressedTensorsW4A4Mxfp4MoEMethod
-    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
+    if is_wrapped(cls.create_weights):
         return
     init = cls.__init__
 
@@ -108,7 +109,7 @@ def patch_fp8(module: ModuleType, install: Install, note: dict[str, Any]) -> Non
     (``fp8_w8a16``) leaves activations bf16, which MoonEP's prepare dispatches, and no kernel conversion runs
     (the binding replaces ``process_weights_after_loading``)."""
     cls = module.Fp8MoEMethod
-    if getattr(cls.create_weights, "_moonep_ep_wrapped", False):
+    if is_wrapped(cls.create_weights):
         return
     init = cls.__init__
 
