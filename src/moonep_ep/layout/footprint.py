@@ -283,18 +283,14 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
     per_expert = split["total_bytes"]
     B = options.num_slots if options.num_slots is not None else default_slots(scheme, epn)
     out: dict[str, Any]
-    if scheme == "replicated":
-        expert, slot = L * E * per_expert, L * B * per_expert
-        out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": E,
-               "formula": "L*(E+B)*expert_bytes"}
+    if scheme in ("replicated", "per_layer_slots"):
+        # Both hold B slots per layer; they differ only in the experts a rank holds: all E, or its E/R.
+        held, held_name = (E, "E") if scheme == "replicated" else (epn, "E/R")
+        expert, slot = L * held * per_expert, L * B * per_expert
+        out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": held,
+               "formula": f"L*({held_name}+B)*expert_bytes"}
         out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
-        rows_held = L * (E + B)
-    elif scheme == "per_layer_slots":
-        expert, slot = L * epn * per_expert, L * B * per_expert
-        out = {"num_slots": B, "slots_per": "layer", "experts_per_rank_per_layer": epn,
-               "formula": "L*(E/R+B)*expert_bytes"}
-        out.update(expert_bytes=expert, slot_bytes=slot, padding_bytes=0, bytes=expert + slot)
-        rows_held = L * (epn + B)
+        rows_held = L * (held + B)
     elif scheme == "eplb":
         N = options.eplb_redundant if options.eplb_redundant is not None else R
         per_rank = math.ceil((E + N) / R)
