@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from moonep_ep.tools.args import add_moe_shape_arguments
+
 
 def check(workers: list[dict[str, Any]]) -> dict[str, Any]:
     """The claims, per worker: reported model memory >= store; total consumed >= store; KV <= requested - store."""
@@ -48,9 +50,7 @@ def check(workers: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.support.kv_accounting")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=64)
+    add_moe_shape_arguments(p, hidden=2048, intermediate=1024, experts=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=500.0)

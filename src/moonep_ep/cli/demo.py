@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from ..tools.args import HOST_GRANULARITY_HELP, add_run_arguments
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="run a sharded tiny MoE through dispatch/prefetch/FFN/combine "
@@ -28,12 +30,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank (default 128)")
     p.add_argument("--layers", type=int, default=None, help="MoE layers to run (default: the model's)")
     p.add_argument("--slots", type=int, default=None, help="prefetch slots per rank B (default E/ranks)")
-    p.add_argument("--driver", choices=("auto", "host", "cuda"), default="auto",
-                   help="memory driver: auto = cuda (NCCL) with one GPU per rank, else host (gloo)")
-    p.add_argument("--granularity", type=int, default=None,
-                   help="host driver page size in bytes (default MOONEP_EP_HOST_GRANULARITY or 2 MiB)")
     p.add_argument("--seed", type=int, default=0, help="weights, tokens and router seed (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_run_arguments(p, driver_help="memory driver: auto = cuda (NCCL) with one GPU per rank, else host (gloo)",
+                      granularity_help=HOST_GRANULARITY_HELP, json_help="print one JSON object on stdout")
     p.set_defaults(run=run)
 
 

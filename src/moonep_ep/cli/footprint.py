@@ -28,6 +28,7 @@ from ..layout.footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_R
                          FootprintOptions, footprint_report)
 from ..layout.formats import FORMAT_NAMES, get_format
 from ..models import DEFAULT_MODELS, MoEModelConfig, get_model, load_hf_config, model_names
+from ..tools.args import add_run_arguments
 
 __all__ = ["add_parser", "run", "format_table", "write_plot", "parse_size", "parse_int_list"]
 
@@ -132,7 +133,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB, metavar="X",
                    help="GB per GPU kept for KV cache, activations, non-expert weights and comm "
                         "buffers when deciding what fits")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="write a bar chart (per-GPU GB per scheme and EP size, GPU capacities)")
     p.add_argument("--measure", action="store_true",
@@ -142,9 +142,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --measure: EP ranks to run")
     p.add_argument("--layers", type=int, default=None, metavar="L",
                    help="with --measure: MoE layers to allocate")
-    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="host",
-                   help="with --measure: memory driver (host: memfd sizes from the OS; cuda: device bytes "
-                        "from the driver, over the emulator with MOONEP_EP_CUDA_EMULATOR=1)")
+    add_run_arguments(p, driver_default="host",
+                      driver_help="with --measure: memory driver (host: memfd sizes from the OS; cuda: device "
+                                  "bytes from the driver, over the emulator with MOONEP_EP_CUDA_EMULATOR=1)",
+                      json_help="print one JSON object instead of tables")
     p.set_defaults(run=run)
     return p
 

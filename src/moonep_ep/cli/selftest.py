@@ -7,17 +7,17 @@ import json
 import sys
 from typing import Any
 
+from ..tools.args import add_run_arguments
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("selftest", help="map symmetric memory across N local ranks and verify it")
     p.add_argument("--ranks", type=int, default=4, help="number of local ranks (default 4)")
-    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="auto",
-                   help="host (memfd, CPU), cuda (VMM), or auto (cuda when a GPU is visible)")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size per rank in MiB (default 4)")
     p.add_argument("--cycles", type=int, default=1, help="allocate/verify/teardown cycles (leak soak)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before unfinished ranks are killed (default 120 + 3 per cycle)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_run_arguments(p, driver_help="host (memfd, CPU), cuda (VMM), or auto (cuda when a GPU is visible)")
     # Positive control of the leak counters (tests): leave one object behind on every rank.
     p.add_argument("--inject-leak", choices=("handle", "mapping", "context"), default=None,
                    help=argparse.SUPPRESS)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..args import add_moe_shape_arguments, add_run_arguments
+
 
 def _timed(fn, device: torch.device) -> float:
     if device.type == "cuda":
@@ -106,17 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     from ...launch import RankFailure, plan_launch, run_ranks
 
     p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.bench.gpu_perf", description=__doc__.splitlines()[0])
-    p.add_argument("--driver", choices=("host", "cuda", "auto"), default="auto")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=1024)
+    add_moe_shape_arguments(p, hidden=2048, intermediate=1024)
     p.add_argument("--experts-per-rank", type=int, default=4)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--json", action="store_true")
+    add_run_arguments(p, driver_help=None, json_help=None)
     args = p.parse_args(argv)
     plan = plan_launch(args.driver, 2)  # two ranks; on one GPU both share it (gloo), as selftest does
     try:
-        per_rank = run_ranks(perf_rank, 2, args=(plan.driver, args.hidden, args.inter, args.experts_per_rank,
+        per_rank = run_ranks(perf_rank, 2, args=(plan.driver, args.hidden, args.intermediate, args.experts_per_rank,
                                                  args.tokens, args.reps),
                              backend=plan.backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs)
     except RankFailure as exc:

@@ -16,15 +16,16 @@ import sys
 import time
 from typing import Any
 
+from ..args import add_run_arguments
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8; 384 experts must divide)")
     p.add_argument("--layers", type=int, default=60, help="MoE layers (Kimi K2: 60)")
     p.add_argument("--experts", type=int, default=384, help="routed experts (Kimi K2: 384)")
-    p.add_argument("--granularity", type=int, default=64 << 10,
-                   help="host granularity and shrunk row size in bytes (default 64 KiB)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_run_arguments(p, granularity_default=64 << 10,
+                      granularity_help="host granularity and shrunk row size in bytes (default 64 KiB)")
 
 
 def _bench_rank(ctx: Any, layers: int, experts: int, gran: int) -> dict[str, Any]:

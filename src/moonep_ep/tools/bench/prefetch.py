@@ -27,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..args import HOST_GRANULARITY_HELP, add_run_arguments
+
 __all__ = ["add_arguments", "run", "page_holders", "split_by_holder", "measure_pull", "bench_rank",
            "DEFAULT_SIZES"]
 
@@ -162,12 +164,9 @@ def _bench_size(ctx: Any, driver: Any, H: int, I: int, reps: int, experts_per_ra
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (default 2; >= 2 for remote reads)")
     parser.add_argument("--reps", type=int, default=5, help="timed trials per side and size (default 5)")
-    parser.add_argument("--driver", choices=("auto", "host", "cuda"), default="auto",
-                        help="memory driver (auto: cuda with one GPU per rank, else host)")
-    parser.add_argument("--granularity", type=int, default=None,
-                        help="host driver page size in bytes (default MOONEP_EP_HOST_GRANULARITY or 2 MiB)")
     parser.add_argument("--experts-per-rank", type=int, default=2, help="experts (and slots) per rank (default 2)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_run_arguments(parser, driver_help="memory driver (auto: cuda with one GPU per rank, else host)",
+                      granularity_help=HOST_GRANULARITY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 from ...vllm.stats import read_stats
 from ...launch import ProcessSet, descendants
+from ..args import add_moe_shape_arguments
 
 Progress = Callable[[str], None]
 
@@ -236,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..checkpoints.tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir, demo_prompts
 
     p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.engine.harness")
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=256)
+    add_moe_shape_arguments(p, hidden=512, intermediate=256, experts=8)
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
