@@ -1,0 +1,83 @@
+"""Block metadata that lets a Triton grouped MoE kernel read MoonEP's ``[NvS, H]`` rows directly.
+
+vLLM's Triton MoE kernels (``fused_moe_kernel``, ``fused_moe_kernel_gptq_awq``)
+and this project's MXFP4 kernel compute one ``BLOCK_SIZE_M`` block of rows
+with one weight row, named per block by ``expert_ids``; rows come through
+``sorted_token_ids`` and the kernel stops at ``num_tokens_post_padded``.
+MoonEP's dispatch already groups rows by weight row (``cu_seqlens`` over the
+``[E+B]`` rows) and pads every non-empty group to a multiple of its
+``token_padding``. So when ``BLOCK_SIZE_M`` divides ``token_padding`` every
+block lies inside one group, and no sort (``moe_align_block_size``) and no
+permute is needed:
+
+* ``sorted_token_ids`` = ``arange(blocks · BLOCK_SIZE_M)``: row ids as they
+  are; ids ``>= NvS`` are masked by the kernels (``token < num_valid_tokens``);
+* ``expert_ids[b]`` = the group holding row ``b · BLOCK_SIZE_M`` (the first
+  ``g`` with ``cu_seqlens[g] > start``: empty groups are skipped), ``-1`` for
+  blocks at or past ``cu_seqlens[-1]`` (the kernels write nothing there);
+* ``num_tokens_post_padded`` = ``cu_seqlens[-1]`` (a device tensor: no host sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..errors import config_error
+
+__all__ = ["GroupedBlocks", "check_block_size", "grouped_blocks", "check_segments_aligned"]
+
+
+@dataclasses.dataclass
+class GroupedBlocks:
+    """What a grouped kernel launch reads: see the module docstring."""
+
+    block_m: int
+    sorted_token_ids: torch.Tensor       # [blocks * block_m] int32
+    expert_ids: torch.Tensor             # [blocks] int32, -1 past the last group
+    num_tokens_post_padded: torch.Tensor  # [1] int32 = cu_seqlens[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.expert_ids.numel()
+
+
+def check_block_size(block_m: int, token_padding: int, rank: int | None = None) -> None:
+    """Refuse a ``BLOCK_SIZE_M`` that does not divide MoonEP's ``token_padding`` (a block would straddle
+    two experts' rows and be computed with one expert's weights)."""
+    if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise config_error(rank, "BLOCK_SIZE_M must be a power of two >= 16 (tl.dot's smallest tile)", block_m,
+                           "use 16, 32, 64 or 128")
+    if not isinstance(token_padding, int) or token_padding <= 0 or token_padding % block_m:
+        raise config_error(rank, f"BLOCK_SIZE_M {block_m} does not divide MoonEP's token_padding {token_padding}: "
+                           "a kernel block would hold rows of two experts", (block_m, token_padding),
+                           f"use a BLOCK_SIZE_M that divides {token_padding}, or a token_padding that is a "
+                           f"multiple of {block_m}")
+
+
+def grouped_blocks(cu_seqlens: torch.Tensor, num_rows: int, block_m: int) -> GroupedBlocks:
+    """Block metadata for ``num_rows`` (NvS) rows grouped by ``cu_seqlens`` (``[G]`` int32 inclusive ends)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise config_error(None, "cu_seqlens must be a non-empty 1-D tensor", tuple(cu_seqlens.shape),
+                           "pass dispatch's cu_seqlens [E+B]")
+    device = cu_seqlens.device
+    blocks = max(1, -(-num_rows // block_m))
+    starts = torch.arange(blocks, device=device, dtype=torch.int64) * block_m
+    ends = cu_seqlens.to(torch.int64)
+    ids = torch.searchsorted(ends, starts, right=True)
+    ids = torch.where(starts < ends[-1], ids, torch.full_like(ids, -1)).to(torch.int32)
+    return GroupedBlocks(block_m=block_m,
+                         sorted_token_ids=torch.arange(blocks * block_m, device=device, dtype=torch.int32),
+                         expert_ids=ids,
+                         num_tokens_post_padded=cu_seqlens[-1:].to(torch.int32).clone())
+
+
+def check_segments_aligned(cu_seqlens: torch.Tensor, block_m: int) -> None:
+    """Host-side check (one sync) that every group starts on a block boundary: what MoonEP's padding
+    guarantees when ``BLOCK_SIZE_M`` divides ``token_padding``."""
+    ends = cu_seqlens.to("cpu", torch.int64)
+    bad = [(g, int(e)) for g, e in enumerate(ends.tolist()) if e % block_m]
+    if bad:
+        raise config_error(None, f"cu_seqlens ends are not multiples of BLOCK_SIZE_M {block_m}", bad[:4],
+                           "pad every group to a multiple of BLOCK_SIZE_M (MoonEP's token_padding)")

@@ -1,0 +1,154 @@
+"""GPU experts for a sharded MoonEP layer in each quantized format: Triton grouped GEMMs over the ``[E+B]`` views.
+
+Every format consumes MoonEP's expert-grouped ``hidden_nvsh [NvS, H]`` and
+``cu_seqlens [E+B]`` as dispatch leaves them (``ops/grouped_blocks.py``: per
+``BLOCK_SIZE_M`` block the weight row, no sort, no permute) and reads weights
+and scales through the store's ``[E+B]`` views, so a slot row is read exactly
+like an owner's row. The FFN is :class:`MoonEPExperts`' math (vLLM 0.33.0,
+``experts/moonep_experts.py``): ``act = silu(gate) * up`` in the activation
+dtype, times the route weight cast to that dtype (unless vLLM applied it on
+the input), then the down projection; rows at or past ``cu_seqlens[-1]`` are
+zero. The K-sum happens in MoonEP's combine.
+
+====================== ======================================== ==========================================
+format                 kernel                                   stored layout / conversion
+====================== ======================================== ==========================================
+``int4-g32`` (W4A16)   vLLM ``fused_moe_kernel_gptq_awq``       compressed-tensors ``weight_packed`` int32
+                       (``invoke_fused_moe_wna16_triton_kernel``) ``[N, K/8]``; the kernel reads ``[N, K/2]``
+                                                                uint8, even ``k`` in the low nibble, +8:
+                                                                on a little-endian host these are the same
+                                                                bytes, so the conversion is a dtype view
+                                                                (:func:`int4_kernel_view`), zero bytes
+                                                                moved; bf16 ``weight_scale [N, K/32]`` as is
+``fp8-block``          vLLM ``fused_moe_kernel``, block_shape   e4m3 ``weight [N, K]``; fp32
+                       ``[128, 128]``; activations per 1x128 by ``weight_scale_inv [N/128, K/128]`` as the
+                       vLLM's ``per_token_group_quant_fp8``      checkpoint has them
+``mxfp4`` (W4A16)      ``ops/mxfp4_moe_kernel.py`` (project)     ``weight_packed`` uint8 ``[N, K/2]``,
+                                                                ``weight_scale`` E8M0 uint8 ``[N, K/32]``
+``bf16``               vLLM ``MoonEPExperts``                    unchanged
+====================== ======================================== ==========================================
+
+A later backend that repacks per expert (Marlin) adds a format entry whose
+conversion writes its own layout into the owner's rows; the slot fill then
+copies converted bytes, as it does here.
+
+Block sizes: ``BLOCK_SIZE_M`` must divide MoonEP's ``token_padding``
+(:func:`~moonep_ep.ops.grouped_blocks.check_block_size` refuses otherwise,
+naming both). :data:`INTERPRETER_CONFIG` is what the CPU runs under the
+Triton interpreter use.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import config_error
+from ..ops.grouped_blocks import GroupedBlocks, check_block_size, grouped_blocks
+from ..ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
+
+__all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "gpu_grouped_ffn", "gpu_grouped_gemm", "int4_kernel_view",
+           "kernel_views"]
+
+#: format -> the kernel that serves it (docs/design/vllm.md's table)
+GPU_KERNELS = {"int4-g32": "vllm fused_moe_kernel_gptq_awq", "fp8-block": "vllm fused_moe_kernel (block 128x128)",
+               "mxfp4": "moonep_ep mxfp4_grouped_gemm_kernel", "bf16": "vllm MoonEPExperts"}
+#: block sizes of the interpreter runs: few, wide programs (the interpreter pays per program and per op)
+INTERPRETER_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+FP8_BLOCK = 128
+
+
+def int4_kernel_view(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``[..., N, K/8]`` int32 words as ``fused_moe_kernel_gptq_awq``'s ``[..., N, K/2]`` uint8.
+
+    ``pack_to_int32`` puts value ``i`` of a word at bits ``4i`` (offset +8); the kernel reads byte ``k // 2``
+    and takes the low nibble for even ``k``. Little-endian words are those bytes in that order."""
+    if sys.byteorder != "little":
+        raise config_error(None, "the INT4 kernel view needs a little-endian host", sys.byteorder,
+                           "convert the words with a byte swap first")
+    if packed.dtype != torch.int32:
+        raise config_error(None, "INT4 weight_packed must be int32 (compressed-tensors pack-quantized)",
+                           packed.dtype, "pass the store's weight_packed view")
+    return packed.view(torch.uint8)
+
+
+def kernel_views(fmt: str, views: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``(w13, w13_scale, w2, w2_scale)`` as the kernels read them, from the store's ``{name: [E+B] view}``."""
+    from ..ops.quantized_experts import views_of
+
+    w13, s13, w2, s2 = views_of(fmt, views)
+    if fmt == "int4-g32":
+        w13, w2 = int4_kernel_view(w13), int4_kernel_view(w2)
+    return w13, s13, w2, s2
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    from vllm.triton_utils import tl
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise config_error(None, "activations must be bf16 or fp16", dtype, "pass MoonEP's bf16 hidden_nvsh")
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blocks: GroupedBlocks,
+                     config: Mapping[str, int]) -> torch.Tensor:
+    """``[M, N]``: every block's rows times its weight row, in ``fmt``; rows of blocks not computed are zero."""
+    M, N = a.shape[0], weight.shape[1]
+    out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
+    cfg = {"BLOCK_SIZE_M": blocks.block_m, "BLOCK_SIZE_N": config["BLOCK_SIZE_N"],
+           "BLOCK_SIZE_K": config["BLOCK_SIZE_K"], "GROUP_SIZE_M": config.get("GROUP_SIZE_M", 1)}
+    if fmt == "mxfp4":
+        return mxfp4_grouped_gemm(a, weight, scale, out, blocks, block_n=cfg["BLOCK_SIZE_N"])
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    common = dict(topk_weights=None, sorted_token_ids=blocks.sorted_token_ids, expert_ids=blocks.expert_ids,
+                  num_tokens_post_padded=blocks.num_tokens_post_padded, mul_routed_weight=False, top_k=1,
+                  config=cfg, compute_type=_tl_dtype(a.dtype))
+    if fmt == "int4-g32":
+        common["config"] = {**cfg, "SPLIT_K": 1}
+        fused_moe.invoke_fused_moe_wna16_triton_kernel(a, weight, out.view(M, 1, N), scale, None,
+                                                       use_int8_w8a16=False, use_int4_w4a16=True,
+                                                       block_shape=[0, 32], **common)
+    elif fmt == "fp8-block":
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+        a_q, a_scale = per_token_group_quant_fp8(a, FP8_BLOCK, use_ue8m0=False)
+        fused_moe.invoke_fused_moe_triton_kernel(a_q, weight, out.view(M, 1, N), a_scale, scale,
+                                                 use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False,
+                                                 use_int4_w4a16=False, per_channel_quant=False,
+                                                 block_shape=[FP8_BLOCK, FP8_BLOCK], **common)
+    else:
+        raise config_error(None, "no GPU grouped kernel for this format", fmt, "use int4-g32, fp8-block or mxfp4")
+    return out
+
+
+def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, torch.Tensor],
+                    cu_seqlens: torch.Tensor, route_weights_nvs: Optional[torch.Tensor], *, token_padding: int,
+                    config: Optional[Mapping[str, int]] = None, blocks: Optional[GroupedBlocks] = None,
+                    ) -> torch.Tensor:
+    """MoonEPExperts' FFN over quantized ``[E+B]`` views with the format's GPU kernel.
+
+    ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales); ``blocks``: the block
+    metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control)."""
+    cfg = dict(INTERPRETER_CONFIG if config is None else config)
+    block_m = int(cfg["BLOCK_SIZE_M"])
+    check_block_size(block_m, token_padding)
+    M = hidden_nvsh.shape[0]
+    if blocks is None:
+        blocks = grouped_blocks(cu_seqlens, M, block_m)
+    w13, s13, w2, s2 = kernel_views(fmt, views)
+    if cu_seqlens.numel() != w13.shape[0]:
+        raise config_error(None, "cu_seqlens must have one entry per [E+B] weight row",
+                           (cu_seqlens.numel(), w13.shape[0]), "pass dispatch's cu_seqlens with the layer's views")
+    gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg)
+    inter = gate_up.shape[1] // 2
+    act = F.silu(gate_up[:, :inter])
+    act.mul_(gate_up[:, inter:])
+    if route_weights_nvs is not None:
+        act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
+    out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg)
+    tail = torch.arange(M, device=out.device) >= cu_seqlens[-1].to(torch.int64)
+    return out.masked_fill_(tail[:, None], 0)

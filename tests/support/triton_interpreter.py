@@ -1,0 +1,151 @@
+"""Running Triton kernels on CPU: the interpreter's environment, and its bf16 ``tl.dot`` mended (tests only).
+
+Environment: ``TRITON_INTERPRET=1`` runs every program in numpy;
+``CUDA_VISIBLE_DEVICES=`` (set and empty) keeps vLLM 0.33.0's
+``triton_utils/importing.py`` from swapping Triton for a placeholder when
+it sees no GPU driver ("'function' object is not subscriptable" otherwise).
+Both must be set before Triton or vLLM is imported.
+
+Why bf16 ``tl.dot`` is wrong there (Triton 3.8 and 3.9,
+``triton/runtime/interpreter.py``): numpy has no bfloat16, so the
+interpreter stores bf16 tensors as their raw ``uint16`` bit patterns
+(``_get_np_dtype``: ``tl.bfloat16 -> np.uint16``). Loads, stores and the
+bf16<->fp32 casts (``cast_impl`` special-cases them) handle that, but
+``InterpreterBuilder.create_dot`` converts only 8-bit floats to fp16 before
+``np.matmul``; bf16 operands are multiplied as the integers 0..65535
+(1.0 is 16256), hence errors of ~1e10. fp16 is a numpy dtype and is right.
+
+:func:`mend_bf16_dot` wraps ``create_dot`` to widen bf16 operands to fp32
+(exact) first, which is what a GPU's bf16 MMA computes (exact products,
+fp32 accumulation). It is applied only in the test harnesses, never by the
+library; :func:`bf16_dot_error` measures the bug and the mend (a control).
+
+Downcasts are wrong too. ``_convert_float`` (fp32 -> bf16 and -> fp8) drops
+the low mantissa bits: ``cast_impl`` (a plain ``.to(tl.bfloat16)``, e.g. a
+kernel's fp32 accumulator stored as bf16) passes no rounding mode, so it
+truncates toward zero; with round-to-nearest-even asked for (``.to(fp8)`` in
+vLLM's ``_per_token_group_quant_fp8``) it adds the cut-off bit to the
+mantissa and ORs the sum into the exponent field, so a mantissa carry
+(1.111b rounding up) is lost whenever the exponent's low bit is set (the
+value halves). Measured (:func:`downcast_mismatch`): ~2.6% of e4m3 codes
+and ~50% of bf16 values differ from torch's conversion. :func:`mend_downcasts`
+makes both paths use torch's conversion (nearest even, as a GPU's ``cvt``).
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def enter_interpreter() -> None:
+    """Set the interpreter's environment (call before importing triton or vllm)."""
+    os.environ.update(INTERPRETER_ENV)
+
+
+def mend_bf16_dot() -> bool:
+    """Widen bf16 ``tl.dot`` operands to fp32 in the interpreter. Returns True if it was not mended before."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_moonep_mended", False):
+        return False
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            def widen(h):
+                if h.dtype.scalar != tl.bfloat16:
+                    return h.data.astype(np.float32)
+                return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+
+            return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data,
+                                            d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._moonep_mended = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+    return True
+
+
+def mend_downcasts() -> bool:
+    """Casts to bf16, float8 e4m3 and e5m2 in the interpreter with torch's rounding (nearest even).
+    Returns True if newly mended."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_moonep_mended", False):
+        return False
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+    targets = {tl.bfloat16: (torch.bfloat16, torch.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8),
+               tl.float8e5: (torch.float8_e5m2, torch.uint8)}
+    sources = {tl.float32: np.float32, tl.float16: np.float16, tl.float64: np.float64}
+
+    def torch_cast(src, dst_type):
+        dst, scalar = targets.get(dst_type.scalar), src.dtype.scalar
+        if dst is None or scalar == dst_type.scalar or (scalar not in sources and scalar != tl.bfloat16):
+            return None
+        if scalar == tl.bfloat16:
+            values = interpreter._convert_float(src.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        else:
+            values = src.data.astype(sources[scalar])
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64 if scalar == tl.float64 else np.float32))
+        out = t.to(dst[0]).view(dst[1]).numpy()
+        return interpreter.TensorHandle(out.reshape(np.shape(src.data)), dst_type.scalar)
+
+    def mended_cast_impl(self, src, dst_type):
+        return torch_cast(src, dst_type) or cast_impl(self, src, dst_type)
+
+    def mended_fp_to_fp(self, src, dst_type, rounding_mode):
+        return torch_cast(src, dst_type) or fp_to_fp(self, src, dst_type, rounding_mode)
+
+    mended_cast_impl._moonep_mended = True  # type: ignore[attr-defined]
+    builder.cast_impl, builder.create_fp_to_fp = mended_cast_impl, mended_fp_to_fp
+    return True
+
+
+def downcast_mismatch() -> dict[str, float]:
+    """Fraction of codes the interpreter's fp32 -> bf16 / e4m3 casts get different from torch's (a control)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, b_ptr, f_ptr, n: tl.constexpr):
+        i = tl.arange(0, n)
+        x = tl.load(x_ptr + i)
+        tl.store(b_ptr + i, x.to(tl.bfloat16))
+        tl.store(f_ptr + i, x.to(tl.float8e4nv))
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 64
+    b, f = torch.empty(4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.float8_e4m3fn)
+    cast[(1,)](x, b, f, 4096)
+    return {"bf16": float((b != x.to(torch.bfloat16)).float().mean()),
+            "e4m3": float((f.view(torch.uint8) != x.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean())}
+
+
+def bf16_dot_error() -> float:
+    """Max abs error of a bare 16x16 bf16 ``tl.dot`` against torch (fp32 products of the same bf16 values)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot16(a_ptr, b_ptr, c_ptr):
+        i = tl.arange(0, 16)
+        a = tl.load(a_ptr + i[:, None] * 16 + i[None, :])
+        b = tl.load(b_ptr + i[:, None] * 16 + i[None, :])
+        tl.store(c_ptr + i[:, None] * 16 + i[None, :], tl.dot(a, b))
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    b = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    c = torch.zeros(16, 16, dtype=torch.float32)
+    dot16[(1,)](a, b, c)
+    return float((c - a.float() @ b.float()).abs().max())
