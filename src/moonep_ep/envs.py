@@ -145,6 +145,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_ALLOW_MISSING_VLLM", "bool", False,
              "outside CI, skip (instead of fail) the vLLM tests when their environment is missing",
              scope="tests"),
+    Variable("MOONEP_EP_REAL_SHAPES", "bool", False,
+             "run the GPU experts' real-shape check under the Triton interpreter (one K2/K3 expert per format; "
+             "about 4 min on 2 cores, so not in the default run)", scope="tests"),
 ]}
 
 
