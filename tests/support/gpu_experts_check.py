@@ -147,7 +147,7 @@ def _swap_nibbles(t: Any) -> Any:
     return (((b & 0xF) << 4) | (b >> 4)).view(t.dtype)
 
 
-def _check_format(fmt: str, store: Any, views: dict[str, Any], oracle: dict[str, Any], dtypes: list[str],
+def _check_format(fmt: str, views: dict[str, Any], oracle: dict[str, Any], dtypes: list[str],
                   controls: bool) -> dict[str, Any]:
     import torch
 
@@ -236,7 +236,7 @@ def rank_main(ctx: Any, formats: list[str], dtypes: list[str], controls: bool) -
                 store.load(lambda layer, name, e: tensors[name][e])
                 views = {p.name: store.gen_a(LAYER, p.name) for p in projs}
                 if rank == 0:
-                    res = _check_format(fmt, store, views, oracle, dtypes, controls)
+                    res = _check_format(fmt, views, oracle, dtypes, controls)
                     res["owner_rows_equal_checkpoint"] = all(torch.equal(views[n][e], tensors[n][e])
                                                              for n in tensors for e in range(E))
                     res["seconds_total"] = round(time.perf_counter() - t0, 2)
