@@ -9,8 +9,8 @@ project's MXFP4 kernel — over the ``[E+B]`` views with MoonEP-grouped rows.
 Judged against the format's own dequantization (compressed-tensors'
 decompressor; DeepSeek's FP8 block formula) within the harness's stated
 bound; four negative controls must exceed it. Cost (measured on the 2-core
-CI machine): about 60-75 s, of which ~20 s is importing vLLM and ~10 s
-compressed-tensors' compression; each interpreted FFN call is 0.5-1.7 s.
+CI machine): 60-95 s, of which ~20 s is importing vLLM and ~10 s
+compressed-tensors' compression; each interpreted FFN call is 0.3-3 s.
 """
 
 from __future__ import annotations
