@@ -73,8 +73,8 @@ def quantized_experts(fmt: str, h: int = H, i: int = I, experts: int = E) -> tup
     """``({store tensor name: [experts, ...]}, {gate/up/down: [experts, out, in] fp32 oracle weights})``."""
     import torch
 
-    from moonep_ep.tools.checkpoints.tiny_quantized import (compress_experts_ct, decompress_tensors, fp8_block_dequantize,
-                                                 quantize_fp8_block)
+    from moonep_ep.tools.checkpoints.tiny_quantized import (compress_experts_ct, decompress_tensors,
+                                                             fp8_block_dequantize, quantize_fp8_block)
 
     dense = _dense_weights(h, i, experts)
     key = "model.layers.0.mlp.experts.{}.{}.{}"
@@ -94,7 +94,8 @@ def quantized_experts(fmt: str, h: int = H, i: int = I, experts: int = E) -> tup
     store = {}
     for part, suffix in ((wname, wname), (sname, sname)):
         store[f"w13_{suffix}"] = torch.stack([torch.cat([tensors[key.format(e, "gate_proj", part)],
-                                                         tensors[key.format(e, "up_proj", part)]]) for e in range(experts)])
+                                                         tensors[key.format(e, "up_proj", part)]])
+                                              for e in range(experts)])
         store[f"w2_{suffix}"] = torch.stack([tensors[key.format(e, "down_proj", part)] for e in range(experts)])
     oracle = {p: torch.stack([plain[key.format(e, p + "_proj", "weight")].float() for e in range(experts)])
               for p in ("gate", "up", "down")}
@@ -200,7 +201,8 @@ def _check_format(fmt: str, views: dict[str, Any], oracle: dict[str, Any], dtype
         if fmt == "fp8-block":
             s13 = "w13_weight_scale_inv"
             assert views[s13].shape[-1] == views[s13].shape[-2], "square block grid needed for the control"
-            ctl["transposed_block_scales"] = run("float16", {**views, s13: views[s13].transpose(-1, -2).contiguous()})[0]
+            transposed = views[s13].transpose(-1, -2).contiguous()
+            ctl["transposed_block_scales"] = run("float16", {**views, s13: transposed})[0]
     res["controls"] = ctl
     res["control_bound"] = bound(fmt, "float16")  # the controls run in fp16
     return res

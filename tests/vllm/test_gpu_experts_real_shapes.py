@@ -35,4 +35,5 @@ def test_one_real_shaped_expert_past_2_31_bytes_through_store_slot_and_kernel(fm
     assert out["ok"]
     with capsys.disabled():
         print(f"\n[real shape {fmt}, {r['model']} H {r['H']} I {r['I']} E {r['E']}] max row rel err "
-              f"{r['max_row_rel_err']:.2e} <= {r['bound']:.2e}; kernel {r['kernel_seconds']} s, total {out['seconds']} s")
+              f"{r['max_row_rel_err']:.2e} <= {r['bound']:.2e}; kernel {r['kernel_seconds']} s, "
+              f"total {out['seconds']} s")
