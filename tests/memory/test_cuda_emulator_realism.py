@@ -293,3 +293,25 @@ def test_the_multicast_decision_uses_the_multicast_clique():
     drv, caps = _caps(f"{DOMAIN},mc_cliques=2", host=1)
     assert caps.clique.endswith("/0x7ffe") and caps.multicast_clique.endswith("/0x7fff")  # host 1: second mc clique
     drv.close()
+
+
+# -- the one-GPU test's rule, over the emulator ---------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imex,used", [("none", "fd"), ("domain", "fabric")])
+def test_two_ranks_on_one_gpu_use_what_the_vote_saw_with_the_reason(imex, used):
+    """The emulated twin of ``test_cuda_symmetric.test_two_processes_on_one_gpu_map_each_other`` on a
+    one-H200 node: without an IMEX channel the trial fails and both ranks fall back to fds; with one,
+    fabric is kept. The rule accepts both. Control: the rule rejects a decision that contradicts the vote."""
+    from tests.support.memory import decision_mismatch
+    from moonep_ep.tools.selftest import selftest_rank
+
+    env = {"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": f"H200x1,imex={imex}",
+           "CUDA_VISIBLE_DEVICES": "0"}
+    for res in run_ranks(selftest_rank, 2, args=("cuda", 4 * MiB, 1), env=env, timeout_s=120):
+        first = res["first_cycle"]
+        assert res["errors"] == [] and first["handle_type"] == used and not first["multicast"]["used"]
+        assert decision_mismatch(first, fabric_supported=True) is None, first
+        assert decision_mismatch(first, fabric_supported=False) is not None  # control: the vote saw fabric
+        wrong = {**first, "handle_type": "fabric" if used == "fd" else "fd"}
+        assert decision_mismatch(wrong, fabric_supported=True) is not None  # control: type without its reason

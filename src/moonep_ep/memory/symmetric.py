@@ -321,9 +321,10 @@ class SymmetricMemory:
         except CollectiveError as exc:
             if not _driver_failure(exc):
                 raise  # bad input or a lost peer: not a reason to go on
-            if self.decision.multicast_forced:
-                raise CollectiveError(exc.step, {r: f"{m.splitlines()[0]}. {MULTICAST_FIX}"
-                                                 for r, m in exc.failures.items()}, rank=self.rank) from exc
+            if self.decision.multicast_forced:  # the same error on every rank, the fix once
+                forced = CollectiveError(exc.step, exc.failures, rank=self.rank)
+                forced.args = (f"{forced}\n  (MOONEP_EP_MULTICAST=on) {MULTICAST_FIX}",)
+                raise forced from exc
             with self.comm.step("multicast off: release what multicast acquired"):
                 self._teardown_multicast()
             first = min(exc.failures)
