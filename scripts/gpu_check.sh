@@ -23,37 +23,76 @@ EMU=0
 CLI="$PY -m moonep_ep"
 VLLM_PY=.venv-vllm/bin/python
 
-# part|step|limit_s|needs|check over `out` (the step's JSON; "rc" = exit status only)|what it answers
+# part|step|limit_s|needs|modules|check over `out` (the step's JSON; "rc" = exit status only)|what it answers
 # needs: - (always), gpu (real hardware), engine (>= 2 GPUs and an up-to-date .venv-vllm)
+# modules: what `python3` must import for the step (engine steps: what .venv-vllm must import)
 PLAN=$(cat <<'EOF'
-1|env|30|-|out["ok"]|python3, torch, cuda-bindings, pytest importable; the GPU seen by torch and the driver
-1|check|60|-|out["cuda"]["available"] and out["cuda"]["emulated"] == EMU and out["cuda"]["versions"]["compatible"]|moonep-ep check: CUDA usable, driver fits the bindings
-1|selftest|120|-|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|2 ranks on GPU 0: create, export (POSIX fd), import, map, verify, tear down, 0 leaks per rank
-1|gpu_tests|180|gpu|out["ok"]|pytest -m cuda (memory and layout tiers): none may skip
-1|footprint|90|-|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|footprint --measure: the store's handles == the plan; device-wide cuMemGetInfo within a page
-2|perf|240|-|out["ok"] and out["emulated"] == EMU|slot fill imported/local and grouped FFN views/plain, ratios (about 1.0 expected)
-2|ops_demo|120|-|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|the ops demo with the store in GPU memory, against the dense oracle
-2|selftest_soak|90|-|out["ok"] and out["cycles"] == 6|6 allocate/verify/teardown cycles on GPU 0, leaks per rank
-3|make_demo|450|engine|out.get("ok") is True|vLLM's CUDA engine, DP=2, the moonep backend (what make demo runs)
-4|kv_accounting|450|engine|rc|vLLM's model memory counts the store (scripts/gpu_checks/kv_accounting.sh)
-5|serve|450|engine|rc|the openai client against what make serve starts (scripts/gpu_checks/serve.sh)
+1|env|30|-|torch,numpy,pytest|out["ok"]|python3, torch, cuda-bindings, pytest importable; the GPU seen by torch and the driver
+1|check|60|-|torch,cuda.bindings|out["cuda"]["available"] and out["cuda"]["emulated"] == EMU and out["cuda"]["versions"]["compatible"]|moonep-ep check: CUDA usable, driver fits the bindings
+1|selftest|120|-|torch,cuda.bindings|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|2 ranks on GPU 0: create, export (POSIX fd), import, map, verify, tear down, 0 leaks per rank (device-wide figure read after a warm-up)
+1|gpu_tests|180|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|pytest -m cuda (memory and layout tiers): none may skip
+1|footprint|90|-|torch,cuda.bindings|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|footprint --measure: the store's handles == the plan; device-wide cuMemGetInfo within a page (after a warm-up)
+2|perf|240|-|torch,cuda.bindings|out["ok"] and out["emulated"] == EMU|slot fill imported/local and grouped FFN views/plain, ratios (about 1.0 expected)
+2|ops_demo|120|-|torch,cuda.bindings|out["ok"] and out["driver"] == "cuda" and out["emulated"] == EMU|the ops demo with the store in GPU memory, against the dense oracle
+2|selftest_soak|90|-|torch,cuda.bindings|out["ok"] and out["cycles"] == 6|6 allocate/verify/teardown cycles on GPU 0, leaks per rank
+3|make_demo|450|engine|vllm,compressed_tensors|out.get("ok") is True|vLLM's CUDA engine, DP=2, the moonep backend (what make demo runs)
+4|kv_accounting|450|engine|vllm|rc|vLLM's model memory counts the store (scripts/gpu_checks/kv_accounting.sh)
+5|serve|450|engine|vllm|rc|the openai client against what make serve starts (scripts/gpu_checks/serve.sh)
 EOF
 )
+# What the lent GPU machine's python3 (3.12) has, and what it lacks, as its lender states it.
+LENT_HAS="torch triton numpy hypothesis pytest transformers safetensors"
+LENT_LACKS="vllm compressed_tensors"
 PART_LIMIT=480
 
 plan() {
-  "$PY" - "$PLAN" "$PART_LIMIT" <<'PYEOF'
+  "$PY" - "$PLAN" "$PART_LIMIT" "$LENT_HAS" "$LENT_LACKS" <<'PYEOF'
 import json, sys
 rows = [l.split("|") for l in sys.argv[1].splitlines() if l.strip()]
 limit = int(sys.argv[2])
+has, lacks = set(sys.argv[3].split()), set(sys.argv[4].split())
+
+
+def on_lent(needs, mods):
+    """Whether the step can run on the lent machine (python3 3.12, one GPU), from its stated list."""
+    missing = [m for m in mods if m in lacks]
+    if missing:
+        return f"cannot run: it has no {', '.join(missing)}"
+    if needs == "engine":
+        return "cannot run: needs >= 2 GPUs and .venv-vllm"
+    unknown = [m for m in mods if m not in has]
+    if unknown:
+        return f"runs if python3 has {', '.join(unknown)} (not on its list; checked before the step)"
+    return "runs"
+
+
+print(f"lent GPU machine (stated): python3 3.12 with {', '.join(sorted(has))}; without {', '.join(sorted(lacks))}")
 for part in sorted({int(r[0]) for r in rows}):
     steps = [r for r in rows if int(r[0]) == part]
     total = sum(int(r[2]) for r in steps)
     print(f"part {part}: {total} s of limits (at most {limit})")
-    for _, name, secs, needs, _check, what in steps:
+    for _, name, secs, needs, mods, _check, what in steps:
         print(f"  {name:<14} {secs:>4} s  {'[' + needs + '] ' if needs != '-' else ''}{what}")
+        print(f"  {'':<14}         needs {mods.replace(',', ', ')}; lent machine: {on_lent(needs, mods.split(','))}")
     print(json.dumps({"part": part, "limit_s": total, "max_limit_s": limit,
-                      "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3]} for r in steps]}))
+                      "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3], "modules": r[4].split(","),
+                                 "lent_machine": on_lent(r[3], r[4].split(","))} for r in steps]}))
+PYEOF
+}
+
+# Modules of a comma list that `python3` cannot import ("" = all present).
+missing_modules() {
+  "$PY" - "$1" <<'PYEOF'
+import importlib.util, sys
+missing = []
+for m in sys.argv[1].split(","):
+    try:
+        found = importlib.util.find_spec(m) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        missing.append(m)
+print(",".join(missing))
 PYEOF
 }
 
@@ -120,10 +159,15 @@ not_applicable() {
 run_part() {
   local part=$1 steps_file="$OUT/part$1.jsonl"
   : >"$steps_file"
-  while IFS='|' read -r p name limit needs check what; do
+  while IFS='|' read -r p name limit needs mods check what; do
     [ "$p" = "$part" ] || continue
     local why
     why=$(not_applicable "$needs")
+    if [ -z "$why" ] && [ "$needs" != engine ]; then  # engine steps run in .venv-vllm, checked above
+      local missing
+      missing=$(missing_modules "$mods")
+      [ -n "$missing" ] && why="$PY cannot import ${missing//,/, } (the step needs ${mods//,/, })"
+    fi
     if [ -n "$why" ]; then
       "$PY" -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "status": "not_applicable", "detail": sys.argv[2]}))' \
         "$name" "$why" | tee -a "$steps_file"

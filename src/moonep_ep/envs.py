@@ -86,7 +86,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "how physical memory is shared: auto = POSIX fds on one host (fabric when every rank supports "
              "it, falling back to fds), fabric across hosts", ("auto", "fd", "fabric")),
     Variable("MOONEP_EP_MULTICAST", "choice", "auto",
-             "use a multicast object: auto = when every rank supports it", ("auto", "on", "off")),
+             "use a multicast object: auto = when every rank supports it, and every rank goes on without "
+             "it if any rank's multicast set-up fails; on = that failure is an error", ("auto", "on", "off")),
     Variable("MOONEP_EP_TIMEOUT_S", "float", 60.0,
              "bound in seconds on waiting for a peer; a dead peer is reported within it", minimum=1),
     Variable("MOONEP_EP_MC_BIND_RETRIES", "int", 3,
@@ -100,7 +101,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_CUDA_EMULATOR_NODE", "str", None,
              "the emulated machine, e.g. `H100x8` (default), `H200x4,imex=channel,cuda=12.8`: "
              "GPU model and count, IMEX none/channel/domain, driver CUDA version, multicast 0/1, granularity "
-             "overrides (moonep_ep.testing.cuda_emulator.node)", scope="tests", text="node spec"),
+             "overrides, lazy-load bytes, fabric state, injected multicast failures "
+             "(moonep_ep.testing.cuda_emulator.node)", scope="tests", text="node spec"),
     Variable("MOONEP_EP_CUDA_EMULATOR_HOST", "str", None,
              "which host of a multi-host emulated NVLink domain (`hosts=` in the node spec) this process runs on: "
              "a host index or name; unset: the host named like this process's hostname, else host 0",

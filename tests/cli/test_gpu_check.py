@@ -87,3 +87,20 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
     summary = _last_json(old.stdout)
     assert old.returncode == 1 and summary["ok"] is False
     assert {"check", "selftest"} <= {s["step"] for s in summary["failed"]}
+
+
+def test_plan_states_each_steps_needs_against_the_lent_machine():
+    """The lent GPU machine's python3 (3.12) has torch, Triton, numpy, hypothesis, pytest, transformers and
+    safetensors, and no vLLM and no compressed-tensors: the plan says up front which steps cannot run
+    there and which depend on a module not on that list (cuda-bindings), checked before the step runs."""
+    proc = _run("--plan")
+    steps = {s["step"]: s for line in proc.stdout.splitlines() if line.startswith("{")
+             for s in json.loads(line)["steps"]}
+    assert "without compressed_tensors, vllm" in proc.stdout
+    assert steps["env"]["lent_machine"] == "runs"
+    for name in ("check", "selftest", "footprint", "perf", "ops_demo", "selftest_soak", "gpu_tests"):
+        assert "cuda.bindings" in steps[name]["modules"], name
+        assert steps[name]["lent_machine"].startswith("runs if python3 has cuda.bindings"), steps[name]
+    assert "hypothesis" in steps["gpu_tests"]["modules"]
+    assert steps["make_demo"]["lent_machine"] == "cannot run: it has no vllm, compressed_tensors"
+    assert all(steps[n]["lent_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))

@@ -8,6 +8,8 @@ CLI uses it) or with a private ``EmulatedCudaApi`` per rank (fault injection).
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import pytest
@@ -35,6 +37,9 @@ CALL_POINTS = [
 
 
 def cuda_call_faults(ctx: Any, failing_rank: int) -> list[dict[str, Any]]:
+    # MOONEP_EP_MULTICAST=on: a multicast failure is an error too (under auto every rank goes on without
+    # multicast instead: tests/memory/test_cuda_emulator_realism.py).
+    os.environ["MOONEP_EP_MULTICAST"] = "on"
     results = []
     for call, after, who in CALL_POINTS:
         if (who == "root" and failing_rank != 0) or (who == "peer" and failing_rank == 0):

@@ -203,11 +203,13 @@ def exchange_security(ctx: Any) -> dict[str, Any]:
     return out
 
 
-def cuda_bind_retry(ctx: Any, times: int) -> dict[str, Any]:
-    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (CUDA driver emulator)."""
+def cuda_bind_retry(ctx: Any, times: int, mode: str = "auto") -> dict[str, Any]:
+    """SYSTEM_NOT_READY (802) from cuMulticastBindMem on rank 1 (CUDA driver emulator),
+    under ``MOONEP_EP_MULTICAST=mode``."""
     from moonep_ep.memory.cuda import CudaDriver
     from moonep_ep.testing.cuda_emulator import EmulatedCudaApi
 
+    os.environ["MOONEP_EP_MULTICAST"] = mode
     api = EmulatedCudaApi(f"H100x{ctx.world_size},fabric=0", visible=None, record=True)
     if ctx.rank == 1:
         api.fail("cuMulticastBindMem", "CUDA_ERROR_SYSTEM_NOT_READY", times)
@@ -345,12 +347,21 @@ def test_fd_exchange_rejects_foreign_sender_sweeps_stale_dirs_and_hands_out_seal
 
 @pytest.mark.cuda_emulated
 def test_cuda_multicast_bind_not_ready_is_retried_then_fails_collectively():
+    """Retried in lockstep; when the retries run out, MOONEP_EP_MULTICAST=on fails on every rank, and
+    auto (below) goes on without multicast on every rank (meta-pytorch/torchcomms#3130)."""
     ok = run_ranks(cuda_bind_retry, 2, args=(2,))
     for res in ok:
         assert "error" not in res and res["multicast"]
         assert all(v == 0 for v in res["live"].values())
     assert ok[1]["binds"] == 3 and ok[0]["binds"] == 1   # rank 1 retried twice, rank 0 bound once
-    failed = run_ranks(cuda_bind_retry, 2, args=(100,))
+    degraded = run_ranks(cuda_bind_retry, 2, args=(100, "auto"))
+    for res in degraded:
+        assert "error" not in res and res["multicast"] is False and all(v == 0 for v in res["live"].values())
+        names = res["calls"]  # rank 0 bound: it unbinds while its memory is still held
+        if "cuMulticastUnbind" in names:
+            assert names.index("cuMulticastUnbind") < len(names) - names[::-1].index("cuMemRelease") - 1
+    assert "cuMulticastUnbind" in degraded[0]["calls"]
+    failed = run_ranks(cuda_bind_retry, 2, args=(100, "on"))
     for res in failed:
         assert "SYSTEM_NOT_READY" in res["error"] and "rank 1" in res["error"]
         assert all(v == 0 for v in res["live"].values()), res["live"]

@@ -181,6 +181,7 @@ def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
     may hang, and nothing may leak on any rank."""
     from moonep_ep.memory import exchange
 
+    os.environ["MOONEP_EP_MULTICAST"] = "on"  # under auto a multicast failure degrades instead (test_cuda_emulator_realism)
     rank = ctx.rank
     results: dict[str, Any] = {}
     for point in FAULT_POINTS:
@@ -213,7 +214,9 @@ def faults(ctx: Any, failing_rank: int) -> dict[str, Any]:
 
 
 def bind_retry(ctx: Any, times: int) -> dict[str, Any]:
-    """SYSTEM_NOT_READY on one rank's multicast bind: retried by all ranks in lockstep."""
+    """SYSTEM_NOT_READY on one rank's multicast bind: retried by all ranks in lockstep (MOONEP_EP_MULTICAST=on:
+    when the retries run out, every rank fails)."""
+    os.environ["MOONEP_EP_MULTICAST"] = "on"
     rank = ctx.rank
     inner = HostDriver(rank=rank, granularity=GRAN)
     before = snapshot(rank)

@@ -114,3 +114,20 @@ def unmap_and_release_multicast(drv, mc, mem, uc: int, va: int, size: int) -> No
         drv.free_reservation(addr, size)
     drv.multicast_release(mc)
     drv.release(mem)
+
+
+def decision_mismatch(first_cycle: dict, fabric_supported: bool) -> str | None:
+    """None when the handle type a selftest cycle used follows from what the vote saw, with its reason;
+    else what disagrees. Every rank supporting fabric: FABRIC, kept only if the collective trial and the
+    allocation succeeded (on real hardware an allocation succeeds exactly when the handle exchange does,
+    pytorch/pytorch#156074), else POSIX fds with the reason naming the failure. No fabric support: POSIX fds
+    because the ranks share a host. Never a fixed handle type: an image with an IMEX channel keeps fabric."""
+    used, reason = first_cycle["handle_type"], first_cycle["multicast"]["reason"]
+    if not fabric_supported:
+        want = used == "fd" and reason.startswith("all ranks on one host")
+    elif used == "fabric":
+        want = reason.startswith("all ranks support fabric") and "fell back" not in reason
+    else:
+        want = (used == "fd" and reason.startswith("all ranks support fabric")
+                and "fell back to POSIX fds on every rank" in reason)
+    return None if want else f"handle type {used!r} with reason {reason!r} (fabric supported: {fabric_supported})"

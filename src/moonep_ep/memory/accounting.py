@@ -110,6 +110,9 @@ class DriverHoldings:
     bytes_held: int | None
     detail: dict
     how: str
+    #: Device-wide used bytes (``cuMemGetInfo``: every process on the GPU, and the driver's own memory
+    #: such as lazily loaded kernels); None for the host driver. Read it only after a warm-up.
+    device_used: int | None = None
 
 
 def driver_holdings(driver, rank: int | None = None) -> DriverHoldings:
@@ -126,11 +129,12 @@ def driver_holdings(driver, rank: int | None = None) -> DriverHoldings:
         live = emulator.live()
         return DriverHoldings(live["handles"] + live["multicast_handles"],
                               live["mappings"] + live["reservations"], emulator.device_bytes_in_use(), live,
-                              "CUDA emulator: its live handles, mappings, reservations and device bytes")
+                              "CUDA emulator: its live handles, mappings, reservations and device bytes",
+                              emulator.device_used_bytes(driver.device))
     free, total = driver.memory_info()
     return DriverHoldings(None, None, total - free, {},
                           "GPU: the CUDA driver lists no handles or mappings; device bytes from cuMemGetInfo, "
-                          "device-wide (every process on the GPU), read after every rank's cleanup")
+                          "device-wide (every process on the GPU), read after every rank's cleanup", total - free)
 
 
 def own_physical_bytes(rank: int | None) -> int:

@@ -52,30 +52,64 @@ def versions(api: Any) -> dict[str, Any]:
     return out
 
 
-def fabric_clique(driver: "CudaDriver") -> tuple[str, str]:
-    """``(<cluster UUID>/<clique id>, "")`` of the device's NVLink clique, or ``("", why not)``.
+def fabric_state(driver: "CudaDriver") -> str:
+    """The GPU's fabric registration state as NVML reports it (``nvmlDeviceGetGpuFabricInfoV``:
+    ``COMPLETED``, ``IN_PROGRESS``, ``NOT_STARTED``, ``NOT_SUPPORTED``), or ``"unknown: <why>"``.
 
-    ``cuDeviceGetFabricClusterUuid`` and ``cuDeviceGetCliqueInfo`` are new in
-    CUDA 13.4 (older drivers lack the symbols, older bindings the functions);
-    a GPU outside a multi-node NVLink fabric answers NOT_SUPPORTED. PyTorch's
-    SymmetricMemory and NCCL's MNNVL detection compare the same two figures
-    (from NVML) across ranks."""
+    The CUDA driver API has no such query; NCCL (``ncclNvmlDeviceGetGpuFabricInfoV``), NVSHMEM,
+    FlashInfer (``is_mnnvl_fabric_supported``) and vLLM read NVML. The emulator answers for NVML."""
+    emulator = emulator_of(driver.api)
+    try:
+        if emulator is not None:
+            return emulator.gpu_fabric_state(driver.device)
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+        try:
+            info = nvml.device_get_gpu_fabric_info_v(nvml.device_get_handle_by_uuid(driver.device_uuid()))
+            return nvml.GpuFabricState(int(info.state)).name
+        finally:
+            nvml.shutdown()
+    except Exception as exc:  # noqa: BLE001 - no NVML (or no fabric info): the state is unknown
+        return f"unknown: {type(exc).__name__}: {exc}"[:200]
+
+
+def fabric_clique(driver: "CudaDriver") -> tuple[str, str, str]:
+    """``(<cluster UUID>/<unicast clique id>, <cluster UUID>/<multicast clique id>, "")`` of the
+    device's NVLink cliques, or ``("", "", why not)``.
+
+    ``cuDeviceGetFabricClusterUuid``, ``cuDeviceGetCliqueCount`` and ``cuDeviceGetCliqueInfo``
+    are new in CUDA 13.4 (older drivers lack the symbols, older bindings the functions); a GPU
+    outside a multi-node NVLink fabric answers NOT_SUPPORTED. A clique is trusted only when the
+    fabric state is COMPLETED and the cluster UUID is non-zero, as NCCL, NVSHMEM, FlashInfer and
+    vLLM require: while the Fabric Manager registers the GPU, or outside any fabric, the UUID is
+    all zeros and every host would look like one clique. An untrusted clique is reported as
+    unknown, so a group spanning hosts runs the fabric trial (``domain.py``)."""
     api = driver.api
     dev = driver._cu_device  # set by the probe's first device query
     try:
         cluster = driver.check(api.cuDeviceGetFabricClusterUuid(dev), "cuDeviceGetFabricClusterUuid")
-        infos, count = driver.check(api.cuDeviceGetCliqueInfo(4, dev), "cuDeviceGetCliqueInfo")
+        count = int(driver.check(api.cuDeviceGetCliqueCount(dev), "cuDeviceGetCliqueCount"))
+        infos, got = driver.check(api.cuDeviceGetCliqueInfo(count, dev), "cuDeviceGetCliqueInfo")
     except AttributeError:
-        return "", "these cuda-bindings have no cuDeviceGetCliqueInfo (new in 13.4)"
+        return "", "", "these cuda-bindings have no cuDeviceGetCliqueInfo (new in 13.4)"
     except RuntimeError as exc:  # DriverError is one too: NOT_SUPPORTED off a fabric
-        return "", f"the driver cannot report its NVLink clique: {exc}"
-    unicast = int(api.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER)
-    ids = [int(i.id) for i in list(infos)[:int(count)] if int(i.type) == unicast]
-    if not ids:
-        return "", "cuDeviceGetCliqueInfo reported no unicast pointer clique"
+        return "", "", f"the driver cannot report its NVLink clique: {exc}"
     import uuid
 
-    return f"{uuid.UUID(bytes=bytes(cluster.bytes))}/{ids[0]:#x}", ""
+    raw = bytes(cluster.bytes)
+    if not any(raw):
+        return "", "", "the fabric cluster UUID is all zeros (fabric registration in progress, or no fabric)"
+    state = fabric_state(driver)
+    if state != "COMPLETED":
+        return "", "", f"the GPU's fabric state is {state}, not COMPLETED (NVML)"
+    kinds = {int(i.type): int(i.id) for i in reversed(list(infos)[:int(got)])}  # the first of each type
+    unicast = kinds.get(int(api.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER))
+    if unicast is None:
+        return "", "", "cuDeviceGetCliqueInfo reported no unicast pointer clique"
+    cluster_id = uuid.UUID(bytes=raw)
+    multicast = kinds.get(int(api.CUcliqueType.CU_CLIQUE_TYPE_MULTICAST_POINTER))
+    return (f"{cluster_id}/{unicast:#x}", "" if multicast is None else f"{cluster_id}/{multicast:#x}", "")
 
 
 def probe(driver: "CudaDriver", caps: Capabilities) -> None:
@@ -115,7 +149,7 @@ def probe(driver: "CudaDriver", caps: Capabilities) -> None:
     caps.available = True
     emulator = emulator_of(api)
     caps.host = emulator.hostname if emulator is not None else socket.gethostname()
-    caps.clique, why_not = fabric_clique(driver)
+    caps.clique, caps.multicast_clique, why_not = fabric_clique(driver)
     if why_not:
         reasons["clique"] = why_not
 

@@ -79,6 +79,8 @@ class Capabilities:
     #: ``<fabric cluster UUID>/<clique id>`` of the GPU's NVLink clique; "" when the driver cannot say
     #: (no multi-node fabric, or a driver older than CUDA 13.4; the reason is in ``reasons["clique"]``).
     clique: str = ""
+    #: ``<fabric cluster UUID>/<multicast pointer clique id>``: a multicast team stays inside one; "" as ``clique``.
+    multicast_clique: str = ""
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

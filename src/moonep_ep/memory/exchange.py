@@ -53,13 +53,16 @@ class ExchangeDecision:
     #: Ranks span hosts and some cannot report their NVLink clique: a fabric trial must
     #: prove the domain before any handle moves (``domain.py``).
     verify_domain: bool = False
+    #: ``MOONEP_EP_MULTICAST=on``: a multicast failure fails the allocation; with ``auto`` every
+    #: rank goes on without multicast, in lockstep (``SymmetricMemory``).
+    multicast_forced: bool = False
 
 
 def local_vote(caps: Capabilities, hostname: str) -> dict:
     """What this rank contributes to :func:`vote`: host, capabilities, device identity and
     the raw ``MOONEP_EP_HANDLE_TYPE`` / ``MOONEP_EP_MULTICAST`` strings (parsed after the
     gather, so a bad value on one rank fails every rank at the same point)."""
-    return {"host": caps.host or hostname, "clique": caps.clique,
+    return {"host": caps.host or hostname, "clique": caps.clique, "mc_clique": caps.multicast_clique,
             "fd": caps.posix_fd, "fabric": caps.fabric, "multicast": caps.multicast,
             "device": caps.device_id or caps.device, "driver": caps.driver,
             "prefs": (envs.raw("MOONEP_EP_HANDLE_TYPE"), envs.raw("MOONEP_EP_MULTICAST"))}
@@ -118,13 +121,21 @@ def vote(peers: Sequence[dict], rank: int, *, want_multicast: bool = True) -> Ex
     devices = [(p["host"], p["device"]) for p in peers]
     if peers[0]["driver"] == "cuda" and len(set(devices)) != len(devices):
         no_mc = sorted(set(no_mc) | {r for r, d in enumerate(devices) if devices.count(d) > 1})
+    # A team stays inside one multicast pointer clique, which may be smaller than the unicast one:
+    # ranks on several hosts whose reported multicast cliques differ cannot form one team.
+    mc_cliques = [p.get("mc_clique") or "" for p in peers]
+    known = [c for c in mc_cliques if c]
+    if not one_host and len(set(known)) > 1:
+        first = mc_cliques[0] or known[0]
+        no_mc = sorted(set(no_mc) | {r for r, c in enumerate(mc_cliques) if c and c != first})
     if mc_pref == "on" and no_mc:
         raise ConfigError(f"[rank {rank}] MOONEP_EP_MULTICAST=on but rank(s) {no_mc} lack multicast. "
                           "Fix: MOONEP_EP_MULTICAST=auto or off, or run on NVSwitch GPUs with Fabric Manager")
     multicast = want_multicast and mc_pref != "off" and not no_mc
     if not multicast:
         reason += "; multicast off" + (f" (rank(s) {no_mc} lack it)" if no_mc else "")
-    return ExchangeDecision(handle_type, multicast, reason, fallback, verify_domain)
+    return ExchangeDecision(handle_type, multicast, reason, fallback, verify_domain,
+                            multicast_forced=mc_pref == "on")
 
 
 class HandleExchanger:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -54,6 +55,10 @@ from .fabric import fabric_trial
 from .group import GroupComm
 
 _RETRYABLE = ("SYSTEM_NOT_READY",)
+_log = logging.getLogger("moonep_ep.memory")
+MULTICAST_FIX = ("Fix: MOONEP_EP_MULTICAST=auto goes on without multicast when any rank's multicast setup fails "
+                 "(or off skips it); to keep multicast, free other multicast objects (MULTICAST_RESOURCE_FULL) or "
+                 "restart the Fabric Manager (ILLEGAL_STATE, SYSTEM_NOT_READY)")
 
 
 def _driver_failure(exc: CollectiveError) -> bool:
@@ -229,7 +234,7 @@ class SymmetricMemory:
                 undo.push(attempt.pop_all())
                 break
             if self.decision.multicast:
-                self._setup_multicast(undo, multicast_bytes)
+                self._setup_multicast_or_go_without(undo, multicast_bytes)
             undo.pop_all()  # success: the object owns every handle now
         return self
 
@@ -306,6 +311,29 @@ class SymmetricMemory:
         while fds:  # imported: the handles keep the memory, the fds are done
             _close_quietly(fds.pop())
 
+    def _setup_multicast_or_go_without(self, undo: contextlib.ExitStack, multicast_bytes: int | None) -> None:
+        """Build the multicast object; with ``MOONEP_EP_MULTICAST=auto`` a driver failure on any rank
+        at any step from create to map makes every rank go on without it, in lockstep (every rank saw
+        the same ``CollectiveError``), as PyTorch's ``init_multicast_for_block`` does. With ``on`` the
+        failure stands, with the fix. Either way everything multicast acquired is released."""
+        try:
+            self._setup_multicast(undo, multicast_bytes)
+        except CollectiveError as exc:
+            if not _driver_failure(exc):
+                raise  # bad input or a lost peer: not a reason to go on
+            if self.decision.multicast_forced:  # the same error on every rank, the fix once
+                forced = CollectiveError(exc.step, exc.failures, rank=self.rank)
+                forced.args = (f"{forced}\n  (MOONEP_EP_MULTICAST=on) {MULTICAST_FIX}",)
+                raise forced from exc
+            with self.comm.step("multicast off: release what multicast acquired"):
+                self._teardown_multicast()
+            first = min(exc.failures)
+            why = (f"rank {first} failed at '{exc.step}': {exc.failures[first].splitlines()[0][:300]}"
+                   + (f" (rank(s) {sorted(exc.failures)} failed)" if len(exc.failures) > 1 else ""))
+            self.decision = dataclasses.replace(self.decision, multicast=False,
+                                                reason=f"{self.decision.reason}; multicast: off ({why})")
+            _log.warning("[rank %d] multicast: off on every rank (MOONEP_EP_MULTICAST=auto): %s", self.rank, why)
+
     def _setup_multicast(self, undo: contextlib.ExitStack, multicast_bytes: int | None) -> None:
         comm, driver, ht = self.comm, self.driver, self.decision.handle_type
         rank, world = comm.rank, comm.world_size
@@ -370,7 +398,7 @@ class SymmetricMemory:
             retryable = all(any(code in s[0] for code in _RETRYABLE) for s in failed.values())
             if not retryable or attempt == retries:
                 raise CollectiveError(f"multicast bind (attempt {attempt + 1})",
-                                      {r: s[1] for r, s in failed.items()}, rank=comm.rank)
+                                      {r: f"DriverError: {s[1]}" for r, s in failed.items()}, rank=comm.rank)
             time.sleep(0.05 * (attempt + 1))
 
     # -- views ---------------------------------------------------------------------

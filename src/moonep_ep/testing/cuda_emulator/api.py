@@ -24,7 +24,7 @@ from typing import Any
 from .core import IllegalAccess, UnknownCall
 from .devices import DeviceCalls
 from .multicast import MulticastCalls
-from .objects import Allocation, MulticastRef
+from .objects import Allocation, MulticastRef, node_bytes_in_use
 from .vmm import MemoryCalls
 
 __all__ = ["EmulatedCudaApi", "IllegalAccess", "UnknownCall"]
@@ -66,6 +66,12 @@ class EmulatedCudaApi(DeviceCalls, MemoryCalls, MulticastCalls):
 
     def calls_of(self, name: str) -> list[tuple]:
         return [a for n, a in self.calls if n == name]
+
+    def device_used_bytes(self, ordinal: int = 0) -> int:
+        """What ``cuMemGetInfo`` reports as used (total - free) on visible device ``ordinal``,
+        device-wide: every process's allocations and the driver's own memory (lazy-loaded
+        modules); readable without a context, e.g. after ``CudaDriver.close()``."""
+        return node_bytes_in_use(self._node_tag, self.visible[int(ordinal)])
 
     def live(self) -> dict[str, int]:
         """What this process still holds in the emulated driver; all zero after a clean teardown."""

@@ -17,12 +17,13 @@ import functools
 import importlib
 import os
 import threading
+import weakref
 import zlib
 from typing import Any, Callable
 
 from . import kernels
 from .node import NodeSpec, host_of_process
-from .objects import Allocation, Mapping, MulticastRef
+from .objects import MEM_PREFIX, Allocation, Mapping, MulticastRef
 
 
 class UnknownCall(AttributeError):
@@ -31,6 +32,11 @@ class UnknownCall(AttributeError):
 
 class IllegalAccess(RuntimeError):
     """Host code touched emulated device memory it may not (the emulator's illegal address)."""
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        os.close(fd)
 
 
 class _Fail(Exception):
@@ -117,6 +123,10 @@ class EmulatorCore:
         self._maps: dict[int, Mapping] = {}
         self._modules: dict[int, dict[str, kernels.KernelSpec]] = {}
         self._functions: dict[int, tuple[int, kernels.KernelSpec]] = {}
+        #: (gpu, module kernels) -> memfd of the device memory its first launch took: freed by nothing
+        #: but the end of the process (here: of this instance, one process's view)
+        self._driver_memory: dict[tuple, int] = {}
+        weakref.finalize(self, _close_all, self._driver_memory)
 
     # -- module surface ---------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -219,8 +229,30 @@ class EmulatorCore:
         return any(base <= addr < base + size for base, size in self._reservations.items())
 
     def _clique_size(self) -> int:
-        """GPUs in one NVLink clique (a multicast team and fabric handles stay inside one)."""
-        return self.node.gpus // max(1, self.node.cliques)
+        """GPUs in one multicast pointer clique (a multicast team stays inside one); one host's
+        GPUs while the fabric is not formed."""
+        if not self.node.fabric_ready:
+            return self.node.gpus_per_host
+        return self.node.gpus // max(1, self.node.mc_cliques or self.node.cliques)
+
+    def _injected_multicast_failure(self, step: str, gpu: int | None = None) -> None:
+        """The node spec's ``mc_fail`` at ``step`` (on every GPU, or the one it names)."""
+        fail = self.node.mc_fail
+        if fail is None or fail[0] != step:
+            return
+        gpu = self._current_gpu() if gpu is None else gpu
+        if fail[2] is None or fail[2] == gpu:
+            raise _Fail(fail[1], f"injected by the node spec (mc_fail={step}:{fail[1]}) on GPU {gpu}")
+
+    def _take_driver_memory(self, key: tuple, gpu: int, nbytes: int, what: str) -> None:
+        """Device memory the driver takes for itself once per ``key`` (lazy-loaded module code) and
+        never returns: a memfd named like an allocation of ``gpu`` (so ``cuMemGetInfo`` counts it,
+        device-wide), held until the process exits, in no handle table (nothing can free it)."""
+        if not nbytes or key in self._driver_memory:
+            return
+        fd = os.memfd_create(f"{MEM_PREFIX}.n{self._node_tag}.g{gpu}.driver-{what}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)  # sparse: costs no host RAM
+        self._driver_memory[key] = fd
 
     # -- the seam: host code reading or writing emulated device memory ------------------------
     def check_host_access(self, addr: int, nbytes: int) -> None:

@@ -90,20 +90,25 @@ class DeviceCalls(EmulatorCore):
             raise _Fail("CUDA_ERROR_NOT_SUPPORTED", "this GPU is not part of a multi-node NVLink fabric")
         return gpu
 
+    def _clique_kinds(self) -> tuple:
+        # Hopper reports a unicast and a multicast pointer clique (NVML's fabric info v4 notes).
+        return (self._real.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER,
+                self._real.CUcliqueType.CU_CLIQUE_TYPE_MULTICAST_POINTER)
+
     @_api(1, context=False)
     def cuDeviceGetCliqueCount(self, dev):
         self._clique_call("cuDeviceGetCliqueCount", dev)
-        return 2  # Hopper/Blackwell report a unicast and a multicast pointer clique
+        return len(self._clique_kinds())
 
     @_api(2, context=False)
     def cuDeviceGetCliqueInfo(self, count, dev):
         gpu = self._clique_call("cuDeviceGetCliqueInfo", dev)
-        kinds = (self._real.CUcliqueType.CU_CLIQUE_TYPE_UNICAST_POINTER,
-                 self._real.CUcliqueType.CU_CLIQUE_TYPE_MULTICAST_POINTER)
+        ids = (self.node.clique_of_gpu(gpu), self.node.multicast_clique_of_gpu(gpu))
         out = []
-        for kind in kinds[:int(count)]:
+        for kind, clique in list(zip(self._clique_kinds(), ids))[:int(count)]:
             info = self._real.CUcliqueInfo()
-            info.type, info.id = kind, self.node.clique_of_gpu(gpu)
+            # Registering, or outside any fabric: the ids are not assigned yet (zero).
+            info.type, info.id = kind, clique if self.node.fabric_ready else 0
             out.append(info)
         return out, len(out)
 
@@ -113,6 +118,15 @@ class DeviceCalls(EmulatorCore):
         uuid = self._real.CUuuid()
         ctypes.memmove(uuid.getPtr(), self.node.cluster_uuid(), 16)
         return uuid
+
+    def gpu_fabric_state(self, dev) -> str:
+        """What NVML's ``nvmlDeviceGetGpuFabricInfoV`` reports as the GPU's fabric registration
+        state (the CUDA driver API has no such query; ``cuda_probe.fabric_state`` asks NVML on a
+        GPU and this on the emulator): ``COMPLETED``, ``IN_PROGRESS`` or ``NOT_SUPPORTED``."""
+        self._gpu(int(dev))
+        if not self.node.fabric_domain:
+            return "NOT_SUPPORTED"
+        return "IN_PROGRESS" if self.node.fabric_state == "registering" else "COMPLETED"
 
     # -- peer access, contexts ---------------------------------------------------------------------
     @_api(1, context=False)

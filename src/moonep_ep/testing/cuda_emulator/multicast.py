@@ -47,6 +47,7 @@ class MulticastCalls(EmulatorCore):
     @_api(1)
     def cuMulticastCreate(self, prop):
         self._check_mc_prop(prop)
+        self._injected_multicast_failure("create")
         if not (self.node.multicast and self._clique_size() > 1):
             raise _Fail("CUDA_ERROR_NOT_SUPPORTED", "this node has no NVLink multicast (NVSwitch + Fabric Manager)")
         size, types = int(prop.size), int(prop.handleTypes)
@@ -63,9 +64,11 @@ class MulticastCalls(EmulatorCore):
     @_api(0)
     def cuMulticastAddDevice(self, mc_handle, dev):
         mc = self._obj(mc_handle, MulticastRef)
+        gpu = self._gpu(dev)
+        self._injected_multicast_failure("add", gpu)
         team = mc.table.header()["team"]
-        if team and self.node.clique_of_gpu(team[0]) != self.node.clique_of_gpu(self._gpu(dev)):
-            raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"GPU {self._gpu(dev)} is not in the NVLink clique of the "
+        if team and not self._same_multicast_clique(team[0], gpu):
+            raise _Fail("CUDA_ERROR_INVALID_DEVICE", f"GPU {gpu} is not in the multicast clique of the "
                                                      f"team's GPU {team[0]}: a multicast team stays in one clique")
         why = mc.table.add_device(self._gpu(dev))
         if why:
@@ -78,6 +81,7 @@ class MulticastCalls(EmulatorCore):
         mc_offset, mem_offset, size = int(mc_offset), int(mem_offset), int(size)
         if int(flags) != 0 or size <= 0:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", "size > 0 and flags 0 expected")
+        self._injected_multicast_failure("bind", alloc.gpu)
         mc_min = self.node.profile.mc_min
         self._aligned("mcOffset", mc_offset, mc_min)
         self._aligned("size", size, mc_min)
@@ -112,6 +116,12 @@ class MulticastCalls(EmulatorCore):
         alloc.binds -= 1
         mc.binds -= 1
         self._maybe_free(mc)
+
+    def _same_multicast_clique(self, a: int, b: int) -> bool:
+        node = self.node
+        if not node.fabric_ready and node.host_of_gpu(a) != node.host_of_gpu(b):
+            return False  # no fabric formed: a team cannot span hosts
+        return node.multicast_clique_of_gpu(a) == node.multicast_clique_of_gpu(b)
 
     # -- kernels ------------------------------------------------------------------------------------
     @_api(1)
@@ -151,6 +161,9 @@ class MulticastCalls(EmulatorCore):
         if int(shared_bytes) != 0 or extra not in (None, 0):
             raise kernels.UnsupportedKernel(f"{spec.name} is launched without shared memory or extra options")
         dst, src, vectors = kernels.launch_arguments(spec, kernel_params)
+        # Lazy loading: the module's code lands in device memory at its first launch, and stays.
+        self._take_driver_memory((self._current_gpu(), spec.name), self._current_gpu(), self.node.lazy_load,
+                                 f"module-{spec.name}")
         try:
             self._multimem_store(dst, src, vectors * 16)
         except _Fail as fault:

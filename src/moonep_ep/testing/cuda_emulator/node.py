@@ -17,6 +17,31 @@ IMEX says), ``p2p=0|1`` (peer access between GPUs), ``node=<name>`` (seeds the
 GPU UUIDs), and granularity overrides
 ``fd_min, fd_rec, fabric_min, fabric_rec, mc_min, mc_rec`` (bytes, K/M/GiB).
 
+What a real driver does that a kinder fake would hide:
+
+* ``lazy=<bytes>`` (default 2MiB, ``0`` off): CUDA loads a module's kernels
+  into device memory at their first launch (lazy loading, the default since
+  CUDA 12.2); the emulator takes that many bytes of the GPU's memory at the
+  first launch of each module in a process, shows them in ``cuMemGetInfo``
+  and never frees them (not at ``cuModuleUnload``, not at context release:
+  the driver keeps its code pools; stricter than a driver that might return
+  them). The figure is stated, not measured: one 2 MiB page, the smallest
+  device allocation unit; what matters is that it is not zero.
+* ``fabric_state=completed|registering|outside`` (default ``completed``):
+  what NVML's GPU fabric info reports (``nvmlDeviceGetGpuFabricInfoV``:
+  state, cluster UUID, clique ids). ``registering``: the Fabric Manager has
+  not finished registering the GPU -- state not COMPLETED, cluster UUID and
+  clique ids all zero; ``outside``: a GPU outside any NVLink fabric -- state
+  COMPLETED, but a zero cluster UUID and clique id. In both, the clique calls
+  answer (zero UUID, clique 0) and FABRIC handles do not cross hosts.
+* ``mc_cliques=<c>``: hosts split into ``c`` multicast pointer cliques (default:
+  as ``cliques``); a multicast team stays inside one.
+* ``mc_fail=<step>:<CODE>[@<gpu>]``: every multicast call of ``step``
+  (``create``, ``export``, ``import``, ``add``, ``bind``, ``map``) fails with
+  ``CUDA_ERROR_<CODE>`` (e.g. ``bind:MULTICAST_RESOURCE_FULL``), on every GPU or
+  only on domain GPU ``gpu`` -- what a GPU whose Fabric Manager ran out of
+  multicast resources, stalled or restarted returns.
+
 A multi-host NVLink domain: ``<profile>x<gpus>`` counts every GPU of the
 domain (at most 72, at most 16 per host), ``hosts=<n>`` splits them evenly
 over ``n`` hosts, ``cliques=<c>`` splits the hosts evenly (in order) into
@@ -85,6 +110,10 @@ CLIQUE_ID_BASE = 0x7FFE
 CLIQUE_CALLS_CUDA_VERSION = 13040
 
 IMEX_MODES = ("none", "channel", "domain")
+FABRIC_STATES = ("completed", "registering", "outside")
+MC_STEPS = ("create", "export", "import", "add", "bind", "map")
+#: Device memory a module's first launch takes (``lazy=``; stated, see the module docstring).
+LAZY_LOAD_BYTES = 2 * MiB
 _GRAN_KEYS = ("fd_min", "fd_rec", "fabric_min", "fabric_rec", "mc_min", "mc_rec")
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 
@@ -117,6 +146,12 @@ class NodeSpec:
     #: NVLink cliques the hosts are split into; 0: a single host with no fabric clique reported.
     cliques: int = 0
     hostnames: tuple[str, ...] = ()
+    lazy_load: int = LAZY_LOAD_BYTES
+    fabric_state: str = "completed"
+    #: multicast pointer cliques the hosts are split into; 0: as ``cliques``
+    mc_cliques: int = 0
+    #: (step, CUresult name, domain GPU or None for every GPU) of an injected multicast failure
+    mc_fail: tuple[str, str, int | None] | None = None
 
     @classmethod
     def parse(cls, text: str | None) -> "NodeSpec":
@@ -160,9 +195,22 @@ class NodeSpec:
                 fields["hostnames"] = names
             elif key in _GRAN_KEYS:
                 grans[key] = _size(key, value)
+            elif key == "lazy":
+                fields["lazy_load"] = 0 if value == "0" else _size(key, value, power_of_two=False)
+            elif key == "fabric_state":
+                if value not in FABRIC_STATES:
+                    raise NodeSpecError(f"fabric_state={value!r}: use one of {', '.join(FABRIC_STATES)}")
+                fields["fabric_state"] = value
+            elif key == "mc_cliques":
+                if not value.isdigit() or int(value) < 1:
+                    raise NodeSpecError(f"{key}={value!r}: give a positive integer")
+                fields["mc_cliques"] = int(value)
+            elif key == "mc_fail":
+                fields["mc_fail"] = _mc_fail(value)
             else:
                 raise NodeSpecError(f"node spec key {key!r}: use profile, gpus, imex, cuda, multicast, fabric, p2p, node, "
-                                    f"hosts, cliques, hostnames or one of {', '.join(_GRAN_KEYS)}")
+                                    f"hosts, cliques, hostnames, lazy, fabric_state, mc_cliques, mc_fail or one of "
+                                    f"{', '.join(_GRAN_KEYS)}")
         if grans:
             fields["profile"] = dataclasses.replace(fields.get("profile", PROFILES["H100"]), **grans)
         spec = cls(**fields)
@@ -182,6 +230,11 @@ class NodeSpec:
         if self.cliques and self.hosts % self.cliques:
             raise NodeSpecError(f"cliques={self.cliques} does not divide {self.hosts} hosts. Fix: a clique count "
                                 "that divides the host count")
+        if self.mc_cliques and self.hosts % self.mc_cliques:
+            raise NodeSpecError(f"mc_cliques={self.mc_cliques} does not divide {self.hosts} hosts. Fix: a multicast "
+                                "clique count that divides the host count")
+        if self.mc_fail and self.mc_fail[2] is not None and not 0 <= self.mc_fail[2] < self.gpus:
+            raise NodeSpecError(f"mc_fail names GPU {self.mc_fail[2]}; the domain has GPUs 0..{self.gpus - 1}")
         if self.hostnames and len(self.hostnames) != self.hosts:
             raise NodeSpecError(f"hostnames names {len(self.hostnames)} hosts, hosts={self.hosts}. Fix: one name "
                                 "per host")
@@ -193,8 +246,9 @@ class NodeSpec:
 
     @property
     def fabric_domain(self) -> bool:
-        """Whether the GPUs report fabric cliques (a multi-host domain, or ``cliques=`` given)."""
-        return self.hosts > 1 or self.cliques > 0
+        """Whether the GPUs report fabric cliques (a multi-host domain, ``cliques=`` given, or a
+        ``fabric_state`` other than the default: the clique calls answer, with zeros)."""
+        return self.hosts > 1 or self.cliques > 0 or not self.fabric_ready
 
     def host_name(self, host: int) -> str:
         return self.hostnames[host] if self.hostnames else f"{self.node}-host{host}"
@@ -212,8 +266,22 @@ class NodeSpec:
         hosts_per_clique = self.hosts // max(1, self.cliques)
         return CLIQUE_ID_BASE + self.host_of_gpu(gpu) // hosts_per_clique
 
+    def multicast_clique_of_gpu(self, gpu: int) -> int:
+        """Multicast pointer clique id of domain GPU ``gpu`` (``mc_cliques``, else as the unicast cliques)."""
+        if not self.mc_cliques:
+            return self.clique_of_gpu(gpu)
+        return CLIQUE_ID_BASE + self.host_of_gpu(gpu) // (self.hosts // self.mc_cliques)
+
+    @property
+    def fabric_ready(self) -> bool:
+        """The Fabric Manager registered every GPU into one cluster (``fabric_state=completed``)."""
+        return self.fabric_state == "completed"
+
     def cluster_uuid(self) -> bytes:
-        """16 bytes: the fabric cluster UUID every GPU of the domain reports."""
+        """16 bytes: the fabric cluster UUID every GPU of the domain reports (zero while the fabric is
+        registering and outside any fabric, as NVML reports it then)."""
+        if not self.fabric_ready:
+            return bytes(16)
         return uuid.uuid5(uuid.NAMESPACE_URL, f"moonep-ep-cuda-emulator/{self.node}/cluster").bytes
 
     def resolve_host(self, text: str) -> int:
@@ -287,11 +355,19 @@ def _profile(name: str) -> GpuProfile:
         raise NodeSpecError(f"GPU profile {name!r}: use one of {', '.join(PROFILES)}") from None
 
 
-def _size(key: str, text: str) -> int:
+def _mc_fail(text: str) -> tuple[str, str, int | None]:
+    m = re.fullmatch(r"(\w+):(?:CUDA_ERROR_)?([A-Z_]+)(?:@(\d+))?", text.strip())
+    if not m or m.group(1) not in MC_STEPS:
+        raise NodeSpecError(f"mc_fail={text!r}: give <step>:<CODE>[@<gpu>] with step one of {', '.join(MC_STEPS)}, "
+                            "e.g. bind:MULTICAST_RESOURCE_FULL")
+    return m.group(1), f"CUDA_ERROR_{m.group(2)}", None if m.group(3) is None else int(m.group(3))
+
+
+def _size(key: str, text: str, power_of_two: bool = True) -> int:
     m = re.fullmatch(r"(\d+)\s*([A-Za-z]*)", text.strip())
     if not m or m.group(2).lower() not in _UNITS:
         raise NodeSpecError(f"{key}={text!r}: give bytes, optionally with K/M/G (binary), e.g. 4MiB")
     value = int(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0 or value & (value - 1):
+    if value <= 0 or (power_of_two and value & (value - 1)):
         raise NodeSpecError(f"{key}={text!r}: granularities are powers of two")
     return value

@@ -52,7 +52,12 @@ class MemoryCalls(EmulatorCore):
                         "never crosses hosts (FABRIC handles inside one NVLink clique do)")
 
     def _check_same_clique(self, gpu: int, what: str) -> None:
-        mine = self.node.clique_of_gpu(self._current_gpu())
+        me = self._current_gpu()
+        if not self.node.fabric_ready and self.node.host_of_gpu(gpu) != self.node.host_of_gpu(me):
+            raise _Fail("CUDA_ERROR_INVALID_HANDLE", f"{what} of GPU {gpu} lives on host "
+                        f"{self.node.host_name(self.node.host_of_gpu(gpu))!r} and the NVLink fabric is not formed "
+                        f"(fabric_state={self.node.fabric_state}): fabric handles do not cross hosts")
+        mine = self.node.clique_of_gpu(me)
         theirs = self.node.clique_of_gpu(gpu)
         if mine != theirs:
             raise _Fail("CUDA_ERROR_INVALID_HANDLE", f"{what} of GPU {gpu} (host "
@@ -130,6 +135,8 @@ class MemoryCalls(EmulatorCore):
         if not obj.handle_types & ht:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", f"handle type {ht} was not requested when the object was "
                                                     f"created (requested: {obj.handle_types})")
+        if isinstance(obj, MulticastRef):
+            self._injected_multicast_failure("export")
         fd = obj.fd if isinstance(obj, Allocation) else obj.table.fd
         if ht == self._ht("POSIX_FILE_DESCRIPTOR"):
             return os.dup(fd)  # a new fd the caller owns; it keeps the object alive like the driver's
@@ -184,6 +191,7 @@ class MemoryCalls(EmulatorCore):
         if inode in self._mcs:
             return self._new_handle(self._mcs[inode])
         if Table.is_table(fd):
+            self._injected_multicast_failure("import")
             table = Table(os.dup(fd))
             head = table.header()
             if not head["creator_alive"]:
@@ -240,6 +248,7 @@ class MemoryCalls(EmulatorCore):
         if offset + size > obj.size:
             raise _Fail("CUDA_ERROR_INVALID_VALUE", f"offset {offset} + size {size} exceed the object's {obj.size} bytes")
         if isinstance(obj, MulticastRef):
+            self._injected_multicast_failure("map")
             head = obj.table.header()
             if offset != 0:
                 raise _Fail("CUDA_ERROR_INVALID_VALUE", "a multicast object maps from offset 0")

@@ -51,9 +51,10 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
     with make_driver(driver_name, rank=ctx.rank, **kwargs) as driver:
         projs = store_projections(fmt, hidden, inter)
         cuda = driver.name != "host"
-        if cuda:  # the group's communicator and the allocator's first segment, before the window
+        if cuda:  # the group's communicator, the allocator's first segment, kernels and page tables, before the window
             warm = GroupComm()
             warm.barrier("footprint: warm up the group")
+            _warm_up_device(driver)
             warm.barrier("footprint: warmed up")
             device_before = _device_used(driver)
         before = driver_holdings(driver, ctx.rank).bytes_held
@@ -113,6 +114,36 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
             }
         finally:
             store.close()
+
+
+def _warm_up_device(driver: Any) -> None:
+    """What the store's construction does first, once, on a scratch page: CUDA loads a kernel into
+    device memory at its first launch (lazy loading) and grows page tables at the first mappings;
+    neither is freed and ``cuMemGetInfo`` counts both. So: zero_() and fill_() a device tensor (the
+    kernels the store launches) and one create/reserve/map/unmap/free/release cycle."""
+    from ..memory.driver import HandleType
+
+    scratch = torch.empty(4096, dtype=torch.uint8, device=driver.torch_device)
+    scratch.zero_()
+    scratch.fill_(1)
+    del scratch
+    gran = driver.granularity(HandleType.POSIX_FD)
+    handle = driver.create(gran, HandleType.POSIX_FD, tag="warm-up")
+    try:
+        base = driver.reserve(gran, gran)
+        try:
+            driver.map(base, gran, handle, 0)
+            try:
+                driver.set_access(base, gran)
+            finally:
+                driver.unmap(base, gran)
+        finally:
+            driver.free_reservation(base, gran)
+    finally:
+        driver.release(handle)
+    if not getattr(driver, "emulated", False):
+        torch.cuda.empty_cache()
+    driver.synchronize()
 
 
 def _device_used(driver: Any) -> int:

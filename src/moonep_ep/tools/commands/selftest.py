@@ -115,8 +115,22 @@ def _inject_leak(driver, kind: str, gran: int) -> None:
         driver.map(base, gran, handle, 0)
 
 
+def _warm_up(ctx: Any, driver) -> str:
+    """Before a device-wide reading (``cuMemGetInfo``): CUDA loads a kernel into device memory at
+    its first launch (lazy loading, the default since 12.2) and grows page tables at the first
+    mappings; neither is freed, and both count. One cycle on a one-page chunk launches every kernel
+    the measured cycles launch and maps and unmaps once."""
+    _one_cycle(ctx, driver, driver.granularity())
+    gc.collect()
+    if not getattr(driver, "emulated", False):
+        torch.cuda.empty_cache()  # the warm-up's temporaries, cached by torch, are not ours
+    driver.synchronize()
+    return ("one selftest cycle on a one-page chunk: the pattern/copy/compare kernels (torch), the multimem "
+            "store when multicast is used, one create/map/unmap/release")
+
+
 def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
-                  inject_leak: str | None = None) -> dict[str, Any]:
+                  inject_leak: str | None = None, skip_warm_up: bool = False) -> dict[str, Any]:
     """Run ``cycles`` full allocate/verify/teardown cycles; report the first cycle and leaks."""
     driver = make_driver(driver_name, rank=ctx.rank)
     comm = GroupComm()
@@ -128,6 +142,11 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
     held_before = driver_holdings(driver, ctx.rank)
     own_context = int(getattr(driver, "holds_context", lambda: False)())  # released by close() below
     live_before = driver.live_objects()
+    # Device-wide figures are read after a warm-up; objects (above) before it, so the warm-up's
+    # driver-owned objects (the multimem module, unloaded at close) are not counted as freed.
+    warm_up = _warm_up(ctx, driver) if driver.name == "cuda" and not skip_warm_up else None
+    comm.barrier("selftest: every rank warmed up")
+    device_before = driver_holdings(driver, ctx.rank)
     first = None
     rss_baseline = None
     # RSS is compared from the end of a warm-up: allocator arenas and torch/gloo
@@ -187,7 +206,10 @@ def selftest_rank(ctx: Any, driver_name: str, chunk_bytes: int, cycles: int = 1,
         "leaked_fds": held_after.handles - held_before.handles if measured else None,
         "leaked_mappings": held_after.mappings - held_before.mappings if measured else None,
         "leaked_below_library": {k: v for k, v in below.items() if v},
-        "leaked_device_bytes": held_after.bytes_held - held_before.bytes_held,
+        "leaked_device_bytes": held_after.bytes_held - device_before.bytes_held,
+        "device_wide_drift_bytes": (None if held_after.device_used is None
+                                    else held_after.device_used - device_before.device_used),
+        "warm_up": warm_up,
         "leak_measure": held_after.how,
         "leaked_driver_objects": leaked_driver,
         "rss_growth_bytes": rss_end - rss_baseline if cycles > warmup else None,
