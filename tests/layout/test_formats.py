@@ -52,7 +52,19 @@ def test_vllm_names_shapes_and_dtypes():
 
 
 def test_fp8_block_scales_round_up_unaligned_dims():
-    # I = 1408 (DeepSeek-V2-Lite-like): ceil(1408/128) = 11 blocks per half of w13.
+    # vLLM's Fp8MoEMethod (block-quantized): w13_weight_scale_inv [2 * ceil(I/128), ceil(H/128)],
+    # w2_weight_scale_inv [ceil(H/128), ceil(I/128)], each half of w13 (gate, up) rounded up on its own.
+    # I = 1344 = 10.5 * 128: 11 blocks per half, 22 rows for w13 (ceil(2I/128) would give 21; rounding
+    # down 10 and 20).
+    by = {p.name: p for p in expert_projections("fp8-block", 2048, 1344)}
+    assert by["w13_weight_scale_inv"].shape == (22, 16) and by["w2_weight_scale_inv"].shape == (16, 11)
+    # H = 2112 = 16.5 * 128 rounds up too: 17 column blocks of w13, 17 row blocks of w2.
+    by = {p.name: p for p in expert_projections("fp8-block", 2112, 1344)}
+    assert by["w13_weight_scale_inv"].shape == (22, 17) and by["w2_weight_scale_inv"].shape == (17, 11)
+    assert by["w13_weight_scale_inv"].row_bytes == 22 * 17 * 4 and by["w2_weight_scale_inv"].row_bytes == 17 * 11 * 4
+    split = {p.name: p.shape for p in expert_projections("fp8-block", 2112, 1344, split_w13=True)}
+    assert split["gate_scale"] == split["up_scale"] == (11, 17) and split["down_scale"] == (17, 11)
+    # Aligned dims (I = 1408 = 11 * 128) need no rounding: the same counts.
     by = {p.name: p for p in expert_projections("fp8-block", 2048, 1408)}
     assert by["w13_weight_scale_inv"].shape == (22, 16) and by["w2_weight_scale_inv"].shape == (16, 11)
 

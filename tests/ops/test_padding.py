@@ -40,14 +40,24 @@ def test_a_fill_that_serves_real_tokens_is_not_padding():
 
 
 def test_padding_split_across_destinations_keeps_the_real_entries_first():
-    # Source 0: 3 real tokens to expert 0 (one entry each... K=2: token t -> (0, 1)), 5 padding tokens.
-    plan = _plan([[13, 3, 0, 0], [0, 0, 8, 8]])
-    pads = padding_entries(plan, [3, 8])
-    real = real_entries(plan, pads)
-    assert int(real[0].sum()) == 13 - 10 and (real >= 0).all()
-    # Every destination's expert-0 real entries come from the first 3 entries of the source's list.
-    counts = plan.route_count[0, 0].tolist()
-    assert real[0].tolist() == [min(3, counts[0]), max(0, 3 - counts[0])]
+    # Owner 0's group (experts 0, 1) holds 32 entries for a capacity of S*K = 16: the planner keeps 8 of
+    # source 0's 14 expert-0 entries on rank 0 and moves the other 6 to rank 1, so source 0's list is
+    # split across both destinations (rank 0 takes the first 8 of the list, rank 1 the next 6).
+    plan = _plan([[14, 2, 0, 0], [10, 6, 0, 0]])
+    assert plan.route_count[0, 0].tolist() == [8, 6] and plan.route_count[1, 0].tolist() == [0, 10]
+    # Source 0 has 2 real tokens (6 padding tokens: 12 entries at the end of its expert-0 list): its 2
+    # real expert-0 entries are the first of the list, so both land on rank 0; source 1 pads nothing.
+    pads = padding_entries(plan, [2, 8])
+    assert pads == [12, 0]
+    assert real_entries(plan, pads).tolist() == [[2, 10], [8, 0], [0, 0], [0, 0]]
+    # Source 0 with 6 real tokens (4 padding tokens, 8 entries): 10 real entries of expert 0, rank 0 takes
+    # 8 of them and rank 1 the other 2 (destinations in descending rank would give rank 1 all 6 of its
+    # share: [4, 16]).
+    real = real_entries(plan, padding_entries(plan, [6, 8]))
+    assert real[0].tolist() == [8, 12]
+    # The fill on rank 1 of expert 0 computes 16 entries, 12 of them real.
+    assert [(f.expert, f.owner, f.entries, f.real_entries) for f in classify_slot_fills(plan, 1, real)] == \
+        [(0, 0, 16, 12)]
 
 
 def test_replan_without_padding_shows_which_fills_padding_caused():
