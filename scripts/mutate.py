@@ -41,7 +41,7 @@ SCRATCH = ROOT / "build" / "mutate"
 #         a function of the module the canary calls with no arguments' worth of work).
 MODULES: dict[str, dict] = {
     "ops/decode_padding": {
-        "tests": ["tests/vllm/test_padding_decisions.py", "tests/ops/test_decode_padding.py"],
+        "tests": ["tests/vllm/test_padding_decisions.py"],
         "canary": "group_padding",
     },
     "ops/padding": {
@@ -70,18 +70,18 @@ MODULES: dict[str, dict] = {
         "canary": None,
     },
     "vllm/loading": {   # the reload precheck only
-        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_reload_precheck.py"],
+        "tests": ["tests/vllm/test_quantized_schemes.py"],
         "functions": ["precheck_reload", "_checkpoint_problems", "_format_problems",
                       "_expected_checkpoint_tensors", "_expert_checkpoint_modules", "_expert_tensor_of",
                       "_torch_dtype_name"],
         "canary": None,
     },
     "memory/domain": {
-        "tests": ["tests/memory/test_cuda_domain.py"],
+        "tests": ["tests/memory/test_domain_vote.py", "tests/memory/test_cuda_domain.py"],
         "canary": None,
     },
     "memory/exchange": {   # the vote only
-        "tests": ["tests/memory/test_cuda_domain.py"],
+        "tests": ["tests/memory/test_domain_vote.py", "tests/memory/test_cuda_domain.py"],
         "functions": ["local_vote", "vote"],
         "canary": None,
     },
@@ -129,12 +129,31 @@ def _prepare(key: str) -> tuple[Path, dict]:
     shutil.copytree(ROOT / "src", work / "src", ignore=ignore)
     shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
     (work / "pyproject.toml").write_text(_pyproject(spec, f"src/moonep_ep/{key}.py"))
+    # PYTHONPATH names mutants/ and mutants/src before mutmut creates them: a directory missing at start-up
+    # would be cached by the import system as having no modules (sys.path_importer_cache) for the whole run.
+    (work / "mutants" / "src").mkdir(parents=True)
     return work, spec
+
+
+def _mutmut_only(work: Path) -> Path:
+    """A directory holding mutmut alone (links): the mutated module imports mutmut's trampoline, and the
+    vLLM environments have no mutmut; adding this venv's whole site-packages there would mix torch builds."""
+    import mutmut
+
+    pkg = Path(mutmut.__file__).resolve().parent
+    only = work / "mutmut_only"
+    only.mkdir(exist_ok=True)
+    for entry in [pkg, *pkg.parent.glob("mutmut-*.dist-info")]:
+        link = only / entry.name
+        if not link.exists():
+            link.symlink_to(entry)
+    return only
 
 
 def _env(work: Path) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants")])
+    env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants"),
+                                         str(_mutmut_only(work))])
     env.pop("MUTANT_UNDER_TEST", None)
     return env
 
@@ -148,10 +167,8 @@ def _canary(key: str, work: Path, spec: dict) -> None:
         py = ROOT / venv / "bin" / "python"
         if py.exists() and any("tests/vllm/" in t for t in spec["tests"]):
             interpreters.append(str(py))
-    mutmut_dir = str(Path(__import__("mutmut").__file__).resolve().parents[1])
     for py in interpreters:
-        # the vLLM environments have no mutmut; the trampoline imports it, so its directory goes last
-        canary_env = env | {"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + mutmut_dir}
+        canary_env = env
         code = (f"import {module} as m, sys; f = m.__file__; "
                 f"assert f.startswith({str(work / 'mutants')!r}), f; "
                 "names = [n for n, v in vars(m).items() if callable(v) and n.startswith('x_') is False "

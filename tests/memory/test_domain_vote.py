@@ -1,0 +1,105 @@
+"""The pure decisions of a group's set-up: the NVLink-domain check (memory/domain.py) and the handle vote
+(memory/exchange.py), each against hand-worked expected values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from moonep_ep.errors import ConfigError
+from moonep_ep.memory.domain import check_domain, placement, refusal
+from moonep_ep.memory.driver import HandleType
+from moonep_ep.memory.exchange import vote
+
+
+def _peer(host: str, clique: str = "", *, fd: bool = True, fabric: bool = True, multicast: bool = True,
+          device: str | None = None, driver: str = "cuda", prefs: tuple = (None, None)) -> dict[str, Any]:
+    return {"host": host, "clique": clique, "fd": fd, "fabric": fabric, "multicast": multicast,
+            "device": device or f"GPU-{host}-{clique}", "driver": driver, "prefs": prefs}
+
+
+def test_placement_groups_ranks_by_host_and_clique_in_spans():
+    peers = [_peer("a", "X"), _peer("a", "X"), _peer("a", "X"), _peer("b", "Y"), _peer("a", "X"), _peer("b", "")]
+    assert placement(peers) == ("rank(s) 0-2,4 on host a (clique X); rank(s) 3 on host b (clique Y); "
+                                "rank(s) 5 on host b (clique unknown)")
+    # More than 12 groups: the first 12 and a count.
+    many = [_peer(f"h{r}", "c") for r in range(14)]
+    assert placement(many).endswith("rank(s) 11 on host h11 (clique c); ... 2 more group(s)")
+    assert placement(many).count("on host") == 12
+
+
+def test_one_host_needs_no_clique_and_several_hosts_need_one():
+    # One host: never refused, never a trial, whatever the cliques say.
+    assert check_domain([_peer("a", "X"), _peer("a", "Y")], 0) is False
+    assert check_domain([_peer("a", "")], 0) is False
+    # Two hosts, one clique reported by all: no trial. One clique with an unknown rank: the trial decides.
+    assert check_domain([_peer("a", "X"), _peer("b", "X")], 0) is False
+    assert check_domain([_peer("a", "X"), _peer("b", "")], 1) is True
+    assert check_domain([_peer("a", ""), _peer("b", "")], 1) is True
+    with pytest.raises(ConfigError) as info:
+        check_domain([_peer("a", "X"), _peer("b", "Y")], 1)
+    assert str(info.value).startswith("[rank 1] ranks on several hosts are not all in one NVLink clique")
+    assert "rank(s) 0 on host a (clique X); rank(s) 1 on host b (clique Y)" in str(info.value)
+
+
+def test_a_failed_fabric_trial_names_the_first_failing_rank():
+    peers = [_peer("a"), _peer("b"), _peer("c")]
+    err = refusal(peers, {2: "CUDA_ERROR_INVALID_HANDLE\nmore", 1: "boom"}, 0)
+    msg = str(err)
+    assert msg.startswith("[rank 0] ranks on several hosts could not share fabric memory")
+    assert "the trial failed on rank(s) [1, 2], e.g. rank 1: boom." in msg
+
+
+@pytest.mark.parametrize("hosts, fd, fabric, expect, fallback, verify", [
+    # auto on one host, every rank fabric and fd: fabric with a collective fall-back to fds.
+    (["a", "a"], [True, True], [True, True], HandleType.FABRIC, HandleType.POSIX_FD, False),
+    # one rank without fabric on one host: fds, no fall-back.
+    (["a", "a"], [True, True], [True, False], HandleType.POSIX_FD, None, False),
+    # two hosts, cliques unknown: fabric, proven by a trial.
+    (["a", "b"], [True, True], [True, True], HandleType.FABRIC, None, True),
+])
+def test_the_auto_vote(hosts, fd, fabric, expect, fallback, verify):
+    peers = [_peer(h, fd=f, fabric=fb, device=f"GPU-{i}") for i, (h, f, fb) in enumerate(zip(hosts, fd, fabric))]
+    d = vote(peers, 0)
+    assert (d.handle_type, d.fallback, d.verify_domain, d.multicast) == (expect, fallback, verify, True)
+
+
+def test_the_vote_refuses_what_no_rank_can_honour_on_every_rank():
+    with pytest.raises(ConfigError, match=r"^\[rank 1\] FABRIC handles needed \(ranks span several hosts\) "
+                                          r"but rank\(s\) \[1\] lack fabric support"):
+        vote([_peer("a", "X"), _peer("b", "X", fabric=False)], 1)
+    forced = ("fabric", None)
+    with pytest.raises(ConfigError, match=r"forced by MOONEP_EP_HANDLE_TYPE=fabric\) but rank\(s\) \[0\]"):
+        vote([_peer("a", fabric=False, prefs=forced), _peer("a", prefs=forced)], 0)
+    with pytest.raises(ConfigError, match=r"^\[rank 0\] rank\(s\) \[1\] cannot export POSIX fds"):
+        vote([_peer("a", fabric=False), _peer("a", fd=False, fabric=False)], 0)
+    fd = ("fd", None)
+    with pytest.raises(ConfigError, match=r"POSIX fds cannot cross hosts \(\['a', 'b'\]\)"):
+        vote([_peer("a", prefs=fd), _peer("b", prefs=fd)], 0)
+    with pytest.raises(ConfigError, match="ranks disagree on MOONEP_EP_HANDLE_TYPE"):
+        vote([_peer("a", prefs=fd), _peer("a", prefs=(None, None))], 0)
+    d = vote([_peer("a", prefs=fd, device="g0"), _peer("a", prefs=fd, device="g1")], 0)
+    assert (d.handle_type, d.reason, d.fallback) == (HandleType.POSIX_FD, "forced", None)
+    d = vote([_peer("a", prefs=forced, device="g0"), _peer("a", prefs=forced, device="g1")], 0)
+    assert (d.handle_type, d.reason, d.fallback) == (HandleType.FABRIC, "forced", None)
+
+
+def test_multicast_needs_every_rank_and_one_gpu_per_rank():
+    two = [_peer("a", device="g0"), _peer("a", device="g1")]
+    d = vote(two, 0)
+    assert d.multicast is True and d.reason == "all ranks support fabric"
+    assert vote(two, 0, want_multicast=False).reason == "all ranks support fabric; multicast off"
+    lacking = [_peer("a", device="g0"), _peer("a", device="g1", multicast=False)]
+    d = vote(lacking, 0)
+    assert d.multicast is False and d.reason == "all ranks support fabric; multicast off (rank(s) [1] lack it)"
+    # Two ranks on one GPU (same UUID on one host) cannot form a multicast team; on the host driver they may.
+    shared = [_peer("a", device="g0"), _peer("a", device="g0"), _peer("a", device="g1")]
+    assert vote(shared, 0).reason == "all ranks support fabric; multicast off (rank(s) [0, 1] lack it)"
+    host = [_peer("a", device="g0", driver="host"), _peer("a", device="g0", driver="host")]
+    assert vote(host, 0).multicast is True
+    on = (None, "on")
+    with pytest.raises(ConfigError, match=r"MOONEP_EP_MULTICAST=on but rank\(s\) \[1\] lack multicast"):
+        vote([_peer("a", device="g0", prefs=on), _peer("a", device="g1", multicast=False, prefs=on)], 0)
+    off = (None, "off")
+    assert vote([_peer("a", device="g0", prefs=off), _peer("a", device="g1", prefs=off)], 0).multicast is False
