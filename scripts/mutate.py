@@ -155,6 +155,7 @@ def _env(work: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants"),
                                          str(_mutmut_only(work))])
     env.pop("MUTANT_UNDER_TEST", None)
+    env.setdefault("OMP_NUM_THREADS", "1")   # mutants are forked from a process that ran torch: one thread each
     return env
 
 

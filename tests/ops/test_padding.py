@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,8 +27,14 @@ def test_a_fill_that_serves_only_padding_is_found():
     real = real_entries(plan, pads)
     assert real.sum(1).tolist() == [8, 8, 1, 1]          # the real entries of each expert, all accounted for
     fills = classify_slot_fills(plan, 1, real)
-    assert [(f.expert, f.owner, f.entries, f.real_entries, f.padding_only) for f in fills] == [(0, 0, 14, 0, True)]
+    assert [(f.slot, f.expert, f.owner, f.entries, f.real_entries, f.padding_only) for f in fills] == \
+        [(0, 0, 0, 14, 0, True)]
     assert classify_slot_fills(plan, 0, real) == []
+    # A used slot after an unused one is still reported, under its own slot index.
+    gap = dataclasses.replace(plan, experts_to_copy=torch.tensor([[-1, -1], [-1, 0]], dtype=torch.int32),
+                              copy_owner=torch.tensor([[-1, -1], [-1, 0]], dtype=torch.int32))
+    assert [(f.slot, f.expert, f.entries, f.real_entries) for f in classify_slot_fills(gap, 1, real)] == \
+        [(1, 0, 14, 0)]
 
 
 def test_a_fill_that_serves_real_tokens_is_not_padding():
@@ -61,10 +69,14 @@ def test_padding_split_across_destinations_keeps_the_real_entries_first():
 
 
 def test_replan_without_padding_shows_which_fills_padding_caused():
-    plan = _plan([[8, 8, 0, 0], [14, 0, 1, 1]])
+    plan = plan_dispatch(torch.tensor([[8, 8, 0, 0], [14, 0, 1, 1]]), S=S, K=K, E=E, R=R, B=1, token_padding=4)
     without = replan_without_padding(plan, padding_entries(plan, [8, 1]))
     assert without is not None and without.total_num_tokens == 9
-    assert int(without.tokens_per_expert[1, 0]) == 0
+    assert without.tokens_per_expert.tolist() == [[8, 8, 0, 0], [0, 0, 1, 1]]
+    assert (without.S, without.K, without.B, without.token_padding) == (S, K, 1, 4)   # the plan's own settings
+    with pytest.raises(ValueError, match="more padding entries than entries in the plan: the padding does not "
+                                         "match this plan"):
+        replan_without_padding(plan, [0, 15])
     # A source with no real token cannot be planned in MoonEP's varlen mode.
     assert replan_without_padding(_plan([[8, 8, 0, 0], [16, 0, 0, 0]]), [0, 16]) is None
 
@@ -73,7 +85,8 @@ def test_counts_that_do_not_fit_the_plan_are_refused():
     plan = _plan([[8, 8, 0, 0], [14, 0, 1, 1]])
     with pytest.raises(ValueError, match="one real-token count per source"):
         padding_entries(plan, [8])
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"source rank 0: 9 real tokens is outside \[0, S=8\]"):
         padding_entries(plan, [9, 1])
+    assert padding_entries(plan, [0, 8]) == [16, 0]     # a source with no real token: all S rows are padding
     with pytest.raises(ValueError, match="padding entries but only"):
         real_entries(plan, [0, 16])
