@@ -63,6 +63,9 @@ REFUSED = {
     "GPTQ": ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     "gpt-oss MXFP4": ({"quant_method": "mxfp4"}, "SwiGLU-OAI"),
     "FP8 blocks of 64": (_with(FP8_BLOCK, weight_block_size=[64, 64]), "[64, 64]"),
+    # Each block dimension is checked, not only the first (128 rows x 64 columns is not DeepGEMM's layout).
+    "FP8 blocks of 128x64": (_with(FP8_BLOCK, weight_block_size=[128, 64]), "weight_block_size [128, 64]"),
+    "FP8 blocks of 64x128": (_with(FP8_BLOCK, weight_block_size=[64, 128]), "weight_block_size [64, 128]"),
 }
 
 
