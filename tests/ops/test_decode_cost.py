@@ -78,10 +78,33 @@ def test_every_cost_override_replaces_its_input(monkeypatch):
     assert len(cm.overrides) == 4
     # floor(1e6 * 100e12 / (88,080,384 * 50e9)) + 1 = floor(22.7) + 1
     assert cm.rows_to_pay == 23
-    d = cm.describe()
-    assert (d["flop_rate_tflops"], d["link_gbps_per_direction"], d["hbm_gbps"], d["rows_to_pay"]) == (100, 50, 1000, 23)
+    assert cm.describe() == {"profile": "h200", "flop_rate_tflops": 100.0, "link_gbps_per_direction": 50.0,
+                             "hbm_gbps": 1000.0, "expert_bytes": 1_000_000, "flops_per_row": 88_080_384,
+                             "rows_to_pay": 23, "overrides": ["MOONEP_EP_COST_TFLOPS=100.0",
+                                                              "MOONEP_EP_COST_LINK_GBPS=50.0",
+                                                              "MOONEP_EP_COST_HBM_GBPS=1000.0",
+                                                              "MOONEP_EP_COST_EXPERT_BYTES=1000000"],
+                             "source": PROFILES["h200"].source}
+    assert cm.copy_seconds() == 1_000_000 / 50e9     # one expert by default
     with pytest.raises(ValueError, match="unknown GPU profile 'a100'"):
         cost_model(get_model("kimi-k2"), "bf16", "a100")
+
+
+@pytest.mark.parametrize("gpu, profile", [("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
+                                          ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                          ("NVIDIA A100-SXM4-80GB", "h200")])
+def test_auto_profile_follows_the_visible_gpus_name(gpu, profile, monkeypatch):
+    from moonep_ep.ops.decode_cost import detect_profile
+
+    monkeypatch.delenv("MOONEP_EP_GPU_PROFILE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    assert detect_profile() == profile                  # "gb200" is tried before its substring "b200"
+    monkeypatch.setenv("MOONEP_EP_GPU_PROFILE", "h100")
+    assert detect_profile() == "h100"                   # a chosen profile wins over the GPU's name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("MOONEP_EP_GPU_PROFILE", "auto")
+    assert detect_profile() == "h200"                   # no GPU: the default
 
 
 def test_k2_bf16_ep64_decode_moves_no_weights_with_the_fix():

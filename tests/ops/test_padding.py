@@ -74,8 +74,8 @@ def test_replan_without_padding_shows_which_fills_padding_caused():
     assert without is not None and without.total_num_tokens == 9
     assert without.tokens_per_expert.tolist() == [[8, 8, 0, 0], [0, 0, 1, 1]]
     assert (without.S, without.K, without.B, without.token_padding) == (S, K, 1, 4)   # the plan's own settings
-    with pytest.raises(ValueError, match="more padding entries than entries in the plan: the padding does not "
-                                         "match this plan"):
+    with pytest.raises(ValueError, match="^more padding entries than entries in the plan: the padding does not "
+                                         "match this plan$"):
         replan_without_padding(plan, [0, 15])
     # A source with no real token cannot be planned in MoonEP's varlen mode.
     assert replan_without_padding(_plan([[8, 8, 0, 0], [16, 0, 0, 0]]), [0, 16]) is None

@@ -172,8 +172,17 @@ def test_balanced_group_padding_fills_every_deficit_own_group_first():
         [[0] * 6, [8, 0, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]]
     with pytest.raises(ValueError, match="real load"):
         group_padding("balanced", n, None, S=S, K=K8, R=4)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="^the vllm policy pads one expert, not groups: use expert_padding$"):
+        group_padding("vllm", n, None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^padding policy 'even' is not one of \('vllm', 'own', 'balanced'\)$"):
+        group_padding("even", n, None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^need one real-token count per rank \(4\), got \[1, 2\]$"):
+        expert_padding("own", [1, 2], None, S=S, K=K8, E=16, R=4)
+    with pytest.raises(ValueError, match=r"^rank 0: 9 real tokens is outside \[0, S=8\]$"):
         group_padding("own", [9, 0, 0, 0], None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^rank 2: -1 real tokens is outside \[0, S=8\]$"):
+        group_padding("own", [8, 0, -1, 0], None, S=S, K=K8, R=4)
+    assert group_padding("own", [0, 8, 8, 8], None, S=S, K=K8, R=4)[0] == [64, 0, 0, 0]   # 0 and S are allowed
 
 
 def test_cost_model_doubles_the_capacity_instead_of_moving_experts(monkeypatch):
