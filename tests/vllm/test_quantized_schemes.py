@@ -224,3 +224,67 @@ def test_model_check_reads_the_module_names_from_the_index_or_the_safetensors_he
     assert checkpoint_module_names(str(single)) is None
     problems, _ = check_model_dir(str(single), ep_size=2, engine="vllm-cpu")
     assert any(p.key == "quantization_config" and "quantized attention" in p.message for p in problems)
+
+
+def test_the_reload_precheck_refuses_on_every_rank_with_the_first_problem_and_the_count(tmp_path):
+    import contextlib
+    import types
+
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.loading import MODEL_STORES_ATTR, precheck_reload
+    from tests.support.reload_precheck import served, write
+
+    class Step:
+        gathered: list = []
+
+        def share(self, problems):   # two ranks read the same headers
+            self.gathered = [problems, list(problems)]
+
+    class Comm:
+        @contextlib.contextmanager
+        def step(self, what):
+            assert what == "check the reload checkpoint's expert shapes"
+            yield Step()
+
+    model, store = served("fp8-block")
+    store.comm, store.rank = Comm(), 1
+    setattr(model, MODEL_STORES_ATTR, [store])
+    other = write(str(tmp_path), "fp8-block", intermediate=128)
+    with pytest.raises(ConfigError) as info:
+        precheck_reload(model, other)
+    # 2 experts x (gate, up, down) x (weight, weight_scale_inv) differ at I = 128; sorted, ':' before '_'.
+    assert str(info.value) == (
+        "[rank 1] reload refused before any weight was read, on every EP rank: the checkpoint's routed experts do "
+        "not match the served model (model.layers.1.mlp.experts.0.down_proj.weight: shape (256, 128), served "
+        "(256, 256); 12 tensor(s) differ); the current weights still serve: got " + repr(other) + ". Fix: reload "
+        "a checkpoint of the same architecture, expert format and dtype (a model of another shape needs a new "
+        "engine)")
+    # Controls: the same shapes pass; no stores, no path, a path that is not a directory or holds no
+    # safetensors file: nothing to check here (the loader's own per-tensor checks apply).
+    precheck_reload(model, write(str(tmp_path), "fp8-block"))
+    precheck_reload(types.SimpleNamespace(), other)
+    for path in (None, str(tmp_path / "missing"), str(tmp_path)):
+        precheck_reload(model, path)
+
+
+def test_the_reload_precheck_names_expert_tensors_from_checkpoint_keys(tmp_path):
+    from moonep_ep.vllm.loading import _expert_tensor_of, _format_problems, _torch_dtype_name
+
+    modules = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj.weight", modules) == "gate.weight"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.12.down_proj.weight_scale_inv", modules) == \
+        "down.weight_scale_inv"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.w13_weight", modules) is None       # fused: all experts
+    assert _expert_tensor_of("model.layers.1.mlp.shared_experts.gate_proj.weight", modules) is None
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate.weight", modules) is None     # not a projection
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj", modules) is None       # no tensor name
+    assert _torch_dtype_name("F8_E4M3") == "torch.float8_e4m3fn" and _torch_dtype_name("BF16") == "torch.bfloat16"
+    assert _torch_dtype_name("U8") == "torch.uint8" and _torch_dtype_name("BOOL") == "BOOL"
+    assert _format_problems("bf16", str(tmp_path)) == []                  # no config.json: per-tensor checks
+    (tmp_path / "config.json").write_text("{not json")
+    assert _format_problems("bf16", str(tmp_path)) == []
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    assert _format_problems("bf16", str(tmp_path)) == []
+    assert _format_problems("mxfp4", str(tmp_path)) == ["config.json: bf16 experts, served mxfp4"]
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq", "bits": 4}}')
+    assert _format_problems("bf16", str(tmp_path))[0].startswith("config.json quantization_config: ")
