@@ -170,6 +170,11 @@ def test_balanced_group_padding_fills_every_deficit_own_group_first():
     assert group_padding("own", [8, 4, 4], None, S=8, K=1, R=3) == [[0, 0, 0], [0, 4, 0], [0, 0, 4]]
     assert expert_padding("vllm", [8, 4, 4], None, S=8, K=2, E=6, R=3).tolist() == \
         [[0] * 6, [8, 0, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]]
+    # Three sources pad one group (R = 4, E = 12: 3 experts a group; S = 8, K = 1): n = [6, 5, 5, 8] leaves
+    # [2, 3, 3, 0] padding entries, groups need [0, 0, 1, 7]. Source 2 fills its own group's 1 first; group 3
+    # then takes 2, 3, 2 entries from sources 0, 1, 2 at round-robin offsets 0-1, 2-4, 5-6 over experts 9-11.
+    assert expert_padding("balanced", [6, 5, 5, 8], [8, 8, 7, 1], S=8, K=1, E=12, R=4).tolist() == [
+        [0] * 9 + [1, 1, 0], [0] * 9 + [1, 1, 1], [0] * 6 + [1, 0, 0] + [1, 0, 1], [0] * 12]
     with pytest.raises(ValueError, match="real load"):
         group_padding("balanced", n, None, S=S, K=K8, R=4)
     with pytest.raises(ValueError, match="^the vllm policy pads one expert, not groups: use expert_padding$"):
