@@ -77,11 +77,11 @@ MODULES: dict[str, dict] = {
         "canary": None,
     },
     "memory/domain": {
-        "tests": ["tests/memory/test_domain_vote.py", "tests/memory/test_cuda_domain.py"],
+        "tests": ["tests/memory/test_domain_vote.py"],
         "canary": None,
     },
     "memory/exchange": {   # the vote only
-        "tests": ["tests/memory/test_domain_vote.py", "tests/memory/test_cuda_domain.py"],
+        "tests": ["tests/memory/test_domain_vote.py"],
         "functions": ["local_vote", "vote"],
         "canary": None,
     },
