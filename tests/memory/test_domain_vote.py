@@ -103,3 +103,20 @@ def test_multicast_needs_every_rank_and_one_gpu_per_rank():
         vote([_peer("a", device="g0", prefs=on), _peer("a", device="g1", multicast=False, prefs=on)], 0)
     off = (None, "off")
     assert vote([_peer("a", device="g0", prefs=off), _peer("a", device="g1", prefs=off)], 0).multicast is False
+
+
+def test_local_vote_carries_host_clique_capabilities_device_and_raw_settings(monkeypatch):
+    from moonep_ep.memory.driver import Capabilities
+    from moonep_ep.memory.exchange import local_vote
+
+    monkeypatch.setenv("MOONEP_EP_HANDLE_TYPE", "fd")
+    monkeypatch.delenv("MOONEP_EP_MULTICAST", raising=False)
+    caps = Capabilities(driver="cuda", available=True, posix_fd=True, fabric=False, multicast=True,
+                        device="cuda:0", device_id="GPU-1234", host="", clique="c/7")
+    assert local_vote(caps, "node-a") == {"host": "node-a", "clique": "c/7", "fd": True, "fabric": False,
+                                          "multicast": True, "device": "GPU-1234", "driver": "cuda",
+                                          "prefs": ("fd", "")}   # unset: the empty text
+    # The emulator names its own host; a driver without a stable id falls back to its device name.
+    emulated = Capabilities(driver="host", available=True, device="cpu:3", host="emu-host-1")
+    v = local_vote(emulated, "node-a")
+    assert (v["host"], v["device"], v["fd"], v["clique"]) == ("emu-host-1", "cpu:3", False, "")
