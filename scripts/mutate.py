@@ -96,6 +96,20 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.padding.x_replan_without_padding__mutmut_2":
         "tokens_per_expert.to(None) for .to(torch.int64): the plan's counts are int32, the in-place subtraction "
         "of the int64 padding matrix stays exact, and plan_dispatch converts its input to int64 itself",
+    "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
+        "P[s][s] = take for +=: P starts at zero and the own-group pass is the first write to P[s][s]",
+    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_60":
+        "P[s][h] = take for +=: after the own-group pass left[s] or need[s] is 0, so take is 0 for h == s and "
+        "the branch is skipped; for h != s the cell is still 0",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_10":
+        "repeat_interleave(counts) is by definition repeat_interleave(arange(len(counts)), counts)",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
+        "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
+        "repeat_interleave and the sums give the same ids for any integer dtype",
 }
 
 _STATUS = {0: "survived", 1: "killed", 3: "killed", -24: "timeout", 24: "timeout", 152: "timeout",

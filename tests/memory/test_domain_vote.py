@@ -27,6 +27,9 @@ def test_placement_groups_ranks_by_host_and_clique_in_spans():
     many = [_peer(f"h{r}", "c") for r in range(14)]
     assert placement(many).endswith("rank(s) 11 on host h11 (clique c); ... 2 more group(s)")
     assert placement(many).count("on host") == 12
+    # Exactly 12 groups: all named, no count; 13: one more.
+    assert "more group" not in placement(many[:12]) and placement(many[:12]).endswith("rank(s) 11 on host h11 (clique c)")
+    assert placement(many[:13]).endswith("; ... 1 more group(s)")
 
 
 def test_one_host_needs_no_clique_and_several_hosts_need_one():
@@ -49,6 +52,9 @@ def test_a_failed_fabric_trial_names_the_first_failing_rank():
     msg = str(err)
     assert msg.startswith("[rank 0] ranks on several hosts could not share fabric memory")
     assert "the trial failed on rank(s) [1, 2], e.g. rank 1: boom." in msg
+    # The first line of the failure, cut at 300 characters.
+    long = refusal(peers, {0: "x" * 400}, 0)
+    assert "e.g. rank 0: " + "x" * 300 + ". Fix:" in str(long)
 
 
 @pytest.mark.parametrize("hosts, fd, fabric, expect, fallback, verify", [
@@ -120,3 +126,36 @@ def test_local_vote_carries_host_clique_capabilities_device_and_raw_settings(mon
     emulated = Capabilities(driver="host", available=True, device="cpu:3", host="emu-host-1")
     v = local_vote(emulated, "node-a")
     assert (v["host"], v["device"], v["fd"], v["clique"]) == ("emu-host-1", "cpu:3", False, "")
+
+
+def test_every_refusal_and_reason_of_the_vote_word_for_word():
+    def refused(peers, rank=0):
+        with pytest.raises(ConfigError) as info:
+            vote(peers, rank)
+        return str(info.value)
+
+    assert refused([_peer("a", "X"), _peer("b", "X", fabric=False)], 1) == (
+        "[rank 1] FABRIC handles needed (ranks span several hosts) but rank(s) [1] lack fabric support. Fix: run "
+        "all ranks on one host with MOONEP_EP_HANDLE_TYPE=fd, or enable IMEX channels on every node")
+    assert refused([_peer("a", fabric=False), _peer("a", fd=False, fabric=False)]) == (
+        "[rank 0] rank(s) [1] cannot export POSIX fds. Fix: MOONEP_EP_HANDLE_TYPE=fabric on hardware that "
+        "supports it")
+    fd = ("fd", None)
+    assert refused([_peer("a", prefs=fd), _peer("b", prefs=fd)]) == (
+        "[rank 0] POSIX fds cannot cross hosts (['a', 'b']). Fix: MOONEP_EP_HANDLE_TYPE=fabric on an NVLink/IMEX "
+        "domain, or keep the EP group on one host")
+    on = (None, "on")
+    assert refused([_peer("a", device="g0", prefs=on), _peer("a", device="g1", multicast=False, prefs=on)]) == (
+        "[rank 0] MOONEP_EP_MULTICAST=on but rank(s) [1] lack multicast. Fix: MOONEP_EP_MULTICAST=auto or off, "
+        "or run on NVSwitch GPUs with Fabric Manager")
+    # The domain check speaks for the voting rank.
+    assert refused([_peer("a", "X"), _peer("b", "Y")], 3).startswith(
+        "[rank 3] ranks on several hosts are not all in one NVLink clique")
+    # Reasons.
+    assert vote([_peer("a", "X", device="g0"), _peer("b", "X", device="g1")], 0).reason == "ranks span hosts"
+    one_host_fd = vote([_peer("a", fabric=False, device="g0"), _peer("a", fabric=False, device="g1")], 0)
+    assert (one_host_fd.handle_type, one_host_fd.reason) == (HandleType.POSIX_FD, "all ranks on one host")
+    # A group of one rank votes alone.
+    alone = vote([_peer("a", fabric=False, device="g0")], 0)
+    assert (alone.handle_type, alone.multicast, alone.reason) == (HandleType.POSIX_FD, True, "all ranks on one host")
+    assert vote([_peer("a", device="g0", driver="host")], 0).multicast is True

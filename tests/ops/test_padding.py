@@ -88,5 +88,14 @@ def test_counts_that_do_not_fit_the_plan_are_refused():
     with pytest.raises(ValueError, match=r"source rank 0: 9 real tokens is outside \[0, S=8\]"):
         padding_entries(plan, [9, 1])
     assert padding_entries(plan, [0, 8]) == [16, 0]     # a source with no real token: all S rows are padding
-    with pytest.raises(ValueError, match="padding entries but only"):
+    with pytest.raises(ValueError, match=r"^source rank 1: 16 padding entries but only 14 entries of expert 0: the "
+                                         r"real-token counts do not match this plan$"):
         real_entries(plan, [0, 16])
+    with pytest.raises(ValueError, match=r"^padding matrix must be \[R, E\] = \[2, 4\], got \(3, 4\)$"):
+        real_entries(plan, torch.zeros(3, 4))
+    # int64 counts whatever the padding's dtype (the plan's own counts are int32).
+    assert real_entries(plan, [0, 14]).dtype == torch.int64
+    matrix = torch.zeros(2, 4)
+    matrix[1, 0] = 14.0
+    assert real_entries(plan, matrix).dtype == torch.int64 and real_entries(plan, matrix).tolist() == \
+        real_entries(plan, [0, 14]).tolist()

@@ -153,6 +153,10 @@ def test_balanced_group_padding_fills_every_deficit_own_group_first():
     # robin over its 4 experts, continuing across sources: group 1 gets source 0's 6 entries at offsets
     # 0..5 ([2, 2, 1, 1]) and source 2's 38 from offset 6 ([9, 9, 10, 10]), 11 per expert in all.
     assert P == [[34, 6, 0, 0], [0, 0, 0, 0], [0, 38, 0, 18], [0, 0, 0, 0]]
+    assert pad.dtype == torch.int64
+    # Loads that do not match the real tokens (more real entries than n*K): no group has a deficit, and each
+    # source's padding stays on its own group, so every row still sums to (S - n)*K.
+    assert group_padding("balanced", [0, 0], [16, 16], S=8, K=1, R=2) == [[8, 0], [0, 8]]
     assert pad.tolist() == [[9, 9, 8, 8, 2, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
                             [0] * 16,
                             [0, 0, 0, 0, 9, 9, 10, 10, 0, 0, 0, 0, 5, 5, 4, 4],
