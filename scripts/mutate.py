@@ -96,6 +96,10 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.padding.x_replan_without_padding__mutmut_2":
         "tokens_per_expert.to(None) for .to(torch.int64): the plan's counts are int32, the in-place subtraction "
         "of the int64 padding matrix stays exact, and plan_dispatch converts its input to int64 itself",
+    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_53":
+        "k.split('.') for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
+    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_56":
+        "k.split('.', 2) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":

