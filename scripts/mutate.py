@@ -1,0 +1,284 @@
+"""Mutation testing of the modules that decide things, one module at a time, with mutmut 3.
+
+    python scripts/mutate.py                 # every module in MODULES, then a score table
+    python scripts/mutate.py ops/padding     # one module (a key of MODULES)
+
+Why mutmut 3 and not cosmic-ray: mutmut forks each mutant from one warmed-up pytest process and runs
+only the tests that reached the mutated function (it records that in a stats pass), so a mutant costs
+a fraction of a second even though our tests import torch; cosmic-ray starts a fresh test command per
+mutant (seconds of torch import each), which would not fit 2 cores and half an hour.
+
+Each module runs in its own scratch directory ``build/mutate/<key>/`` holding copies of ``src/`` and
+``tests/`` and a generated ``pyproject.toml`` whose ``[tool.mutmut]`` names that module and its fast
+test files, so runs are independent and can be repeated alone.
+
+Mutants are what the tests import: mutmut puts ``mutants/src`` first on ``sys.path`` of its own
+process only; a subprocess (``python -c``, a vLLM environment) would load the editable install of
+``src/``. So the run sets ``PYTHONPATH=<scratch>/mutants/src`` for every process it starts, and
+before the run a canary, mutmut's "fail" mutant, must fail in a fresh interpreter of each
+environment the module's tests use: a function of the module, imported there, has to raise mutmut's
+forced failure and come from the scratch copy.
+
+A mutant listed in EQUIVALENT (no observable change; the reason is written beside it) is left out of
+the score; a mutant no selected test reaches counts as survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRATCH = ROOT / "build" / "mutate"
+
+# key -> (module path under src/moonep_ep, fast test files, mutant name patterns or None for all,
+#         a function of the module the canary calls with no arguments' worth of work).
+MODULES: dict[str, dict] = {
+    "ops/decode_padding": {
+        "tests": ["tests/vllm/test_padding_decisions.py"],
+        "canary": "group_padding",
+    },
+    "ops/padding": {
+        "tests": ["tests/ops/test_padding.py", "tests/vllm/test_padding_decisions.py"],
+        "canary": "real_entries",
+    },
+    "ops/decode_cost": {
+        "tests": ["tests/ops/test_decode_cost.py", "tests/vllm/test_padding_decisions.py"],
+        "canary": None,
+    },
+    "ops/planner": {
+        "tests": ["tests/ops/test_planner.py", "tests/ops/test_padding.py"],
+        "canary": "plan_dispatch",
+    },
+    "layout/formats": {
+        "tests": ["tests/layout/test_formats.py", "tests/layout/test_quantized_store.py",
+                  "tests/ops/test_quantized_experts.py"],
+        "canary": None,
+    },
+    "layout/plan": {
+        "tests": ["tests/layout/test_layout.py", "tests/layout/test_quantized_store.py"],
+        "canary": None,
+    },
+    "vllm/quantized": {
+        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py"],
+        "canary": None,
+    },
+    "vllm/loading": {   # the reload precheck only
+        "tests": ["tests/vllm/test_quantized_schemes.py"],
+        "functions": ["precheck_reload", "_checkpoint_problems", "_format_problems",
+                      "_expected_checkpoint_tensors", "_expert_checkpoint_modules", "_expert_tensor_of",
+                      "_torch_dtype_name"],
+        "canary": None,
+    },
+    "memory/domain": {
+        "tests": ["tests/memory/test_domain_vote.py"],
+        "canary": None,
+    },
+    "memory/exchange": {   # the vote only
+        "tests": ["tests/memory/test_domain_vote.py"],
+        "functions": ["local_vote", "vote"],
+        "canary": None,
+    },
+    "vllm/peer_naming": {
+        "tests": ["tests/vllm/test_plugin.py"],
+        "canary": None,
+    },
+}
+
+# mutant name -> why it cannot change anything observable. Excluded from the score.
+EQUIVALENT: dict[str, str] = {
+    "moonep_ep.ops.padding.x_replan_without_padding__mutmut_2":
+        "tokens_per_expert.to(None) for .to(torch.int64): the plan's counts are int32, the in-place subtraction "
+        "of the int64 padding matrix stays exact, and plan_dispatch converts its input to int64 itself",
+    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_53":
+        "k.split('.') for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
+    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_56":
+        "k.split('.', 2) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
+    "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
+        "P[s][s] = take for +=: P starts at zero and the own-group pass is the first write to P[s][s]",
+    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_60":
+        "P[s][h] = take for +=: after the own-group pass left[s] or need[s] is 0, so take is 0 for h == s and "
+        "the branch is skipped; for h != s the cell is still 0",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_10":
+        "repeat_interleave(counts) is by definition repeat_interleave(arange(len(counts)), counts)",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
+        "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
+        "repeat_interleave and the sums give the same ids for any integer dtype",
+}
+
+_STATUS = {0: "survived", 1: "killed", 3: "killed", -24: "timeout", 24: "timeout", 152: "timeout",
+           255: "timeout", 33: "no tests", 34: "skipped", 35: "suspicious", 36: "timeout", 37: "killed",
+           -11: "segfault", -9: "killed (signal 9)", 5: "no tests"}
+
+
+def _pyproject(spec: dict, module_file: str) -> str:
+    tests = ", ".join(json.dumps(t) for t in spec["tests"] if (ROOT / t).exists())
+    return f"""[tool.mutmut]
+source_paths = ["src"]
+only_mutate = [{json.dumps(module_file)}]
+pytest_add_cli_args_test_selection = [{tests}]
+pytest_add_cli_args = ["-p", "no:cacheprovider"]
+
+[tool.pytest.ini_options]
+addopts = "--strict-markers"
+timeout = 300
+markers = [
+    "cuda: needs one CUDA GPU with VMM support",
+    "multi_gpu: needs two or more CUDA GPUs",
+    "nvswitch: needs GPUs on an NVSwitch fabric",
+    "slow: multi-process tests",
+    "cuda_emulated: CUDA driver emulator",
+]
+"""
+
+
+def _prepare(key: str) -> tuple[Path, dict]:
+    spec = MODULES[key]
+    work = SCRATCH / key.replace("/", "_")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "src", work / "src", ignore=ignore)
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
+    (work / "pyproject.toml").write_text(_pyproject(spec, f"src/moonep_ep/{key}.py"))
+    # PYTHONPATH names mutants/ and mutants/src before mutmut creates them: a directory missing at start-up
+    # would be cached by the import system as having no modules (sys.path_importer_cache) for the whole run.
+    (work / "mutants" / "src").mkdir(parents=True)
+    return work, spec
+
+
+def _mutmut_only(work: Path) -> Path:
+    """A directory holding mutmut alone (links): the mutated module imports mutmut's trampoline, and the
+    vLLM environments have no mutmut; adding this venv's whole site-packages there would mix torch builds."""
+    import mutmut
+
+    pkg = Path(mutmut.__file__).resolve().parent
+    only = work / "mutmut_only"
+    only.mkdir(exist_ok=True)
+    for entry in [pkg, *pkg.parent.glob("mutmut-*.dist-info")]:
+        link = only / entry.name
+        if not link.exists():
+            link.symlink_to(entry)
+    return only
+
+
+def _env(work: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants"),
+                                         str(_mutmut_only(work))])
+    env.pop("MUTANT_UNDER_TEST", None)
+    env.setdefault("OMP_NUM_THREADS", "1")   # mutants are forked from a process that ran torch: one thread each
+    return env
+
+
+def _canary(key: str, work: Path, spec: dict) -> None:
+    """mutmut's forced-fail mutant must be what a fresh interpreter of each environment imports."""
+    module = "moonep_ep." + key.replace("/", ".")
+    env = _env(work) | {"MUTANT_UNDER_TEST": "fail"}
+    interpreters = [sys.executable]
+    for venv in (".venv-vllm", ".venv-vllm-cpu"):
+        py = ROOT / venv / "bin" / "python"
+        if py.exists() and any("tests/vllm/" in t for t in spec["tests"]):
+            interpreters.append(str(py))
+    for py in interpreters:
+        canary_env = env
+        code = (f"import {module} as m, sys; f = m.__file__; "
+                f"assert f.startswith({str(work / 'mutants')!r}), f; "
+                "names = [n for n, v in vars(m).items() if callable(v) and n.startswith('x_') is False "
+                "and getattr(v, '__module__', '') == m.__name__ and hasattr(m, 'x_' + n + '__mutmut_orig')]; "
+                "assert names, 'no trampolined function'; "
+                "fn = getattr(m, names[0]);\n"
+                "try:\n    fn()\nexcept BaseException as e:\n"
+                "    sys.exit(0 if type(e).__name__ == 'MutmutProgrammaticFailException' else "
+                "f'{type(e).__name__}: {e}')\n"
+                "sys.exit('the fail mutant did not fail')")
+        proc = subprocess.run([py, "-c", code], cwd=work / "mutants", env=canary_env, capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise SystemExit(f"canary failed for {key} in {py}: the tests would not run the mutants\n"
+                             f"{proc.stdout}{proc.stderr}")
+
+
+def _results(work: Path, key: str, spec: dict) -> dict:
+    meta = work / "mutants" / "src" / "moonep_ep" / f"{key}.py.meta"
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    patterns = spec.get("functions")
+    counts: dict[str, int] = {}
+    survivors, equivalent = [], []
+    for name, code in sorted(codes.items()):
+        fn = re.sub(r"__mutmut_\d+$", "", name.rsplit(".", 1)[-1])
+        fn = re.sub(r"^x(ǁ\w+ǁ)?_", "", fn)
+        if patterns and fn not in patterns:
+            continue
+        if code is None:
+            status = "not run"
+        else:
+            status = _STATUS.get(code, f"exit {code}")
+        if name in EQUIVALENT:
+            equivalent.append(name)
+            continue
+        counts[status] = counts.get(status, 0) + 1
+        if status not in ("killed", "timeout"):
+            survivors.append(f"{name}: {status}")
+    total = sum(counts.values())
+    caught = counts.get("killed", 0) + counts.get("timeout", 0)
+    return {"module": key, "caught": caught, "total": total, "equivalent": len(equivalent),
+            "score": round(100.0 * caught / total, 1) if total else None, "counts": counts,
+            "survivors": survivors}
+
+
+def run_module(key: str, timeout_s: int) -> dict:
+    work, spec = _prepare(key)
+    start = time.monotonic()
+    env = _env(work)
+    args = [sys.executable, "-c", "from mutmut.__main__ import cli; cli()", "run", "--max-children", "2"]
+    if spec.get("functions"):
+        module = "moonep_ep." + key.replace("/", ".")
+        args += [f"{module}.x_{fn}__mutmut_*" for fn in spec["functions"]]
+    with open(work / "mutmut.log", "w") as log:
+        try:
+            subprocess.run(args, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nstopped after {timeout_s} s\n")
+    if not (work / "mutants" / "src" / "moonep_ep" / f"{key}.py.meta").exists():
+        raise SystemExit(f"mutmut wrote no mutants for {key}; see {work / 'mutmut.log'}")
+    _canary(key, work, spec)
+    result = _results(work, key, spec)
+    result["seconds"] = round(time.monotonic() - start)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    keys = argv or sorted(MODULES, key=lambda k: (ROOT / "src" / "moonep_ep" / f"{k}.py").stat().st_size
+                          if not MODULES[k].get("functions") else 0)   # small first: partial runs say the most
+    unknown = [k for k in keys if k not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
+    timeout_s = int(os.environ.get("MUTATE_TIMEOUT_S", "1800"))
+    results = []
+    t0 = time.monotonic()
+    for key in keys:
+        r = run_module(key, timeout_s)
+        results.append(r)
+        print(f"{key:22s} {r['caught']:4d}/{r['total']:<4d} {r['score']}%  ({r['equivalent']} equivalent "
+              f"excluded, {r['seconds']} s) {r['counts']}", flush=True)
+        for s in r["survivors"]:
+            print(f"    {s}")
+        (SCRATCH / "scores.json").write_text(json.dumps(results, indent=1))   # after each module
+    print(f"total time {round(time.monotonic() - t0)} s")
+    (SCRATCH / "scores.json").write_text(json.dumps(results, indent=1))
+    return 0 if all(r["score"] is not None and r["score"] >= 90 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
