@@ -118,8 +118,9 @@ def test_local_vote_carries_host_clique_capabilities_device_and_raw_settings(mon
     monkeypatch.setenv("MOONEP_EP_HANDLE_TYPE", "fd")
     monkeypatch.delenv("MOONEP_EP_MULTICAST", raising=False)
     caps = Capabilities(driver="cuda", available=True, posix_fd=True, fabric=False, multicast=True,
-                        device="cuda:0", device_id="GPU-1234", host="", clique="c/7")
-    assert local_vote(caps, "node-a") == {"host": "node-a", "clique": "c/7", "fd": True, "fabric": False,
+                        device="cuda:0", device_id="GPU-1234", host="", clique="c/7", multicast_clique="m/3")
+    assert local_vote(caps, "node-a") == {"host": "node-a", "clique": "c/7", "mc_clique": "m/3", "fd": True,
+                                          "fabric": False,
                                           "multicast": True, "device": "GPU-1234", "driver": "cuda",
                                           "prefs": ("fd", "")}   # unset: the empty text
     # The emulator names its own host; a driver without a stable id falls back to its device name.
