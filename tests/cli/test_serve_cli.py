@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moonep_ep.cli.serve import SERVE_LIMITS, server_command
+from moonep_ep.cli.serve import SERVE_LIMITS, SHUTDOWN, server_command
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -28,7 +28,7 @@ def test_the_cpu_engine_takes_the_module_entry_point_and_the_plugin_overrides():
     flags = " ".join(argv[5:])
     assert "--data-parallel-size 2 --enable-expert-parallel --all2all-backend moonep" in flags
     assert "--served-model-name tiny-deepseek-v3 --host 127.0.0.1 --port 8001" in flags
-    assert argv[-2:] == ["--seed", "3"] and " ".join(SERVE_LIMITS) in flags
+    assert argv[-2:] == ["--seed", "3"] and " ".join(SERVE_LIMITS) in flags and " ".join(SHUTDOWN) in flags
     assert env["MOONEP_EP_CPU"] == "1" and "VLLM_CPU_KVCACHE_SPACE" in env
 
 
@@ -49,3 +49,36 @@ def test_requests_in_flight_are_counted_from_send_and_finish_times():
     assert max_in_flight(all_at_once) == 16
     assert max_in_flight([{"sent": 0, "done": 1}, {"sent": 1, "done": 2}]) == 1   # a finish before a send
     assert max_in_flight([{"error": "refused"}]) == 0
+
+
+#: Lines ``make serve`` printed from start to Ctrl-C before the fixes (vllm-cpu 0.32.0, triton 3.9.0 installed,
+#: vLLM's default --shutdown-timeout 0), abridged.
+BEFORE = """\
+(APIServer pid=7236) WARNING 12-02 03:19:54 [vllm.py:1703] Enforce eager set, disabling torch.compile, CUDAGraphs
+(EngineCore_DP0 pid=7963) WARNING 12-02 03:21:59 [vllm.py:1703] Enforce eager set, disabling torch.compile, CUDAGraphs
+(APIServer pid=7236) INFO 12-02 03:22:01 [launcher.py:254] [shutdown] API server: shutdown triggered
+(APIServer pid=7236) WARNING 12-02 03:22:01 [utils.py:648] [shutdown] Process manager: force killing remaining processes count=2
+(APIServer pid=7236) ERROR 12-02 03:22:01 [async_llm.py:906] AsyncLLM output_handler failed.
+nanobind: leaked 4 instances!
+ - leaked instance 0x7f8d77716648 of type "triton._C.libtriton.ir.attribute"
+nanobind: leaked 64 types!
+ - leaked type "triton._C.libtriton.ir.location"
+nanobind: this is likely caused by a reference counting issue in the binding code.
+See https://nanobind.readthedocs.io/en/latest/refleaks.html/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 2 leaked semaphore objects to clean up at shutdown
+  warnings.warn('resource_tracker: There appear to be %d '
+/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 4 leaked shared_memory objects to clean up at shutdown
+INFO:     Application shutdown complete.
+"""
+
+
+def test_the_terminal_report_counts_warning_lines_and_the_third_party_leak_reports_apart():
+    from tests.support.serve_check import terminal_report
+
+    report = terminal_report(BEFORE)
+    # warnings: 2 enforce-eager, force-kill, ERROR, 4 nanobind lines with "leaked", 2 resource tracker lines
+    assert report["warning_lines"] == 10 and report["leak_warning_lines"] == 4
+    assert report["kinds"]["(APIServer ) WARNING  [vllm.py:1703] Enforce eager set, disabling torch.compile, CUDAGraphs"] == 1
+    assert sum(report["kinds"].values()) == report["warning_lines"]
+    clean = terminal_report("\n".join(line for line in BEFORE.splitlines() if "leaked" not in line))
+    assert clean["leak_warning_lines"] == 0 and clean["warning_lines"] == 4   # the negative control
+    assert terminal_report("INFO:     Application shutdown complete.\n")["warning_lines"] == 0
