@@ -82,3 +82,17 @@ def test_the_terminal_report_counts_warning_lines_and_the_third_party_leak_repor
     clean = terminal_report("\n".join(line for line in BEFORE.splitlines() if "leaked" not in line))
     assert clean["leak_warning_lines"] == 0 and clean["warning_lines"] == 4   # the negative control
     assert terminal_report("INFO:     Application shutdown complete.\n")["warning_lines"] == 0
+
+
+def test_vllm_demo_help_names_every_tiny_model_it_builds_and_the_workloads():
+    from moonep_ep.tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
+
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "vllm-demo", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())   # argparse wraps lines
+    names = ["tiny-deepseek-v3", "tiny-qwen3", *QUANTIZED_MODELS]
+    assert len(names) == 5 and all(name in text for name in names), text
+    for name, fmt in QUANTIZED_MODELS.items():
+        assert f"{name} ({fmt} experts)" in text
+    assert "--workload {auto,skewed,mixed}" in text and "read off the checkpoint's own routers" in text
