@@ -121,7 +121,7 @@ def _warm_up_device(driver: Any) -> None:
     device memory at its first launch (lazy loading) and grows page tables at the first mappings;
     neither is freed and ``cuMemGetInfo`` counts both. So: zero_() and fill_() a device tensor (the
     kernels the store launches) and one create/reserve/map/unmap/free/release cycle."""
-    from ..memory.driver import HandleType
+    from ...memory.driver import HandleType
 
     scratch = torch.empty(4096, dtype=torch.uint8, device=driver.torch_device)
     scratch.zero_()
