@@ -105,6 +105,14 @@ EQUIVALENT: dict[str, str] = {
         "k.split('.') for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
     "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_56":
         "k.split('.', 2) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
+    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_54":
+        "k.rsplit('.', 1) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
+    "moonep_ep.vllm.loading.x__format_problems__mutmut_28":
+        "engine 'XXvllmXX' for 'vllm': classify compares the engine only with 'vllm-cpu' (both are not it), and "
+        "_format_problems reads the scheme's ok, problems and format, never its engine",
+    "moonep_ep.vllm.loading.x__format_problems__mutmut_29":
+        "engine 'VLLM' for 'vllm': classify compares the engine only with 'vllm-cpu' (both are not it), and "
+        "_format_problems reads the scheme's ok, problems and format, never its engine",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
