@@ -113,6 +113,19 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.vllm.loading.x__format_problems__mutmut_29":
         "engine 'VLLM' for 'vllm': classify compares the engine only with 'vllm-cpu' (both are not it), and "
         "_format_problems reads the scheme's ok, problems and format, never its engine",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_104":
+        "tokens_per_expert.to(None) for .to(torch.int64): torch.equal compares values, not dtypes (int32 vs int64)",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_109":
+        "tokens_per_expert.to(None) for .to(torch.int64): != of int64 and int32 compares the values",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_135": "searchsorted's right=False is its default",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_145": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_147": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_149":
+        "tpe_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_164":
+        "alloc_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand (searchsorted takes an int32 sequence)",
+    "moonep_ep.ops.planner.x_entry_dst__mutmut_197":
+        "expert_off.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
