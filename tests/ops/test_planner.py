@@ -544,3 +544,20 @@ def test_same_as_tells_every_kind_of_difference(example_plan) -> None:
                     again(nvs_s=example_plan.nvs_s + 1)):
         assert example_plan.same_as(changed) is False
     assert example_plan.same_as(again(cap=cap.clone())) is True
+
+
+def test_the_plans_self_check_names_the_field_and_the_shapes(example_plan) -> None:
+    """__post_init__ refuses a field of the wrong shape (naming it, its shape and the expected one), dtype or
+    layout: z is [R, R] = [2, 2] int32 in the worked example."""
+    import dataclasses
+
+    z = example_plan.z
+    with pytest.raises(AssertionError) as info:
+        dataclasses.replace(example_plan, z=z[:1])
+    assert info.value.args == (("z", (1, 2), (2, 2)),)
+    for bad in (z.to(torch.int64), z.t().contiguous().t()):   # right shape: int64, or int32 not contiguous
+        assert tuple(bad.shape) == (2, 2)
+        with pytest.raises(AssertionError) as info:
+            dataclasses.replace(example_plan, z=bad)
+        assert info.value.args == ("z",)
+    assert dataclasses.replace(example_plan, z=z.clone()).same_as(example_plan)
