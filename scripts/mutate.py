@@ -126,6 +126,18 @@ EQUIVALENT: dict[str, str] = {
         "alloc_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand (searchsorted takes an int32 sequence)",
     "moonep_ep.ops.planner.x_entry_dst__mutmut_197":
         "expert_off.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
+    "moonep_ep.vllm.peer_naming.x_patch_dp_batch_sync__mutmut_13":
+        "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
+    "moonep_ep.vllm.peer_naming.x_patch_engine_core__mutmut_22":
+        "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
+    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_10":
+        "type(None).__name__ for type(exc).__name__ in the text lost_peers reads: it reads only the [address]:port "
+        "parts of it (the error's own text is what the PeerLostError carries)",
+    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_11":
+        "None for -1 as the own rank when the rank is unknown: lost_peers skips index r when r != rank fails, "
+        "and no index equals either",
+    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_14":
+        "-2 for -1 as the own rank when the rank is unknown: no table index equals either",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
