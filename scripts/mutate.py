@@ -141,6 +141,8 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.layout.plan.xǁExpertRegionPlanǁdata_bytes_in_pages_of__mutmut_19":
         "max(1, ...) for max(0, ...): never clamps, every page holds data (the lead pad is under one page and "
         "the data ends with the last page)",
+    "moonep_ep.layout.formats.x__tensors__mutmut_10":
+        "role='weight' dropped: ProjectionSpec's role defaults to 'weight'",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
