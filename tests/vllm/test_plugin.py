@@ -424,6 +424,22 @@ def test_named_loss_reads_the_groups_own_table_and_never_names_the_rank_itself(m
                                     "[10.1.2.3]:44191: Connection reset by peer")
 
 
+def _patched_once(patch, module, owner, attr, label):
+    """``patch`` applied twice: the second leaves the first's wrapper, which wraps the original (its doc kept)
+    and is recorded once under ``label`` in the plugin's state."""
+    from moonep_ep.vllm import plugin
+
+    original = getattr(owner, attr)
+    patched = len(plugin._state["patched"])
+    patch(module, install=plugin._install, note={})
+    wrapper = getattr(owner, attr)
+    patch(module, install=plugin._install, note={})
+    assert getattr(owner, attr) is wrapper and wrapper.__wrapped__ is original
+    assert wrapper.__doc__ == original.__doc__ and original.__doc__
+    assert plugin._state["patched"][patched:] == [label]
+    return wrapper
+
+
 def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_installs_once(monkeypatch):
     import sys
     import types
@@ -444,12 +460,8 @@ def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_inst
         return "reduced"
 
     module._run_ar, module.message = run_ar, ""
-    patched = len(plugin._state["patched"])
-    peer_naming.patch_dp_batch_sync(module, install=plugin._install, note={})
-    wrapper = module._run_ar
-    peer_naming.patch_dp_batch_sync(module, install=plugin._install, note={})   # a second time: no change
-    assert module._run_ar is wrapper and wrapper.__wrapped__ is run_ar and wrapper.__doc__ == "vLLM's all-reduce."
-    assert plugin._state["patched"][patched:] == ["dp_utils._run_ar (a lost peer named)"]
+    wrapper = _patched_once(peer_naming.patch_dp_batch_sync, module, module, "_run_ar",
+                            "dp_utils._run_ar (a lost peer named)")
     assert wrapper(1, 2, group="dp") == "reduced" and calls == [((1, 2), {"group": "dp"})]
     monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
     monkeypatch.setattr(group_mod, "_PEERS", {})
@@ -506,12 +518,8 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
 
         cls.run_busy_loop = loop
         module.DPEngineCoreProc = cls
-        patched = len(plugin._state["patched"])
-        peer_naming.patch_engine_core(module, install=plugin._install, note={})
-        wrapper = cls.run_busy_loop
-        peer_naming.patch_engine_core(module, install=plugin._install, note={})   # a second time: no change
-        assert cls.run_busy_loop is wrapper and wrapper.__wrapped__ is loop and wrapper.__doc__ == "vLLM's busy loop."
-        assert plugin._state["patched"][patched:] == ["DPEngineCoreProc.run_busy_loop (a lost peer named)"]
+        _patched_once(peer_naming.patch_engine_core, module, cls, "run_busy_loop",
+                      "DPEngineCoreProc.run_busy_loop (a lost peer named)")
         monkeypatch.setattr(group_mod, "_PEERS", {})
         core = cls()
         core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))
