@@ -143,6 +143,11 @@ EQUIVALENT: dict[str, str] = {
         "the data ends with the last page)",
     "moonep_ep.layout.formats.x__tensors__mutmut_10":
         "role='weight' dropped: ProjectionSpec's role defaults to 'weight'",
+    "moonep_ep.layout.formats.x__tensors__mutmut_20": "rstrip('XX_XX') for rstrip('_'): rstrip takes a set of characters, and no projection prefix (gate_, up_, down_, w13_, w2_) ends in 'X'",
+    "moonep_ep.layout.formats.x__tensors__mutmut_45": "rstrip('XX_XX') for rstrip('_'): rstrip takes a set of characters, and no projection prefix (gate_, up_, down_, w13_, w2_) ends in 'X'",
+    "moonep_ep.layout.formats.x__tensors__mutmut_27":
+        "'or' for 'and' in an assertion of an invariant: every format with scales has both its scale dtype and its "
+        "scale tensor name, so neither form fails",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
