@@ -226,6 +226,10 @@ def _env(work: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants"),
                                          str(_mutmut_only(work))])
     env.pop("MUTANT_UNDER_TEST", None)
+    # tests/support/vllm_envs.py finds the vLLM environments beside the tests' root, the scratch copy here
+    for var, venv in (("MOONEP_EP_VLLM_PYTHON", ".venv-vllm"), ("MOONEP_EP_VLLM_CPU_PYTHON", ".venv-vllm-cpu")):
+        if (ROOT / venv / "bin" / "python").exists():
+            env.setdefault(var, str(ROOT / venv / "bin" / "python"))
     env.setdefault("OMP_NUM_THREADS", "1")   # mutants are forked from a process that ran torch: one thread each
     return env
 
