@@ -123,3 +123,20 @@ def test_one_experts_bytes_by_hand():
         ("w13_weight_packed", "weight"), ("w13_weight_scale", "scale"),
         ("w2_weight_packed", "weight"), ("w2_weight_scale", "scale")]
     assert get_format("bf16").scale_shape(256, 128) is None and not get_format("bf16").quantized
+
+
+def test_check_dims_names_the_dimension_exactly():
+    """Each refusal names which expert dim is wrong (H or I) with its value."""
+    with pytest.raises(ConfigError) as info:
+        get_format("bf16").check_dims(0, 256)
+    assert str(info.value) == "format bf16: hidden_size (H) must be a positive int: got 0. Fix: pass the model's expert dims"
+    with pytest.raises(ConfigError) as info:
+        get_format("bf16").check_dims(512, True)
+    assert str(info.value) == ("format bf16: moe_intermediate_size (I) must be a positive int: got True. "
+                               "Fix: pass the model's expert dims")
+    with pytest.raises(ConfigError) as info:
+        get_format("int4-g32").check_dims(100, 256)
+    assert str(info.value).startswith("format int4-g32: hidden_size (H) = 100 is not a multiple of 32 (")
+    with pytest.raises(ConfigError) as info:
+        get_format("int4-g32").check_dims(512, 100)
+    assert str(info.value).startswith("format int4-g32: moe_intermediate_size (I) = 100 is not a multiple of 32 (")

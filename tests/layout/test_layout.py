@@ -166,6 +166,66 @@ def test_plan_rejects_indivisible_experts():
         plan_expert_region(10, 4, 4096, 4096)
 
 
+def test_page_plan_by_hand_with_a_lead_pad():
+    """E = 4 experts of 5 bytes on R = 2 ranks, 8-byte pages: 20 data bytes, lead pad (-20) % 8 = 4, 3 pages.
+    A page belongs to the owner of the row holding its first data byte: page 0 (data 0..3, row 0), page 1
+    (data 4..11, row 0), page 2 (data 12..19, row 2 of rank 1): owners (0, 0, 1)."""
+    plan = plan_expert_region(4, 2, 5, 8)
+    assert (plan.num_experts, plan.ep_size, plan.row_bytes, plan.granularity) == (4, 2, 5, 8)
+    assert plan.experts_per_rank == 2 and plan.lead_pad == 4 and plan.region_bytes == 24
+    assert plan.page_owner == (0, 0, 1) and all(type(o) is int for o in plan.page_owner)
+    assert [plan.first_page(r) for r in (0, 1, 2)] == [0, 2, 3]
+    assert [plan.pages_of(r) for r in (0, 1, 2)] == [2, 1, 0]
+    # data [4, 24): page 0 holds 4 bytes of it, page 1 8, page 2 8
+    assert [plan.data_bytes_in_pages_of(r) for r in (0, 1, 2)] == [12, 8, 0]
+    # one rank, 1-byte pages: every byte a page of rank 0
+    one = plan_expert_region(4, 1, 5, 1)
+    assert one.page_owner == (0,) * 20 and one.lead_pad == 0 and one.experts_per_rank == 4
+    # 4 ranks, 4-byte pages, no lead pad: pages start at bytes 0, 4, ..., 16 (rows 0, 0, 1, 2, 3)
+    assert plan_expert_region(4, 4, 5, 4).page_owner == (0, 0, 1, 2, 3)
+
+
+def test_predicted_bytes_by_hand_with_padding_in_regions_and_pools():
+    """2 layers, E = 4, R = 2, 3 slots, 8-byte pages, two tensors of 5 and 3 bytes per expert.
+    5-byte rows: pages owned (0, 0, 1) (above); rank 0: 2 pages x 2 layers = 32 B holding 12 data bytes per layer
+    (padding 2 x 4 = 8), pool 15 -> 16 B (padding 1). 3-byte rows: 12 data bytes, lead pad 4, 2 pages, both of
+    rank 0 (rows 0 and 1): 32 B, padding 2 x 4 = 8; pool 9 -> 16 B (padding 7). Rank 1: one 8-byte page of the
+    5-byte tensor per layer (all data), and both pools."""
+    kw = dict(num_layers=2, num_experts=4, ep_size=2, num_slots=3, row_bytes=[5, 3], granularity=8)
+    rank0 = {"expert_bytes": 64, "slot_bytes": 32, "padding_bytes": 8 + 1 + 8 + 7, "total_bytes": 96,
+             "weight_bytes": 96, "scale_bytes": 0}
+    assert predict_rank_bytes(**kw) == rank0                 # rank 0 by default
+    assert predict_rank_bytes(**kw, rank=0) == rank0
+    assert predict_rank_bytes(**kw, rank=1) == {"expert_bytes": 16, "slot_bytes": 32, "padding_bytes": 1 + 7,
+                                                "total_bytes": 48, "weight_bytes": 48, "scale_bytes": 0}
+    split = predict_rank_bytes(**kw, rank=1, roles=["weight", "scale"], slot_pools=2)
+    assert split == {"expert_bytes": 16, "slot_bytes": 64, "padding_bytes": 2 * (1 + 7), "total_bytes": 80,
+                     "weight_bytes": 16 + 32, "scale_bytes": 32}
+    with pytest.raises(ConfigError) as info:
+        predict_rank_bytes(**kw, roles=["weight"])
+    assert str(info.value) == "roles must match row_bytes one to one: got (1, 2). Fix: pass one role per tensor"
+
+
+@pytest.mark.parametrize("args, message", [
+    ((10, 4, 4096, 4096), "num_experts must be a multiple of ep_size: got (10, 4). Fix: choose an EP size that "
+                          "divides the number of routed experts"),
+    ((8, 0, 4096, 4096), "num_experts must be a multiple of ep_size: got (8, 0). Fix: choose an EP size that "
+                         "divides the number of routed experts"),
+    ((8, -2, 4096, 4096), "num_experts must be a multiple of ep_size: got (8, -2). Fix: choose an EP size that "
+                          "divides the number of routed experts"),
+    ((8, 2, 0, 4096), "row_bytes and granularity must be positive: got (0, 4096). Fix: pass the real expert shape "
+                      "and driver granularity"),
+    ((8, 2, 4096, 0), "row_bytes and granularity must be positive: got (4096, 0). Fix: pass the real expert shape "
+                      "and driver granularity"),
+    ((8, 2, 4096, -1), "row_bytes and granularity must be positive: got (4096, -1). Fix: pass the real expert "
+                       "shape and driver granularity"),
+])
+def test_page_plan_refusals_exactly(args, message):
+    with pytest.raises(ConfigError) as info:
+        plan_expert_region(*args)
+    assert str(info.value) == message
+
+
 @pytest.mark.slow
 def test_aligned_layout_four_ranks_gen_a_and_gen_b():
     # H=512, I=384: rows of 384 KiB = 6 pages of 64 KiB: every owner's rows fill whole pages.

@@ -97,6 +97,9 @@ def test_worked_example_dst(example_plan: DispatchPlan) -> None:
     raw = lambda v: [x if x >= 0 else -x - 1 for x in v.tolist()]  # noqa: E731
     assert raw(dst0) == [0, 4, 1, 5, 28, 20, 6, 29]
     assert raw(dst1) == [30, 7, 8, 31, 32, 24, 33, 9]
+    # Any integer dtype of ids gives the same rows (uint8 ids index like int64 ones, not as a mask).
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert entry_dst(p, 0, torch.tensor(EX_TOPK[0], dtype=dtype)).tolist() == [0, -5, 1, -6, 28, -21, 6, 29]
 
 
 def test_worked_example_routes(example_plan: DispatchPlan) -> None:
@@ -470,23 +473,91 @@ def test_error_names_rank() -> None:
         plan_dispatch(GOOD_T, **{**GOOD, "E": 5}, rank=3)
 
 
+# The fix of rank r's top-k errors (the worked example: s = 4 tokens of K = 2 on either rank).
+FIX_TOPK = "Fix: pass rank {r}'s top-k ids, an integer [s, K] = [4, 2] tensor, the same ids whose bincount built the plan"
+
+
 @pytest.mark.parametrize(
-    "rank, topk, needles",
-    [
-        (0, [0, 1, 0, 1, 0, 2, 1, 1], ["bincount(topk)[0] differs", "tokens_per_expert[0][0]=4", "got 3"]),
-        (0, [0, 1, 0, 1, 0, 2, 1, 4], ["outside [0, 4)", "got 4"]),
-        (0, [[0, 1, 0, 1], [0, 2, 1, 0]], ["wrong shape", "got (2, 4)", "[4, 2]"]),
-        (2, EX_TOPK[0], ["source rank must be in [0, 2)", "got 2"]),
-        (1, [0.0] * 8, ["integer dtype"]),
+    "rank, topk, message",
+    [   # rank 0's plan counts from EX_TOPK[0]: [4, 3, 1, 0]; these ids count [3, 4, 1, 0]
+        (0, [0, 1, 0, 1, 0, 2, 1, 1],
+         "[rank 0] bincount(topk)[0] differs from the planned tokens_per_expert[0][0]=4: got 3. " + FIX_TOPK),
+        (0, [0, 1, 0, 1, 0, 2, 1, 4], "[rank 0] topk holds an expert id outside [0, 4): got 4. " + FIX_TOPK),
+        (0, [0, 1, 0, 1, -1, 2, 1, 4], "[rank 0] topk holds an expert id outside [0, 4): got -1. " + FIX_TOPK),
+        (0, [[0, 1, 0, 1], [0, 2, 1, 0]], "[rank 0] topk has the wrong shape: got (2, 4). " + FIX_TOPK),
+        (0, [0, 1, 0, 1, 0, 2], "[rank 0] topk has the wrong shape: got (6,). " + FIX_TOPK),
+        (0, [[[0, 1], [0, 1], [0, 2], [1, 0]]], "[rank 0] topk has the wrong shape: got (1, 4, 2). " + FIX_TOPK),
+        (2, EX_TOPK[0], "source rank must be in [0, 2): got 2. Fix: pass a source rank in [0, 2)"),
+        (1, [0.0] * 8, "[rank 1] topk must have an integer dtype: got torch.float64. " + FIX_TOPK),
+        (1, torch.zeros(8, dtype=torch.bool), "[rank 1] topk must have an integer dtype: got torch.bool. " + FIX_TOPK),
+        (1, torch.zeros(8, dtype=torch.bfloat16),
+         "[rank 1] topk must have an integer dtype: got torch.bfloat16. " + FIX_TOPK),
+        (1, torch.zeros(8, dtype=torch.complex64),
+         "[rank 1] topk must have an integer dtype: got torch.complex64. " + FIX_TOPK),
     ],
 )
-def test_entry_dst_bad_inputs(example_plan, rank, topk, needles) -> None:
+def test_entry_dst_bad_inputs(example_plan, rank, topk, message) -> None:
     with pytest.raises(ConfigError) as info:
         entry_dst(example_plan, rank, topk)
-    for needle in needles:
-        assert needle in str(info.value), (needle, str(info.value))
+    assert str(info.value) == message.format(r=rank)
 
 
 def test_plan_is_frozen(example_plan: DispatchPlan) -> None:
     with pytest.raises(AttributeError):
         example_plan.B = 3  # type: ignore[misc]
+
+
+def test_entry_dst_names_a_rank_that_is_no_integer(example_plan) -> None:
+    """The house format, exactly: what, the value, the fix (R = 2 in the worked example)."""
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(ConfigError) as info:
+            entry_dst(example_plan, bad, EX_TOPK[1])
+        assert str(info.value) == f"rank must be an integer: got {bad!r}. Fix: pass a source rank in [0, 2)"
+    with pytest.raises(ConfigError) as info:
+        entry_dst(example_plan, -1, EX_TOPK[0])
+    assert str(info.value) == "source rank must be in [0, 2): got -1. Fix: pass a source rank in [0, 2)"
+
+
+# The tensor fields of DispatchPlan, listed by hand from its definition (the ints R, E, ... are not tensors).
+PLAN_TENSORS = ["tokens_per_expert", "num_tokens", "tpe_cumsum", "cap", "z", "alloc", "alloc_cumsum",
+                "experts_to_copy", "copy_owner", "remote_stats", "cu_seqlens", "zero_fill_ranges", "expert_off",
+                "route_count", "route_row"]
+
+
+def test_tensor_fields_are_the_plans_own_tensors(example_plan) -> None:
+    fields = example_plan.tensor_fields()
+    assert sorted(fields) == sorted(PLAN_TENSORS)
+    assert all(fields[name] is getattr(example_plan, name) for name in PLAN_TENSORS)
+
+
+def test_same_as_tells_every_kind_of_difference(example_plan) -> None:
+    def again(**change):
+        plan = plan_dispatch(counts_of(EX_TOPK, 4), S=4, K=2, E=4, R=2, B=2, token_padding=4)
+        for name, value in change.items():   # past the frozen dataclass and its checks: same_as alone decides
+            object.__setattr__(plan, name, value)
+        return plan
+
+    cap = example_plan.cap
+    assert example_plan.same_as(again()) and again().same_as(example_plan)
+    assert torch.equal(cap.to(torch.float64), cap)   # same values, another dtype: torch.equal alone says True
+    for changed in (again(cap=cap + 1), again(cap=cap.to(torch.float64)), again(cap=cap.tolist()),
+                    again(nvs_s=example_plan.nvs_s + 1)):
+        assert example_plan.same_as(changed) is False
+    assert example_plan.same_as(again(cap=cap.clone())) is True
+
+
+def test_the_plans_self_check_names_the_field_and_the_shapes(example_plan) -> None:
+    """__post_init__ refuses a field of the wrong shape (naming it, its shape and the expected one), dtype or
+    layout: z is [R, R] = [2, 2] int32 in the worked example."""
+    import dataclasses
+
+    z = example_plan.z
+    with pytest.raises(AssertionError) as info:
+        dataclasses.replace(example_plan, z=z[:1])
+    assert info.value.args == (("z", (1, 2), (2, 2)),)
+    for bad in (z.to(torch.int64), z.t().contiguous().t()):   # right shape: int64, or int32 not contiguous
+        assert tuple(bad.shape) == (2, 2)
+        with pytest.raises(AssertionError) as info:
+            dataclasses.replace(example_plan, z=bad)
+        assert info.value.args == ("z",)
+    assert dataclasses.replace(example_plan, z=z.clone()).same_as(example_plan)

