@@ -17,8 +17,14 @@ call (inputs and received outputs):
   catches copies (``w.contiguous()``, a concatenated ``w13``, a gather
   output) in the weights' own dtype, whatever the tensor's shape.
 
-The count of a call is ``max(before, after)`` so a broadcast or all-gather
-counts its weight payload once. Not detected: weights converted to another
+The count of a call is ``max(sent, received)``: what the caller's send
+buffers hold before the call, and what its receive buffers hold after it,
+so a broadcast, an all-gather or an all-to-all counts its weight payload
+once. Before the call only what the caller sends is scanned: a receive buffer (``output`` of ``all_to_all_single``, the
+``tensor`` of ``recv``, a broadcast's tensor on a rank other than ``src``,
+...) holds whatever its memory held last, and a freed copy of an expert
+there would be a false positive (seen: the allocator handed a dispatch's
+output the block where a loader had built an expert). Not detected: weights converted to another
 dtype or split off row boundaries before sending, functional collectives
 (``torch.distributed._functional_collectives``), names bound with
 ``from torch.distributed import ...`` before the recorder starts, and direct
@@ -31,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import pickle
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -50,6 +57,19 @@ WRAPPED_OPS = (
     "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
     "scatter_object_list", "send_object_list", "recv_object_list",
 )  # names missing from the installed torch are skipped
+#: Parameters each op only writes: not scanned before the call (see the module docstring).
+_RECEIVED_PARAMS = {
+    "all_to_all_single": ("output",), "all_to_all": ("output_tensor_list",),
+    "all_gather": ("tensor_list",), "all_gather_into_tensor": ("output_tensor",),
+    "_all_gather_base": ("output_tensor",), "all_gather_single": ("output_tensor",), "all_gather_coalesced": ("output_tensor_lists",),
+    "reduce_scatter": ("output",), "reduce_scatter_tensor": ("output",), "_reduce_scatter_base": ("output",),
+    "reduce_scatter_single": ("output",),
+    "gather": ("gather_list",), "scatter": ("tensor",), "recv": ("tensor",), "irecv": ("tensor",),
+    "all_gather_object": ("object_list",), "gather_object": ("object_gather_list",),
+    "scatter_object_list": ("scatter_object_output_list",), "recv_object_list": ("object_list",),
+}
+#: Ops whose buffer is sent by ``src`` and received by every other rank.
+_BROADCAST_OPS = {"broadcast": "tensor", "broadcast_object_list": "object_list"}
 _OBJECT_OPS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                "send_object_list", "recv_object_list"}
 
@@ -79,6 +99,37 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item, depth + 1)
     elif hasattr(obj, "tensor") and isinstance(getattr(obj, "tensor"), torch.Tensor):  # dist.P2POp
         yield obj.tensor
+
+
+def _split_arguments(name: str, fn: Callable, args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
+    """``(sent, received)``: the arguments whose contents the caller sends, and
+    the receive buffers. An op with no receive buffer (``all_reduce``, ``send``,
+    ``barrier``) sends and receives in place: both lists hold every argument."""
+    everything = [*args, *kwargs.values()]
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a builtin or an unusual call: scan everything, a superset
+        return everything, everything
+    received_params = set(_RECEIVED_PARAMS.get(name, ()))
+    if name in _BROADCAST_OPS and dist.is_initialized():
+        src, group_src = bound.arguments.get("src"), bound.arguments.get("group_src")
+        receiving = (src is not None and src != dist.get_rank()) or \
+            (group_src is not None and group_src != dist.get_rank(bound.arguments.get("group")))
+        if receiving:
+            received_params.add(_BROADCAST_OPS[name])
+    sent, received = [], []
+    for param, value in bound.arguments.items():
+        if name == "batch_isend_irecv":  # P2POps: isend ones send, irecv ones receive
+            is_recv = lambda op: getattr(getattr(op, "op", None), "__name__", "") == "irecv"  # noqa: E731
+            sent.append([op for op in value if not is_recv(op)])
+            received.append([op for op in value if is_recv(op)])
+        elif param in received_params:
+            received.append(value)
+        else:
+            sent.append(value)
+    if not received_params and name != "batch_isend_irecv":
+        received = sent
+    return sent, received
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -160,7 +211,8 @@ class CollectiveRecorder:
             if depth:
                 return fn(*args, **kwargs)  # nested (e.g. all_gather inside all_gather_object)
             tensors = [t for a in (*args, *kwargs.values()) for t in _tensors_in(a)]
-            before = sum(recorder.weight_bytes_in(t) for t in tensors)
+            sent, received = _split_arguments(name, fn, args, kwargs)
+            before = sum(recorder.weight_bytes_in(t) for a in sent for t in _tensors_in(a))
             recorder._local.depth = 1
             try:
                 result = fn(*args, **kwargs)
@@ -175,7 +227,7 @@ class CollectiveRecorder:
                     nbytes = sum(_nbytes(t) for t in tensors)
             else:
                 nbytes = sum(_nbytes(t) for t in tensors)
-            after = sum(recorder.weight_bytes_in(t) for t in tensors)
+            after = sum(recorder.weight_bytes_in(t) for a in received for t in _tensors_in(a))
             recorder.calls.append(CollectiveCall(
                 name, nbytes, max(before, after),
                 [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors], recorder.label))
