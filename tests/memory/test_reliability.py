@@ -416,3 +416,17 @@ def test_selftest_soak_200_cycles_leaks_nothing():
     assert out["leaked_fds"] == 0 and out["leaked_mappings"] == 0 and out["leaked_shm_bytes"] == 0
     assert out["rss_growth_bytes"] < 1 << 20
 
+
+
+@pytest.mark.parametrize("n", [0, 1, 250, 251, 252, 3 * 251 + 7, (1 << 20) + 3])
+def test_selftest_pattern_is_the_closed_form_for_every_byte(n):
+    """The selftest's pattern is tiled from one 251-byte period: byte i must still be (131 i + c) mod 251,
+    computed here over every byte, and differ between the writers of one chunk."""
+    from moonep_ep.tools.commands.selftest import _pattern
+
+    i = torch.arange(n, dtype=torch.int64)
+    for owner, writer in [(0, 0), (3, 2), (127, 126)]:
+        expected = ((i * 131 + owner * 17 + writer * 29 + 7) % 251).to(torch.uint8)
+        assert torch.equal(_pattern(owner, writer, n, "cpu"), expected)
+    if n > 1:
+        assert not torch.equal(_pattern(1, 1, n, "cpu"), _pattern(1, 0, n, "cpu"))

@@ -22,10 +22,15 @@ from ...memory.driver import HandleType
 from ...memory.group import GroupComm
 from ...memory.symmetric import SymmetricMemory
 
+_PERIOD = 251  # prime: byte i holds (131 i + c) mod 251, so the pattern repeats every 251 bytes
+
+
 def _pattern(owner: int, writer: int, n: int, device: str) -> torch.Tensor:
-    # Distinct per (owner, writer) and per byte position, so a misplaced page shows.
-    base = torch.arange(n, dtype=torch.int64, device=device)
-    return ((base * 131 + owner * 17 + writer * 29 + 7) % 251).to(torch.uint8)
+    """``n`` bytes distinct per (owner, writer) and per byte position (mod 251), so a misplaced page shows.
+
+    One period is computed and tiled: the int64 modulo over every byte took 85 % of a soak cycle."""
+    period = ((torch.arange(_PERIOD, dtype=torch.int64) * 131 + owner * 17 + writer * 29 + 7) % _PERIOD)
+    return period.to(torch.uint8).repeat(-(-n // _PERIOD))[:n].to(device)
 
 
 def _one_cycle(ctx: Any, driver, chunk_bytes: int) -> dict[str, Any]:
