@@ -53,13 +53,24 @@ def capacity_for(n: int) -> int:
 
 
 def routing_counts(R: int, n: int, E: int, K: int, seed: int) -> torch.Tensor:
-    """``[R, E]`` real entries: every rank's ``n`` tokens route to ``K`` distinct experts, uniformly."""
+    """``[R, E]`` real entries: every rank's ``n`` tokens route to ``K`` distinct experts, uniformly.
+
+    Each token draws ``K`` experts uniformly and redraws all ``K`` while two coincide: every ordered tuple of
+    distinct experts is equally likely, so every set of ``K`` is. O(n K) per rank; the top-k of ``n x E``
+    random keys it replaces took 8 s at EP 64, n = 8192, E = 384."""
+    if not 0 < K <= E:
+        raise ValueError(f"top-k {K} of {E} experts: K must be in 1..E")
     gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(R):
-        ids = torch.rand(n, E, generator=gen).topk(K, dim=1).indices
-        rows.append(torch.bincount(ids.reshape(-1), minlength=E))
-    return torch.stack(rows)
+    ids = torch.randint(E, (R * n, K), generator=gen)
+    while True:
+        ordered = ids.sort(dim=1).values
+        clash = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        redraw = int(clash.sum())
+        if not redraw:
+            break
+        ids[clash] = torch.randint(E, (redraw, K), generator=gen)
+    rank = torch.arange(R).repeat_interleave(n * K)
+    return torch.bincount(rank * E + ids.reshape(-1), minlength=R * E).reshape(R, E)
 
 
 def plan_step(real: torch.Tensor, policy: str, S: int, K: int) -> dict[str, Any]:
