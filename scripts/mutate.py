@@ -68,7 +68,8 @@ MODULES: dict[str, dict] = {
         "canary": None,
     },
     "vllm/quantized": {
-        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py"],
+        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py",
+                  "tests/vllm/test_quantized_refusal_texts.py"],
         "canary": None,
     },
     "vllm/loading": {   # the reload precheck only
@@ -159,6 +160,23 @@ EQUIVALENT: dict[str, str] = {
         "repeat_interleave(counts) is by definition repeat_interleave(arange(len(counts)), counts)",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.vllm.quantized.x__ct__mutmut_50":
+        "fmt = '' for None: every branch that leaves fmt unset appends a problem, and the scheme's format is "
+        "None whenever there is one (fmt if not problems else None)",
+    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_3":
+        "the '.mlp.experts.' skip never taken: no expert module (mlp.experts.<e>.<proj>_proj, or a fused "
+        "mlp.experts.<tensor>) fullmatches a non-expert kind's pattern (self_attn.*_proj, shared_experts.<proj>_proj, "
+        "mlp.<proj>_proj directly under mlp, lm_head), so the skip only saves the scan",
+    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_4":
+        "the '.mlp.experts.' skip never taken ('.MLP.EXPERTS.'): as x__non_expert_linears__mutmut_3",
+    "moonep_ep.vllm.quantized.x__quantized_with_moonep__mutmut_42":
+        "getattr(hf, 'quantization_config', None) also when hf is None: getattr(None, ..., None) is None, "
+        "the value the else branch gives",
+    "moonep_ep.vllm.quantized.x_check_vllm_config__mutmut_14":
+        "a dict passed through getattr(q, 'to_dict', lambda: q)(): a dict has no to_dict, so it comes back itself",
+    "moonep_ep.vllm.quantized.x_checkpoint_module_names__mutmut_41":
+        "'<q' (signed) for '<Q' as the safetensors header size: equal below 2**63 bytes, and a header that large "
+        "cannot be read anyway (safetensors caps it at 100 MB)",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",
