@@ -177,6 +177,17 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.vllm.quantized.x_checkpoint_module_names__mutmut_41":
         "'<q' (signed) for '<Q' as the safetensors header size: equal below 2**63 bytes, and a header that large "
         "cannot be read anyway (safetensors caps it at 100 MB)",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_2":
+        "default format 'BF16' for 'bf16': canonical_format reads names case-insensitively (layout.formats' "
+        "get_format lower-cases them), so both give bf16",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_40":
+        "the override label 'nbytes' renamed: the label is only compared with 'tflops', 'link' and 'hbm', and "
+        "any other label takes the else branch (the expert bytes)",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_41": "the override label 'nbytes' renamed: as mutmut_40",
+    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_17":
+        "the key 'h200' never found: the loop then returns nothing for an H200 and detect_profile falls back to "
+        "'h200', its default (no GPU name holds h200 and a key tried after it)",
+    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_18": "the key 'h200' never found: as mutmut_17",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",
