@@ -144,23 +144,21 @@ def test_check_dims_names_the_dimension_exactly():
 
 def test_check_dims_refusals_in_full_and_the_smallest_dims():
     """The whole text: what the format packs, the group when it asks for more than the packing, and the fix."""
-    with pytest.raises(ConfigError) as info:
-        get_format("int4-g32").check_dims(512, 1000)
-    assert str(info.value) == (
-        "format int4-g32: moe_intermediate_size (I) = 1000 is not a multiple of 32 (INT4 W4A16, group 32 (bf16 "
-        "scales) packs 8 values per int32 and groups 32 per scale). Fix: use a model whose expert dims are multiples "
-        "of 32, or another --format")
-    with pytest.raises(ConfigError) as info:   # group 8 = the packing: no group clause
-        get_format("int4-g8").check_dims(4100, 64)
-    assert str(info.value) == (
-        "format int4-g8: hidden_size (H) = 4100 is not a multiple of 8 (INT4 W4A16, group 8 (bf16 scales) packs 8 "
-        "values per int32). Fix: use a model whose expert dims are multiples of 8, or another --format")
-    with pytest.raises(ConfigError) as info:
-        get_format("mxfp4").check_dims(48, 64)
-    assert str(info.value) == (
-        "format mxfp4: hidden_size (H) = 48 is not a multiple of 32 (MXFP4 (E2M1, E8M0 scale per 32) packs 2 values "
-        "per uint8 and groups 32 per scale). Fix: use a model whose expert dims are multiples of 32, or another "
-        "--format")
+    for fmt, hidden, intermediate, message in (
+            ("int4-g32", 512, 1000,
+             "format int4-g32: moe_intermediate_size (I) = 1000 is not a multiple of 32 (INT4 W4A16, group 32 (bf16 "
+             "scales) packs 8 values per int32 and groups 32 per scale). Fix: use a model whose expert dims are "
+             "multiples of 32, or another --format"),
+            ("int4-g8", 4100, 64,   # group 8 = the packing: no group clause
+             "format int4-g8: hidden_size (H) = 4100 is not a multiple of 8 (INT4 W4A16, group 8 (bf16 scales) packs "
+             "8 values per int32). Fix: use a model whose expert dims are multiples of 8, or another --format"),
+            ("mxfp4", 48, 64,
+             "format mxfp4: hidden_size (H) = 48 is not a multiple of 32 (MXFP4 (E2M1, E8M0 scale per 32) packs 2 "
+             "values per uint8 and groups 32 per scale). Fix: use a model whose expert dims are multiples of 32, or "
+             "another --format")):
+        with pytest.raises(ConfigError) as info:
+            get_format(fmt).check_dims(hidden, intermediate)
+        assert str(info.value) == message
     get_format("bf16").check_dims(1, 1)   # 1 is a positive int, and BF16 packs one value per element
     with pytest.raises(ConfigError) as info:
         get_format("fp16")
