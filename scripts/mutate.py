@@ -131,6 +131,15 @@ EQUIVALENT: dict[str, str] = {
         "alloc_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand (searchsorted takes an int32 sequence)",
     "moonep_ep.ops.planner.x_entry_dst__mutmut_197":
         "expert_off.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_17":
+        "an integer tensor kept in its own dtype (.to(None)): numpy sums small integer dtypes in int64 and torch's "
+        "cumsum promotes integer tensors to int64, so the plan is the same (test_counts_of_any_integer_dtype_give_"
+        "the_same_plan runs int32 and uint8 tensors)",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_32":
+        "dtype kinds 'XXiuXX' for 'iu': 'i' and 'u' are still in the string, and no numpy dtype kind is 'X'",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_65":
+        "astype(None) (float64) for astype(int64): every accepted plan has counts below S*K < 2^31, exact in "
+        "float64, and every table is built from Python ints or converted to int32",
     "moonep_ep.ops.planner.x__destination_tables__mutmut_15":
         "remote_stats rows start [1, 0]: index 0 of every row is assigned (remote_stats[d][0] = len(remote)) for "
         "every d before it is read",

@@ -485,6 +485,10 @@ FIX_T = "Fix: pass the all-gathered tokens_per_expert of every rank as an intege
         ([[4, 3, 1, 0], [4]], {}, "tokens_per_expert is not an array: got 'list'. " + FIX_T),   # ragged
         (np.array([[2**63, 3, 1, 0], [4, 3, 0, 1]], dtype=np.uint64), {},
          "tokens_per_expert has a count too large for int64: got 9223372036854775808. " + FIX_T),
+        # the largest int64 passes the dtype check and is judged as a count
+        (np.array([[2**63 - 1, 0, 0, 0], [4, 3, 0, 1]], dtype=np.uint64), {},
+         "tokens_per_expert of rank 0 sums to a value that is not a multiple of K=2: got 9223372036854775807. Fix: "
+         "each rank's counts must sum to s*K (s tokens, K entries each); pass bincount(topk, minlength=E)"),
         # NvS = S*K + (token_padding - 1) * 2 * E/R = 2^21 * 8 + 3 * 2 * 2 = 16777228
         (GOOD_T, dict(S=2**21, K=8), "NvS = S*K + (token_padding-1)*2*E/R exceeds 2^24-1 (MoonEP packs loff in 24 "
                                      "bits next to a 7-bit kidx): got 16777228. Fix: lower S, K or token_padding"),
@@ -507,6 +511,14 @@ def test_counts_of_any_integer_dtype_give_the_same_plan() -> None:
         assert plan_dispatch(T, **GOOD).same_as(ref)
     single = plan_dispatch([[4, 3, 1, 0]], S=4, K=2, E=4, R=1, token_padding=4)   # one rank: uniform by itself
     assert single.alloc.tolist() == [[4], [3], [1], [0]]
+
+
+def test_a_donor_whose_fullest_expert_holds_one_entry_still_sends_it() -> None:
+    """K = 1: rank 0 routes to expert 0, rank 1 to expert 1, both homed on rank 0 (E/R = 2). Capacity 1 each, so
+    group 0 hands 1 entry to rank 1: expert 0 (the first of two fullest, 1 entry each) moves there."""
+    p = plan_dispatch([[1, 0, 0, 0], [0, 1, 0, 0]], S=1, K=1, E=4, R=2, token_padding=1)
+    assert (p.cap.tolist(), p.z.tolist()) == ([1, 1], [[0, 1], [0, 0]])
+    assert p.alloc.tolist() == [[0, 1], [1, 0], [0, 0], [0, 0]]
 
 
 def test_defaults_pad_to_128_rows_and_give_each_rank_epn_slots() -> None:
