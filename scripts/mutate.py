@@ -219,6 +219,17 @@ EQUIVALENT: dict[str, str] = {
         "_ALIASES.get(key, 'XXXX') for '': no format is named 'XXXX', so FORMATS.get gives None either way",
     "moonep_ep.layout.formats.x_get_format__mutmut_28":
         "group > 1 for > 0: the group is a non-negative int, and 1 fails the multiple-of-8 test either way",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_21":
+        "projection=None for the split weight: ProjectionSpec takes its name for an empty projection, and the "
+        "split weights are named after their projection (gate, up, down)",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_26":
+        "projection= dropped for the split weight: as x_expert_projections__mutmut_21",
+    "moonep_ep.ops.padding.x_real_entries__mutmut_2":
+        "route_count kept int32 (.to(None)): its cumsum is int64 (torch promotes integer cumsums) and the other "
+        "operands are int64, so the result and its dtype are the same",
+    "moonep_ep.ops.padding.x_real_entries__mutmut_9":
+        "tokens_per_expert kept int32 (.to(None)): compared with and subtracted from the int64 padding matrix, "
+        "which promotes it; the values are the same",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
