@@ -52,13 +52,17 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/ops/test_decode_cost.py", "tests/vllm/test_padding_decisions.py"],
         "canary": None,
     },
-    "ops/planner": {
+    "ops/planner": {   # every mutant reruns the two property tests: 20 Hypothesis examples each, not 200
         "tests": ["tests/ops/test_planner.py", "tests/ops/test_padding.py"],
+        "max_examples": 20,
         "canary": "plan_dispatch",
     },
-    "layout/formats": {
+    "layout/formats": {   # the in-process tests (the slow ones spawn ranks, where mutmut's stats pass cannot see
+        # the formats run, and take minutes of each clean and stats pass); 20 examples of the closed-form property
         "tests": ["tests/layout/test_formats.py", "tests/layout/test_quantized_store.py",
                   "tests/ops/test_quantized_experts.py"],
+        "select": ["-m", "not slow"],
+        "max_examples": 20,
         "canary": None,
     },
     "layout/plan": {   # the in-process tests only: the slow ones spawn 4 ranks per test (the page plan runs
@@ -68,7 +72,8 @@ MODULES: dict[str, dict] = {
         "canary": None,
     },
     "vllm/quantized": {
-        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py"],
+        "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py",
+                  "tests/vllm/test_quantized_refusal_texts.py"],
         "canary": None,
     },
     "vllm/loading": {   # the reload precheck only
@@ -126,6 +131,48 @@ EQUIVALENT: dict[str, str] = {
         "alloc_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand (searchsorted takes an int32 sequence)",
     "moonep_ep.ops.planner.x_entry_dst__mutmut_197":
         "expert_off.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_17":
+        "an integer tensor kept in its own dtype (.to(None)): numpy sums small integer dtypes in int64 and torch's "
+        "cumsum promotes integer tensors to int64, so the plan is the same (test_counts_of_any_integer_dtype_give_"
+        "the_same_plan runs int32 and uint8 tensors)",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_32":
+        "dtype kinds 'XXiuXX' for 'iu': 'i' and 'u' are still in the string, and no numpy dtype kind is 'X'",
+    "moonep_ep.ops.planner.x__counts_array__mutmut_65":
+        "astype(None) (float64) for astype(int64): every accepted plan has counts below S*K < 2^31, exact in "
+        "float64, and every table is built from Python ints or converted to int32",
+    "moonep_ep.ops.planner.x__destination_tables__mutmut_15":
+        "remote_stats rows start [1, 0]: index 0 of every row is assigned (remote_stats[d][0] = len(remote)) for "
+        "every d before it is read",
+    "moonep_ep.ops.planner.x__destination_tables__mutmut_20":
+        "cu_seqlens rows start at 1: every one of the G = E + B entries is assigned in the group loop",
+    "moonep_ep.ops.planner.x__destination_tables__mutmut_52":
+        "copy_owner e / epn for e // epn: e >= 0, and i32() builds an int64 tensor, which truncates the quotient "
+        "toward zero, i.e. floors it",
+    "moonep_ep.ops.planner.x__destination_tables__mutmut_67":
+        "-2 for -1 as the mark of a slotted expert's own group: group_expert is read only through 'e >= 0'",
+    "moonep_ep.ops.planner.x__split_tokens__mutmut_14":
+        "rem = C[h*epn:(h+2)*epn]: only rem[0:epn] is read (j ranges over range(epn))",
+    "moonep_ep.ops.planner.x__split_tokens__mutmut_33":
+        "rem[j] < 0 for <= 0 in the donor-exhausted check that cannot be reached (a donor group never sends more "
+        "than it holds: z[h] sums to balance[h] < sum(rem))",
+    "moonep_ep.ops.planner.x__split_tokens__mutmut_35":
+        "return for break in the same unreachable donor-exhausted check",
+    "moonep_ep.ops.planner.x__split_tokens__mutmut_41":
+        "alloc[..][d] = take for +=: each (expert, destination) pair is served at most once (after a take either "
+        "the expert's rem or the destination's quota is 0, and the max never picks it again), and the cell starts "
+        "at 0 (d != h: z[h][h] is 0)",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_69":
+        "the proven bound's assert weakened ('or'): it holds for every plan, so neither form fails",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_71":
+        "the proven bound's assert on row[1] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_72":
+        "the proven bound's assert on row[-2] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_79": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_81": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_86": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_88": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_91": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_93": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.vllm.peer_naming.x_patch_dp_batch_sync__mutmut_13":
         "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
     "moonep_ep.vllm.peer_naming.x_patch_engine_core__mutmut_22":
@@ -148,6 +195,41 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.layout.formats.x__tensors__mutmut_27":
         "'or' for 'and' in an assertion of an invariant: every format with scales has both its scale dtype and its "
         "scale tensor name, so neither form fails",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_25":
+        "role='weight' dropped: ProjectionSpec's role defaults to 'weight'",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_70":
+        "role='weight' dropped: ProjectionSpec's role defaults to 'weight'",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_56":
+        "group formats (scale_block (1, 32)) through the block-scale branch: rows = 1 gives w13 scales "
+        "[2*ceil(I/1), ceil(H/32)] = [2I, H/32] (check_dims makes H a multiple of 32), the names 'w13_' + name and "
+        "projection 'w13': what _tensors builds; bf16 (not quantized, scale_block (1, 1)) stays out either way",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_57":
+        "scale_block[1] > 1 for [0]: fp8-block (128, 128) takes the block branch either way; the group formats "
+        "(1, 32) take it and build the same specs (as x_expert_projections__mutmut_56)",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_58":
+        "scale_block[0] >= 1: the group formats take the block branch and build the same specs (as "
+        "x_expert_projections__mutmut_56)",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_59":
+        "scale_block[0] > 2 for > 1: the first block dimension is 1 or 128, never 2",
+    "moonep_ep.layout.formats.x_get_format__mutmut_9":
+        "_ALIASES.get(key, None) for '': FORMATS.get(None) and FORMATS.get('') are both None",
+    "moonep_ep.layout.formats.x_get_format__mutmut_11":
+        "_ALIASES.get(key) for _ALIASES.get(key, ''): FORMATS.get(None) and FORMATS.get('') are both None",
+    "moonep_ep.layout.formats.x_get_format__mutmut_12":
+        "_ALIASES.get(key, 'XXXX') for '': no format is named 'XXXX', so FORMATS.get gives None either way",
+    "moonep_ep.layout.formats.x_get_format__mutmut_28":
+        "group > 1 for > 0: the group is a non-negative int, and 1 fails the multiple-of-8 test either way",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_21":
+        "projection=None for the split weight: ProjectionSpec takes its name for an empty projection, and the "
+        "split weights are named after their projection (gate, up, down)",
+    "moonep_ep.layout.formats.x_expert_projections__mutmut_26":
+        "projection= dropped for the split weight: as x_expert_projections__mutmut_21",
+    "moonep_ep.ops.padding.x_real_entries__mutmut_2":
+        "route_count kept int32 (.to(None)): its cumsum is int64 (torch promotes integer cumsums) and the other "
+        "operands are int64, so the result and its dtype are the same",
+    "moonep_ep.ops.padding.x_real_entries__mutmut_9":
+        "tokens_per_expert kept int32 (.to(None)): compared with and subtracted from the int64 padding matrix, "
+        "which promotes it; the values are the same",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
@@ -159,6 +241,34 @@ EQUIVALENT: dict[str, str] = {
         "repeat_interleave(counts) is by definition repeat_interleave(arange(len(counts)), counts)",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.vllm.quantized.x__ct__mutmut_50":
+        "fmt = '' for None: every branch that leaves fmt unset appends a problem, and the scheme's format is "
+        "None whenever there is one (fmt if not problems else None)",
+    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_3":
+        "the '.mlp.experts.' skip never taken: no expert module (mlp.experts.<e>.<proj>_proj, or a fused "
+        "mlp.experts.<tensor>) fullmatches a non-expert kind's pattern (self_attn.*_proj, shared_experts.<proj>_proj, "
+        "mlp.<proj>_proj directly under mlp, lm_head), so the skip only saves the scan",
+    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_4":
+        "the '.mlp.experts.' skip never taken ('.MLP.EXPERTS.'): as x__non_expert_linears__mutmut_3",
+    "moonep_ep.vllm.quantized.x__quantized_with_moonep__mutmut_42":
+        "getattr(hf, 'quantization_config', None) also when hf is None: getattr(None, ..., None) is None, "
+        "the value the else branch gives",
+    "moonep_ep.vllm.quantized.x_check_vllm_config__mutmut_14":
+        "a dict passed through getattr(q, 'to_dict', lambda: q)(): a dict has no to_dict, so it comes back itself",
+    "moonep_ep.vllm.quantized.x_checkpoint_module_names__mutmut_41":
+        "'<q' (signed) for '<Q' as the safetensors header size: equal below 2**63 bytes, and a header that large "
+        "cannot be read anyway (safetensors caps it at 100 MB)",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_2":
+        "default format 'BF16' for 'bf16': canonical_format reads names case-insensitively (layout.formats' "
+        "get_format lower-cases them), so both give bf16",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_40":
+        "the override label 'nbytes' renamed: the label is only compared with 'tflops', 'link' and 'hbm', and "
+        "any other label takes the else branch (the expert bytes)",
+    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_41": "the override label 'nbytes' renamed: as mutmut_40",
+    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_17":
+        "the key 'h200' never found: the loop then returns nothing for an H200 and detect_profile falls back to "
+        "'h200', its default (no GPU name holds h200 and a key tried after it)",
+    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_18": "the key 'h200' never found: as mutmut_17",
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",
@@ -221,8 +331,10 @@ def _mutmut_only(work: Path) -> Path:
     return only
 
 
-def _env(work: Path) -> dict:
+def _env(work: Path, spec: dict | None = None) -> dict:
     env = dict(os.environ)
+    if spec and spec.get("max_examples"):   # tests/support/hypothesis_budget.py caps each property test's examples
+        env["MOONEP_EP_TEST_MAX_EXAMPLES"] = str(spec["max_examples"])
     env["PYTHONPATH"] = os.pathsep.join([str(work / "mutants" / "src"), str(work / "mutants"),
                                          str(_mutmut_only(work))])
     env.pop("MUTANT_UNDER_TEST", None)
@@ -293,7 +405,7 @@ def _results(work: Path, key: str, spec: dict) -> dict:
 def run_module(key: str, timeout_s: int) -> dict:
     work, spec = _prepare(key)
     start = time.monotonic()
-    env = _env(work)
+    env = _env(work, spec)
     args = [sys.executable, "-c", "from mutmut.__main__ import cli; cli()", "run", "--max-children", "2"]
     if spec.get("functions"):
         module = "moonep_ep." + key.replace("/", ".")

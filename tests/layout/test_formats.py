@@ -140,3 +140,47 @@ def test_check_dims_names_the_dimension_exactly():
     with pytest.raises(ConfigError) as info:
         get_format("int4-g32").check_dims(512, 100)
     assert str(info.value).startswith("format int4-g32: moe_intermediate_size (I) = 100 is not a multiple of 32 (")
+
+
+def test_check_dims_refusals_in_full_and_the_smallest_dims():
+    """The whole text: what the format packs, the group when it asks for more than the packing, and the fix."""
+    for fmt, hidden, intermediate, message in (
+            ("int4-g32", 512, 1000,
+             "format int4-g32: moe_intermediate_size (I) = 1000 is not a multiple of 32 (INT4 W4A16, group 32 (bf16 "
+             "scales) packs 8 values per int32 and groups 32 per scale). Fix: use a model whose expert dims are "
+             "multiples of 32, or another --format"),
+            ("int4-g8", 4100, 64,   # group 8 = the packing: no group clause
+             "format int4-g8: hidden_size (H) = 4100 is not a multiple of 8 (INT4 W4A16, group 8 (bf16 scales) packs "
+             "8 values per int32). Fix: use a model whose expert dims are multiples of 8, or another --format"),
+            ("mxfp4", 48, 64,
+             "format mxfp4: hidden_size (H) = 48 is not a multiple of 32 (MXFP4 (E2M1, E8M0 scale per 32) packs 2 "
+             "values per uint8 and groups 32 per scale). Fix: use a model whose expert dims are multiples of 32, or "
+             "another --format")):
+        with pytest.raises(ConfigError) as info:
+            get_format(fmt).check_dims(hidden, intermediate)
+        assert str(info.value) == message
+    get_format("bf16").check_dims(1, 1)   # 1 is a positive int, and BF16 packs one value per element
+    with pytest.raises(ConfigError) as info:
+        get_format("fp16")
+    assert str(info.value) == "unknown expert format 'fp16'. Fix: use one of bf16, fp8-block, int4-g32, mxfp4"
+
+
+def test_every_spec_names_its_role_and_projection_with_int_shapes():
+    # H = 256, I = 96, INT4 group 32 (8 values per int32): gate/up [I, H/8] = [96, 32], scales [96, H/32] = [96, 8];
+    # down [H, I/8] = [256, 12], scale [256, I/32] = [256, 3]
+    assert expert_projections("int4-g32", 256, 96, split_w13=True) == [
+        ProjectionSpec("gate", (96, 32), torch.int32, role="weight", projection="gate"),
+        ProjectionSpec("gate_scale", (96, 8), torch.bfloat16, role="scale", projection="gate"),
+        ProjectionSpec("up", (96, 32), torch.int32, role="weight", projection="up"),
+        ProjectionSpec("up_scale", (96, 8), torch.bfloat16, role="scale", projection="up"),
+        ProjectionSpec("down", (256, 12), torch.int32, role="weight", projection="down"),
+        ProjectionSpec("down_scale", (256, 3), torch.bfloat16, role="scale", projection="down")]
+    # fp8-block fused: w13 [2I, H] with scales [2*ceil(96/128), ceil(256/128)] = [2, 2]; w2 [H, I], scales [2, 1]
+    assert expert_projections("fp8-block", 256, 96) == [
+        ProjectionSpec("w13_weight", (192, 256), torch.float8_e4m3fn, role="weight", projection="w13"),
+        ProjectionSpec("w13_weight_scale_inv", (2, 2), torch.float32, role="scale", projection="w13"),
+        ProjectionSpec("w2_weight", (256, 96), torch.float8_e4m3fn, role="weight", projection="w2"),
+        ProjectionSpec("w2_weight_scale_inv", (2, 1), torch.float32, role="scale", projection="w2")]
+    for fmt in FORMAT_NAMES:   # shapes are ints (torch allocates them), not 12.0 (which compares equal to 12)
+        for split in (False, True):
+            assert all(type(n) is int for p in expert_projections(fmt, 256, 96, split_w13=split) for n in p.shape)

@@ -28,6 +28,7 @@ from moonep_ep.memory.host import HostDriver
 from moonep_ep.ops.prefetch import pull_slots
 from moonep_ep.launch import run_ranks
 from tests.support.cli import moonep_ep_json
+from tests.support.hypothesis_budget import max_examples
 
 H, I, E, L = 512, 256, 16, 3
 GRAN = 64 << 10
@@ -135,7 +136,7 @@ def test_quantized_store_rows_fills_and_accounting_on_four_ranks(fmt):
        E_R=st.sampled_from([(8, 2), (16, 4), (384, 64), (896, 64), (128, 8)]),
        gran=st.sampled_from([4096, 64 << 10, 2 << 20]), layers=st.integers(1, 3), slots=st.integers(1, 8),
        pools=st.sampled_from([1, 2]))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=max_examples(200), deadline=None)
 def test_closed_form_equals_the_page_plan_with_scale_tensors(tensors, E_R, gran, layers, slots, pools):
     E_, R = E_R
     rows, roles = [t[0] for t in tensors], [t[1] for t in tensors]

@@ -20,8 +20,23 @@ def test_bytes_per_expert_match_the_published_formats():
     assert expert_bytes_for(k2, "int4-g32") == 24_772_608
     assert expert_bytes_for(k2, "mxfp4") == 23_396_352
     assert expert_bytes_for(k3, "mxfp4") == 17_547_264
-    with pytest.raises(ValueError, match="unknown weight format"):
+    with pytest.raises(ValueError) as unknown:
         expert_bytes_for(k2, "fp16")
+    assert str(unknown.value) == "unknown weight format 'fp16': use one of ['bf16', 'fp8-block', 'int4-g32', 'mxfp4']"
+
+
+def test_a_store_format_the_cost_model_does_not_price_is_refused():
+    """layout.formats sizes INT4 at any group size that is a multiple of 8 (int4-g128: W4A16's default group), but
+    FORMATS here prices int4-g32 only: the same refusal, listing what is priced."""
+    from moonep_ep.layout.formats import get_format
+    from moonep_ep.ops.decode_cost import canonical_format
+
+    assert get_format("int4-g128").name == "int4-g128"
+    with pytest.raises(ValueError) as unpriced:
+        canonical_format("int4-g128")
+    assert str(unpriced.value) == ("unknown weight format 'int4-g128': use one of ['bf16', 'fp8-block', "
+                                   "'int4-g32', 'mxfp4']")
+    assert canonical_format("BF16") == "bf16" and canonical_format("fp8") == "fp8-block"   # case, an alias
 
 
 def test_a_copy_pays_exactly_above_its_rows_threshold(monkeypatch):
@@ -38,6 +53,7 @@ def test_a_copy_pays_exactly_above_its_rows_threshold(monkeypatch):
     assert cm.slot_budget(274, 8, 6) == 0 and cm.slot_budget(275, 8, 6) == 6
     assert cm.slot_budget(1099, 2, 6) == 6 and cm.slot_budget(1099, 1, 6) == 0   # S*K = 2198 exactly pays
     assert cm.slot_budget(128, 8, 6) == 0 and cm.slot_budget(8192, 8, 6) == 6
+    assert cost_model(get_model("kimi-k2"), profile="h200") == cm   # the default format is bf16
     monkeypatch.setenv("MOONEP_EP_COST_LINK_GBPS", "45")   # a 10x slower link: copies pay 10x later
     slow = cost_model(get_model("kimi-k2"), "bf16", "h200")
     assert slow.overrides == ("MOONEP_EP_COST_LINK_GBPS=45.0",)
@@ -86,13 +102,22 @@ def test_every_cost_override_replaces_its_input(monkeypatch):
                                                               "MOONEP_EP_COST_EXPERT_BYTES=1000000"],
                              "source": PROFILES["h200"].source}
     assert cm.copy_seconds() == 1_000_000 / 50e9     # one expert by default
+    # Break-even does not pay: an expert of 44,040,192 bytes over 50 GB/s takes 880.80384 us, and 1000 rows of
+    # 88,080,384 FLOPs at 100 TFLOP/s take 88,080,384,000 / 1e14 s = 880.80384 us too (both quotients of exact
+    # integers, so the floats are equal); the copy pays from 1001 rows.
+    monkeypatch.setenv("MOONEP_EP_COST_EXPERT_BYTES", "44040192")
+    even = cost_model(get_model("kimi-k2"), "bf16", "h200")
+    assert even.rows_seconds(1000) == even.copy_seconds(1)
+    assert not even.copy_pays(1000) and even.copy_pays(1001) and even.rows_to_pay == 1001
+    assert even.slot_budget(1000, 1, 6) == 0 and even.slot_budget(1001, 1, 6) == 6
     with pytest.raises(ValueError, match="unknown GPU profile 'a100'"):
         cost_model(get_model("kimi-k2"), "bf16", "a100")
 
 
 @pytest.mark.parametrize("gpu, profile", [("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
                                           ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
-                                          ("NVIDIA A100-SXM4-80GB", "h200")])
+                                          ("NVIDIA A100-SXM4-80GB", "h200"),
+                                          ("NVIDIA GB 200", "gb200")])   # spaces are ignored in the match
 def test_auto_profile_follows_the_visible_gpus_name(gpu, profile, monkeypatch):
     from moonep_ep.ops.decode_cost import detect_profile
 
