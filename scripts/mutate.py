@@ -173,6 +173,9 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.planner.x_plan_dispatch__mutmut_88": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.planner.x_plan_dispatch__mutmut_91": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.ops.planner.x_plan_dispatch__mutmut_93": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.memory.exchange.x_vote__mutmut_147":
+        "len(set(known)) >= 1 for > 1: with one known multicast clique, first (rank 0's, else the first known) is "
+        "that clique, so no reported clique differs from it and no rank is added",
     "moonep_ep.vllm.peer_naming.x_patch_dp_batch_sync__mutmut_13":
         "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
     "moonep_ep.vllm.peer_naming.x_patch_engine_core__mutmut_22":

@@ -160,3 +160,34 @@ def test_every_refusal_and_reason_of_the_vote_word_for_word():
     alone = vote([_peer("a", fabric=False, device="g0")], 0)
     assert (alone.handle_type, alone.multicast, alone.reason) == (HandleType.POSIX_FD, True, "all ranks on one host")
     assert vote([_peer("a", device="g0", driver="host")], 0).multicast is True
+
+
+def test_multicast_stays_inside_one_multicast_clique_across_hosts():
+    """Ranks on two hosts of one NVLink clique (X) whose multicast cliques differ: the ranks outside the first known
+    one (rank 0's, else the first reported) lack multicast; an unreported one ("" or absent) is not judged; on one
+    host the labels are not compared."""
+    hosts = ["a", "a", "b", "b"]
+
+    def group(cliques, prefs=(None, None)):
+        peers = [_peer(h, "X", device=f"g{r}", prefs=prefs) for r, h in enumerate(hosts)]
+        for p, c in zip(peers, cliques):
+            if c is not None:
+                p["mc_clique"] = c
+        return peers
+
+    for cliques, lacking in ((["A", "A", "B", "B"], [2, 3]), (["A", "B", "A", "B"], [1, 3]),
+                             (["", "A", "B", "B"], [2, 3]), ([None, "A", "B", "A"], [2])):
+        d = vote(group(cliques), 0)
+        assert (d.multicast, d.reason) == (False, f"ranks span hosts; multicast off (rank(s) {lacking} lack it)")
+    for cliques in (["A"] * 4, ["", "A", None, "A"], [None] * 4):   # one clique, or none reported
+        d = vote(group(cliques), 0)
+        assert (d.multicast, d.reason, d.multicast_forced) == (True, "ranks span hosts", False)
+    one_host = [_peer("a", device="g0"), _peer("a", device="g1")]
+    one_host[0]["mc_clique"], one_host[1]["mc_clique"] = "A", "B"
+    assert vote(one_host, 0).multicast is True
+    with pytest.raises(ConfigError) as info:
+        vote(group(["A", "A", "B", "B"], prefs=(None, "on")), 1)
+    assert str(info.value) == ("[rank 1] MOONEP_EP_MULTICAST=on but rank(s) [2, 3] lack multicast. Fix: "
+                               "MOONEP_EP_MULTICAST=auto or off, or run on NVSwitch GPUs with Fabric Manager")
+    forced = vote(group(["A"] * 4, prefs=(None, "on")), 0)
+    assert (forced.multicast, forced.multicast_forced) == (True, True)
