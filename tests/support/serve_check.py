@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import itertools
 import json
 import os
 import re
@@ -344,7 +345,10 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0, stop: str = 
         with open(log_path, errors="replace") as f:
             log = f.read()
         result["log_tail"] = log[-3000:]
-        result["header"] = [line for line in log.splitlines() if line.startswith(("moonep-ep serve:", "  "))][:8]
+        lines = log.splitlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith("moonep-ep serve:")), len(lines))
+        rest = itertools.takewhile(lambda line: line.startswith("  "), lines[first + 1:])
+        result["header"] = lines[first:first + 1] + list(rest)  # the command's own lines, before the server's
         result["terminal"] = terminal_report(log)
         import shutil
 

@@ -20,11 +20,12 @@ call (inputs and received outputs):
 The count of a call is ``max(sent, received)``: what the caller's send
 buffers hold before the call, and what its receive buffers hold after it,
 so a broadcast, an all-gather or an all-to-all counts its weight payload
-once. Before the call only what the caller sends is scanned: a receive buffer (``output`` of ``all_to_all_single``, the
-``tensor`` of ``recv``, a broadcast's tensor on a rank other than ``src``,
-...) holds whatever its memory held last, and a freed copy of an expert
-there would be a false positive (seen: the allocator handed a dispatch's
-output the block where a loader had built an expert). Not detected: weights converted to another
+once. Before the call only what the caller sends is scanned: a receive
+buffer (``output`` of ``all_to_all_single``, the ``tensor`` of ``recv``, a
+broadcast's tensor on a rank other than ``src``, ...) holds whatever its
+memory held last, and a freed copy of an expert there would be a false
+positive (seen: the allocator handed a dispatch's output the block where a
+loader had built an expert). Not detected: weights converted to another
 dtype or split off row boundaries before sending, functional collectives
 (``torch.distributed._functional_collectives``), names bound with
 ``from torch.distributed import ...`` before the recorder starts, and direct
@@ -61,7 +62,8 @@ WRAPPED_OPS = (
 _RECEIVED_PARAMS = {
     "all_to_all_single": ("output",), "all_to_all": ("output_tensor_list",),
     "all_gather": ("tensor_list",), "all_gather_into_tensor": ("output_tensor",),
-    "_all_gather_base": ("output_tensor",), "all_gather_single": ("output_tensor",), "all_gather_coalesced": ("output_tensor_lists",),
+    "_all_gather_base": ("output_tensor",), "all_gather_single": ("output_tensor",),
+    "all_gather_coalesced": ("output_tensor_lists",),
     "reduce_scatter": ("output",), "reduce_scatter_tensor": ("output",), "_reduce_scatter_base": ("output",),
     "reduce_scatter_single": ("output",),
     "gather": ("gather_list",), "scatter": ("tensor",), "recv": ("tensor",), "irecv": ("tensor",),
@@ -101,14 +103,29 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         yield obj.tensor
 
 
-def _split_arguments(name: str, fn: Callable, args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
+def _signature(fn: Callable) -> Optional[inspect.Signature]:
+    """``fn``'s signature, or None for a builtin without one (its calls are scanned whole)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_irecv(op: Any) -> bool:
+    return getattr(getattr(op, "op", None), "__name__", "") == "irecv"
+
+
+def _split_arguments(name: str, signature: Optional[inspect.Signature], args: tuple,
+                     kwargs: dict) -> tuple[list[Any], list[Any]]:
     """``(sent, received)``: the arguments whose contents the caller sends, and
     the receive buffers. An op with no receive buffer (``all_reduce``, ``send``,
     ``barrier``) sends and receives in place: both lists hold every argument."""
-    everything = [*args, *kwargs.values()]
+    everything = [*args, *kwargs.values()]  # a builtin or an unusual call: scan everything, a superset
+    if signature is None:
+        return everything, everything
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):  # a builtin or an unusual call: scan everything, a superset
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
         return everything, everything
     received_params = set(_RECEIVED_PARAMS.get(name, ()))
     if name in _BROADCAST_OPS and dist.is_initialized():
@@ -120,9 +137,8 @@ def _split_arguments(name: str, fn: Callable, args: tuple, kwargs: dict) -> tupl
     sent, received = [], []
     for param, value in bound.arguments.items():
         if name == "batch_isend_irecv":  # P2POps: isend ones send, irecv ones receive
-            is_recv = lambda op: getattr(getattr(op, "op", None), "__name__", "") == "irecv"  # noqa: E731
-            sent.append([op for op in value if not is_recv(op)])
-            received.append([op for op in value if is_recv(op)])
+            sent.append([op for op in value if not _is_irecv(op)])
+            received.append([op for op in value if _is_irecv(op)])
         elif param in received_params:
             received.append(value)
         else:
@@ -204,6 +220,7 @@ class CollectiveRecorder:
     # -- wrapping -----------------------------------------------------------------------------
     def _wrap(self, name: str, fn: Callable) -> Callable:
         recorder = self
+        signature = _signature(fn)  # once per op: the wrapper runs on every collective
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -211,7 +228,7 @@ class CollectiveRecorder:
             if depth:
                 return fn(*args, **kwargs)  # nested (e.g. all_gather inside all_gather_object)
             tensors = [t for a in (*args, *kwargs.values()) for t in _tensors_in(a)]
-            sent, received = _split_arguments(name, fn, args, kwargs)
+            sent, received = _split_arguments(name, signature, args, kwargs)
             before = sum(recorder.weight_bytes_in(t) for a in sent for t in _tensors_in(a))
             recorder._local.depth = 1
             try:
