@@ -148,3 +148,46 @@ def test_selftest_eight_ranks_on_two_hosts_of_an_nvl72_domain_over_fabric(monkey
     assert out["multicast"]["used"] and out["multicast"]["members_updated"] == 8
     assert (out["leaked_fds"], out["leaked_mappings"], out["leaked_device_bytes"]) == (0, 0, 0)
     assert out["leaked_below_library"] == {} and out["leaked_driver_objects"] == {} and out["leaked_shm_bytes"] == 0
+
+
+BIND_FULL = "H100x8,mc_fail=bind:MULTICAST_RESOURCE_FULL"  # every GPU's cuMulticastBindMem answers RESOURCE_FULL
+
+
+def test_auto_multicast_failure_at_bind_degrades_on_every_rank_and_on_fails_naming_the_fix(monkeypatch, emulator):
+    """Issue 27, as a user meets it: a node whose multicast binds fail (MULTICAST_RESOURCE_FULL).
+
+    ``selftest`` is the command whose allocation requests multicast. With ``MOONEP_EP_MULTICAST=auto`` every rank
+    allocates without it (one reason, naming the failing rank, the step and the driver's error), the byte checks
+    pass and nothing leaks; with ``on`` every rank fails with one error naming the fix. The sharded store requests
+    no multicast, so ``demo`` on the same node passes its dense oracle either way (the injected node does not
+    reach the store). Control: on the healthy node the same selftest uses multicast (see the first test here)."""
+    import json
+
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", BIND_FULL)
+    monkeypatch.setenv("MOONEP_EP_MULTICAST", "auto")
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda", "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0 and out["ok"] is True and out["errors"] == [], out
+    reason = out["multicast"]["reason"]
+    assert out["multicast"]["used"] is False
+    assert "multicast: off (rank 0 failed at 'multicast bind (attempt 1)'" in reason, reason
+    assert "CUDA_ERROR_MULTICAST_RESOURCE_FULL" in reason and "rank(s) [0, 1] failed" in reason, reason
+    assert out["leaked_fds"] == 0 and out["leaked_mappings"] == 0 and out["leaked_device_bytes"] == 0
+    # The warning, once per rank and allocation (a warm-up allocation, then the measured one), on stderr.
+    for rank in (0, 1):
+        logged = [line for line in proc.stderr.splitlines()
+                  if line.startswith(f"[rank {rank}] multicast: off on every rank (MOONEP_EP_MULTICAST=auto)")]
+        assert logged and all("CUDA_ERROR_MULTICAST_RESOURCE_FULL" in line for line in logged), proc.stderr
+
+    demo = moonep_ep_json("demo", "--driver", "cuda", "--ranks", "2")
+    assert demo["ok"] is True and demo["tokens_over_tolerance"] == 0 and demo["entries_over_tolerance"] == 0
+
+    monkeypatch.setenv("MOONEP_EP_MULTICAST", "on")
+    proc = moonep_ep("selftest", "--ranks", "2", "--driver", "cuda", "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 1 and out["ok"] is False and sorted(out["errors"]) == ["0", "1"], out
+    for rank, error in out["errors"].items():
+        last = error.strip().splitlines()
+        assert f"[rank {rank}] collective step 'multicast bind (attempt 1)' failed on rank(s) [0, 1]" in error
+        assert "CUDA_ERROR_MULTICAST_RESOURCE_FULL" in error
+        assert last[-1].count("Fix: MOONEP_EP_MULTICAST=auto") == 1 and error.count("Fix:") == 1, error
