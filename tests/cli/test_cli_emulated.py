@@ -76,6 +76,22 @@ def test_footprint_measure_over_the_emulator_matches_the_prediction(emulator):
     assert [r["emulator_created_bytes"] for r in out["per_rank"]] == out["predicted_bytes_per_rank"]
 
 
+@pytest.mark.parametrize("node,drift,ok", [("H100x8", [2 * MiB] * 2, False), ("H100x8,lazy=0", [0, 0], True)])
+def test_footprint_measure_without_the_warm_up_counts_the_lazy_load_control(monkeypatch, emulator, node, drift, ok):
+    """Negative control of footprint's warm-up: read before any kernel ran, every rank's device-wide figure
+    grows by the store's first fill (torch's fill kernel lazily loaded: the emulator's stated 2 MiB, ``lazy=``)
+    and the measure fails. With ``lazy=0`` the same reading is flat: the failure is the lazy load's. The store's
+    own bytes still equal the prediction either way."""
+    import json
+
+    monkeypatch.setenv("MOONEP_EP_CUDA_EMULATOR_NODE", node)
+    proc = moonep_ep("footprint", "--measure", "--ranks", "2", "--model", "tiny", "--layers", "2", "--driver", "cuda",
+                     "--skip-warm-up", "--json")
+    out = json.loads(proc.stdout)
+    assert out["device_wide_drift_bytes_per_rank"] == drift and out["ok"] is ok and proc.returncode == (0 if ok else 1)
+    assert out["measured_bytes_per_rank"] == out["predicted_bytes_per_rank"]
+
+
 def test_bench_prefetch_over_the_emulator(emulator):
     out = moonep_ep_json("bench", "prefetch", "--ranks", "2", "--reps", "1", "--driver", "cuda", timeout=400)
     assert out["ok"] and out["driver"] == "cuda" and out["emulated"] and out["backend"] == "gloo"

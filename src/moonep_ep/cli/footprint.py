@@ -146,6 +146,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       driver_help="with --measure: memory driver (host: memfd sizes from the OS; cuda: device "
                                   "bytes from the driver, over the emulator with MOONEP_EP_CUDA_EMULATOR=1)",
                       json_help="print one JSON object instead of tables")
+    # Negative control of the warm-up (tests): read the device-wide figure before any kernel ran.
+    p.add_argument("--skip-warm-up", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
     return p
 

@@ -247,10 +247,10 @@ class ShardedExpertStore:
     def _zero_own(self) -> None:
         for layer in range(self.num_layers):
             for p in self.projections:
-                self.owner_view(layer, p.name).zero_()
+                self.driver.zero_(self.owner_view(layer, p.name))
         for p in self.projections:
             for pool in range(self.slot_pools):
-                self.gen_a(pool, p.name)[self.num_experts:].zero_()
+                self.driver.zero_(self.gen_a(pool, p.name)[self.num_experts:])
         self.driver.synchronize()
         self.symm.comm.barrier("zero own expert pages and slots")
 

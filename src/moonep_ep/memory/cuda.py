@@ -424,6 +424,17 @@ class CudaDriver(MemoryDriver):
         (what ``torch.cuda.synchronize`` does), issued through the driver so the emulator runs it."""
         self._cu("cuCtxSynchronize")
 
+    def zero_(self, tensor: torch.Tensor) -> None:
+        """torch's fill kernel on the device. Its first launch in a process loads the kernel's module
+        into device memory (lazy loading), which ``cuMemGetInfo`` then counts and nothing frees; over
+        the emulator the tensor is host memory, so the emulator is told of the launch and takes the
+        same stated bytes (``lazy=`` in its node spec)."""
+        tensor.zero_()
+        emulator = cuda_calls.emulator_of(self.api)
+        if emulator is not None:
+            self._ensure_context()
+            emulator.library_kernel_launched("torch-fill")
+
     # -- tensors: the seam between emulated and real device memory ------------------------
     def _stream(self) -> int:
         """The stream torch issues work on (a launch orders behind the copy that filled its source);

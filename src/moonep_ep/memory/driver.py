@@ -197,6 +197,10 @@ class MemoryDriver(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all work that may touch mapped memory (before any unmap)."""
 
+    def zero_(self, tensor: torch.Tensor) -> None:
+        """Zero ``tensor`` (a view of mapped memory) with the device's fill kernel."""
+        tensor.zero_()
+
     # -- tensors ---------------------------------------------------------------
     @abc.abstractmethod
     def as_tensor(self, addr: int, nbytes: int, owner: object) -> torch.Tensor:

@@ -39,7 +39,7 @@ FILL_LIMIT_BYTES = 1 << 30
 
 
 def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden: int, inter: int, slots: int,
-                  slot_pools: int, granularity: int, fmt: str = "bf16") -> dict[str, Any]:
+                  slot_pools: int, granularity: int, fmt: str = "bf16", skip_warm_up: bool = False) -> dict[str, Any]:
     from ...memory import make_driver
     from ...memory.accounting import driver_holdings, snapshot
     from ...layout.formats import store_projections
@@ -54,7 +54,8 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
         if cuda:  # the group's communicator, the allocator's first segment, kernels and page tables, before the window
             warm = GroupComm()
             warm.barrier("footprint: warm up the group")
-            _warm_up_device(driver)
+            if not skip_warm_up:
+                _warm_up_device(driver)
             warm.barrier("footprint: warmed up")
             device_before = _device_used(driver)
         before = driver_holdings(driver, ctx.rank).bytes_held
@@ -119,12 +120,12 @@ def _measure_rank(ctx: Any, driver_name: str, layers: int, experts: int, hidden:
 def _warm_up_device(driver: Any) -> None:
     """What the store's construction does first, once, on a scratch page: CUDA loads a kernel into
     device memory at its first launch (lazy loading) and grows page tables at the first mappings;
-    neither is freed and ``cuMemGetInfo`` counts both. So: zero_() and fill_() a device tensor (the
-    kernels the store launches) and one create/reserve/map/unmap/free/release cycle."""
+    neither is freed and ``cuMemGetInfo`` counts both. So: ``driver.zero_`` and fill_() a device tensor
+    (the kernels the store launches) and one create/reserve/map/unmap/free/release cycle."""
     from ...memory.driver import HandleType
 
     scratch = torch.empty(4096, dtype=torch.uint8, device=driver.torch_device)
-    scratch.zero_()
+    driver.zero_(scratch)  # the store's own zeroing goes through this seam (the emulator counts it too)
     scratch.fill_(1)
     del scratch
     gran = driver.granularity(HandleType.POSIX_FD)
@@ -199,7 +200,8 @@ def measure_footprint(args: argparse.Namespace) -> int:
              (f", granularity {granularity} B" if plan.driver == "host" else ""))
     per_rank = run_ranks(_measure_rank, ranks, args=(plan.driver, layers, model.num_experts, model.hidden_size,
                                                      model.moe_intermediate_size, slots, args.slot_pools,
-                                                     granularity, fmt.name), backend=plan.backend, use_cuda=plan.use_cuda,
+                                                     granularity, fmt.name, getattr(args, "skip_warm_up", False)),
+                         backend=plan.backend, use_cuda=plan.use_cuda,
                          rank_envs=plan.rank_envs, progress=progress)
     granularity = per_rank[0]["granularity"]  # the driver's (CUDA: queried, not the host option)
     rows = []
