@@ -35,9 +35,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--reload", action="store_true",
                    help="after the first generation, update the dp_sharded engines in place to checkpoint B (same "
-                        "shapes, other values; judged by the oracle on B, and compared with a fresh engine started "
-                        "on B: same expert bytes), then try a checkpoint of another shape, which must "
-                        "be refused while B keeps serving (tiny models only)")
+                        "shapes, other values; judged by the oracle on B, every expert row changed), then try a "
+                        "checkpoint of another shape, which must be refused while B keeps serving, then update "
+                        "back to A: every expert row as the first load wrote it (tiny models only)")
     p.add_argument("--workload", choices=("auto", "skewed", "mixed"), default="auto",
                    help="skewed: one phase per owner in which every DP rank gets a 250-token prompt of words routed "
                         "to that owner's experts (on the tiny DeepSeek-V3 family, its planted skew; on PATH, words "
@@ -134,10 +134,8 @@ def format_report(s: dict[str, Any]) -> str:
                       f" (checkpoint A rejects those sequences: "
                       f"{s['reload_oracle']['positive_control_checkpoint_a_rejects_b_sequences']}); pointers "
                       f"unchanged {s['reload_pointers_unchanged_by_rank']}; seconds {s['reload_seconds_by_rank']}",
-                  f"same as a fresh engine on B: tokens {s['reload_tokens_match_fresh_engine']} (mismatched "
-                  f"prompts {s['reload_mismatched_prompts']}), expert bytes "
-                  f"{s['reload_expert_bytes_match_fresh_engine_by_rank']}; fresh engine vs oracle on B "
-                  f"{s['reload_oracle']['checkpoint_b']['fresh_engine']['ok']}",
+                  f"every expert row changed: {s['reload_changes_expert_bytes_by_rank']}; back to A equals the "
+                  f"first load, row by row: {s['reload_back_to_a_matches_first_load_by_rank']}",
                   f"other-shape update refused: {s['wrong_shape_reload_refused']}; B still serves: oracle "
                   f"{s['reload_oracle']['checkpoint_b']['after_refused_update']['ok']}, same tokens "
                   f"{s['generation_after_wrong_shape_repeats_b']}"]

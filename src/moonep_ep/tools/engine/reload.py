@@ -15,18 +15,19 @@ In every DP rank's process, after the first generation on checkpoint A
    prompts are generated on B;
 4. the same with a checkpoint whose experts have another shape: the reload
    must fail (its message is kept), pointers and expert bytes stay, and the
-   next generation still serves B.
+   next generation still serves B;
+5. an update back to A: every expert row must hold again exactly the bytes
+   the engine's first load of A put there (digests per expert row). That is
+   the in-place update path against the first-load path, row by row; with
+   step 3's "every expert row changed" it catches a row written to the wrong
+   place, written wrongly, or skipped. It replaced a second, fresh DP engine
+   on B (the same comparison, one engine start per ``--reload`` more).
 
 Every generation runs the rank's prompts phase by phase, as the first one
 did. The oracle for steps 3 and 4 is HF transformers on checkpoint B (the
 summary judges those sequences like every other run's,
 ``tools/engine/summary.py``); whether step 4 repeats step 3's tokens is
-reported beside it. ``vllm-demo --reload`` also starts a fresh DP engine on
-B (same layout, prompts and phases): the updated engine must hold the same
-expert bytes (digests per rank); its tokens are compared and reported (a
-near-tie token can flip with the DP batching on the CPU engine). That is an
-equivalence of two load paths, the update and a first load, not a
-correctness verdict; the oracle on B is the verdict for both.
+reported beside it.
 :func:`load_memory_fields` and :func:`reload_fields` turn the workers' stats
 and these results into the ``vllm-demo --json`` fields.
 """
@@ -57,32 +58,37 @@ class MoonEPProbe:
                        "full_down_weight": layout.full_down_weight.data_ptr()}
                 for name, module, layout in self._moonep_layers()}
 
-    def moonep_ep_expert_digest(self) -> dict[str, str]:
-        """SHA-256 of every MoE layer's expert rows ``[0, E)`` of its gate, up and down views (every owner's
-        experts, read through this rank's mappings; the slot rows ``[E, E+B)`` hold whatever was prefetched
-        last and are left out). Quantized layers: ``weights:<sha>/scales:<sha>``, over every weight view and
-        every scale view apart. Equal digests mean equal bytes, whatever batch a later forward sees."""
+    def moonep_ep_expert_digest(self) -> dict[str, dict[str, list[str]]]:
+        """Per MoE layer, per part, one SHA-256 (first 16 hex digits) per expert row ``e`` in ``[0, E)``: the
+        bytes of row ``e`` of every view of that part (every owner's experts, read through this rank's mappings;
+        the slot rows ``[E, E+B)`` hold whatever was prefetched last and are left out). Parts: ``weights`` (bf16:
+        the gate, up and down views) and, quantized, ``scales`` (every scale view), digested apart. Equal digests
+        mean equal bytes, whatever batch a later forward sees."""
         import hashlib
 
         import torch
 
-        def digest(views: list[Any], experts: int) -> str:
-            h = hashlib.sha256()
-            for view in views:
-                h.update(view[:experts].contiguous().view(torch.uint8).cpu().numpy())
-            return h.hexdigest()
+        def rows(views: list[Any], experts: int) -> list[str]:
+            out = []
+            for e in range(experts):
+                h = hashlib.sha256()
+                for view in views:
+                    h.update(view[e].contiguous().view(torch.uint8).cpu().numpy())
+                out.append(h.hexdigest()[:16])
+            return out
 
         out = {}
         for name, _, layout in self._moonep_layers():
             experts = layout.full_gate_weight.shape[0] - layout.num_prefetch_slots
             named = getattr(layout, "views", None)  # quantized: {vLLM parameter name: view}, weights and scales
             if named is None:
-                out[name] = digest([layout.full_gate_weight, layout.full_up_weight, layout.full_down_weight], experts)
+                out[name] = {"weights": rows([layout.full_gate_weight, layout.full_up_weight,
+                                              layout.full_down_weight], experts)}
             else:
                 scales = sorted(n for n in named if n.endswith(("_scale", "_scale_inv")))
                 weights = sorted(n for n in named if n not in scales)
-                out[name] = (f"weights:{digest([named[n] for n in weights], experts)}"
-                             f"/scales:{digest([named[n] for n in scales], experts)}")
+                out[name] = {"weights": rows([named[n] for n in weights], experts),
+                             "scales": rows([named[n] for n in scales], experts)}
         return out
 
     def moonep_ep_forward_stats(self) -> dict[str, Any]:
@@ -145,6 +151,9 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
         out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
         out["digest_after_wrong_shape"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
         out["generated_after_wrong_shape"] = generate()
+    _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.model_dir}))
+    out["pointers_back_on_a"] = llm.collective_rpc("moonep_ep_pointers")[0]
+    out["digest_back_on_a"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
     return out
 
 
@@ -195,24 +204,35 @@ def sequences_by_prompt(payloads: dict[Any, Any], n: int, field: str = "generate
     return out
 
 
-def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> dict[str, Any]:
-    """The ``--reload`` fields the engine itself shows: pointers and expert digests (against the fresh
-    engine on B, whose per-rank payloads are ``fresh``), the wrong-shape refusal, and the sequences generated
-    on B and after the refusal (by prompt index; the oracle on B judges them)."""
+def _every_row_changed(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Both read, the same layers and parts, and every expert row of every part differs."""
+    if not before or not after or set(before) != set(after):
+        return False
+    for layer, parts in after.items():
+        old = before[layer]
+        if set(old) != set(parts):
+            return False
+        for part, digests in parts.items():
+            if len(digests) != len(old[part]) or any(a == b for a, b in zip(old[part], digests)):
+                return False
+    return True
+
+
+def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
+    """The ``--reload`` fields the engine itself shows: pointers and expert digests per row (every row changed by
+    the update to B; the update back to A equal to the first load of A), the wrong-shape refusal, and the
+    sequences generated on B and after the refusal (by prompt index; the oracle on B judges them)."""
     pointers_same, pointers_same_after_wrong, errors, seconds = [], [], [], []
-    bytes_as_fresh, bytes_changed, bytes_same_after_wrong = [], [], []
+    round_trip, bytes_changed, bytes_same_after_wrong = [], [], []
     reloads = {rank: dp[rank].get("reload") or {} for rank in dp}
     for rank in sorted(dp):
         seq = reloads[rank]
-        pointers_same.append(_equal(seq.get("pointers_a"), seq.get("pointers_b")))
+        pointers_same.append(_equal(seq.get("pointers_a"), seq.get("pointers_b"))
+                             and _equal(seq.get("pointers_a"), seq.get("pointers_back_on_a")))
         pointers_same_after_wrong.append(_equal(seq.get("pointers_a"), seq.get("pointers_after_wrong_shape")))
         digest_a, digest_b = seq.get("digest_a") or {}, seq.get("digest_b") or {}
-        fresh_digest = ((fresh.get(rank) or {}).get("probes") or {}).get("moonep_ep_expert_digest") or [None]
-        bytes_as_fresh.append(_equal(digest_b, fresh_digest[0]))
-        # every part changed (quantized: the weights and the scales, apart)
-        bytes_changed.append(bool(digest_a) and bool(digest_b) and all(
-            all(a != b for a, b in zip(str(digest_a.get(layer)).split("/"), str(d).split("/")))
-            for layer, d in digest_b.items()))
+        round_trip.append(_equal(digest_a, seq.get("digest_back_on_a")))
+        bytes_changed.append(_every_row_changed(digest_a, digest_b))
         bytes_same_after_wrong.append(_equal(digest_b, seq.get("digest_after_wrong_shape")))
         errors.append(seq.get("wrong_shape_error"))
         seconds.append(seq.get("reload_s"))
@@ -221,7 +241,7 @@ def reload_fields(dp: dict[int, Any], n_prompts: int, fresh: dict[int, Any]) -> 
     return {
         "reload_pointers_unchanged_by_rank": pointers_same,
         "reload_seconds_by_rank": seconds,
-        "reload_expert_bytes_match_fresh_engine_by_rank": bytes_as_fresh,
+        "reload_back_to_a_matches_first_load_by_rank": round_trip,
         "reload_changes_expert_bytes_by_rank": bytes_changed,
         "wrong_shape_reload_error_by_rank": errors,
         "wrong_shape_reload_refused": bool(errors) and all(e is not None for e in errors),
