@@ -110,8 +110,12 @@ selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto
 
 # Every test, including the vLLM tiers (tests/vllm/ runs their work in the vLLM
-# environments and fails, never skips, when those are missing).
-test: install-test venvs
+# environments and fails, never skips, when those are missing). The three environments are
+# independent, so a fresh machine builds them at once (their downloads overlap; each one's
+# output is printed whole when it ends).
+SETUP_JOBS ?= 3
+test:
+	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=target install-test venvs
 	$(PY) -m pytest
 
 test-vllm: install-test venvs
