@@ -150,3 +150,10 @@ def test_the_plugin_layer_is_one_way():
     assert vllm + "stats" in edges[vllm + "padding"]
     assert not {t for t in edges[vllm + "stats"] if t.startswith(vllm)}
     assert vllm + "plugin" not in edges[vllm + "manager"]
+
+
+def test_no_library_file_is_over_600_lines():
+    """The house rule: no library file over 600 lines (split by role instead). Tests are exempt."""
+    long = {str(path.relative_to(SRC)): n for path in (SRC / "moonep_ep").rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 600}
+    assert long == {}, long

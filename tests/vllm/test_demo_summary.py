@@ -189,7 +189,7 @@ def test_another_model_without_real_fills_from_two_owners_gets_a_note():
 
 
 def _reload(refused=True, pointers_b=None, tokens_after=100, tokens_b=100, digest_b=DIGEST_B,
-            digest_after_wrong=None, digest_back=DIGEST_A, pointers_back=None):
+            digest_after_wrong=None, digest_back=DIGEST_A, pointers_back=None, control_tokens=None):
     ptr = {"layers.1.mlp.experts": {"w13_weight": 1}}
 
     def make(rank, gen):
@@ -199,8 +199,21 @@ def _reload(refused=True, pointers_b=None, tokens_after=100, tokens_b=100, diges
                 "wrong_shape_error": "ConfigError: reload refused" if refused else None,
                 "pointers_after_wrong_shape": ptr, "digest_after_wrong_shape": digest_after_wrong or digest_b,
                 "generated_after_wrong_shape": [dict(g, token_ids=[tokens_after, 6]) for g in gen],
-                "pointers_back_on_a": pointers_back or ptr, "digest_back_on_a": digest_back}
+                "pointers_back_on_a": pointers_back or ptr, "digest_back_on_a": digest_back,
+                **({"generated_on_control": [dict(g, token_ids=[control_tokens, 6]) for g in gen]}
+                   if control_tokens is not None else {})}
     return make
+
+
+def test_a_reload_control_must_fail_the_oracle_on_a():
+    """--reload-control: the tokens of the planted-bug checkpoint are judged by A's oracle and must fail it."""
+    caught = _summary(_results(reload=_reload(control_tokens=100)), reload=True)  # fails A's oracle (fake_judge)
+    assert caught["runs"]["dp_sharded"]["checks"]["reload_control_fails_the_oracle"] is True and caught["ok"] is True
+    assert caught["reload_oracle"]["negative_control_on_a"]["ok"] is False
+    missed = _summary(_results(reload=_reload(control_tokens=5)), reload=True)  # A's own tokens: the bug went unseen
+    assert missed["runs"]["dp_sharded"]["checks"]["reload_control_fails_the_oracle"] is False and missed["ok"] is False
+    plain = _summary(_results(reload=_reload()), reload=True)
+    assert "reload_control_fails_the_oracle" not in plain["runs"]["dp_sharded"]["checks"]
 
 
 def test_reload_is_judged_by_the_oracle_on_b_with_a_positive_control():

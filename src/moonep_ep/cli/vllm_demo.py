@@ -47,6 +47,11 @@ def add_parser(subparsers: Any) -> None:
                    help="judge the runs against this bf16 checkpoint instead of the model's own (or its "
                         "decompressed copy): a negative control, e.g. a checkpoint with a planted bug judged "
                         "against the correct one must fail")
+    p.add_argument("--reload-control", default=None, metavar="PATH",
+                   help="with --reload: after the refused update, update the engines in place to PATH, a "
+                        "checkpoint of the model's shapes with a planted bug, and judge its tokens by the model's "
+                        "own oracle: they must fail it (a negative control of the engine's verdict), then update "
+                        "back to the model")
     p.set_defaults(run=run)
 
 
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,
                      reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout,
-                     oracle_model=args.oracle_model, workload=args.workload)
+                     oracle_model=args.oracle_model, workload=args.workload, reload_control=args.reload_control)
     try:
         summary = run_demo(cfg, progress)
     except ConfigError as exc:

@@ -9,10 +9,8 @@ then reports why the driver is unavailable instead of raising. With
 line here runs on CPU except one: the device named in :meth:`as_tensor`'s
 DLPack capsule (CPU for emulated memory, ``cuda:<device>`` on a GPU).
 
-Objects are plain ``int`` values: allocation and multicast handles
-(``CUmemGenericAllocationHandle``) and virtual addresses (``CUdeviceptr``) are
-converted with ``int()`` on the way out and passed back as ints, which the
-bindings accept for those parameter types.
+Handles (``CUmemGenericAllocationHandle``) and virtual addresses
+(``CUdeviceptr``) are plain ``int`` values, which the bindings accept back.
 
 Teardown order (the caller's job; ``symmetric.py`` follows it):
 
@@ -51,12 +49,10 @@ class CudaDriver(MemoryDriver):
     """CUDA virtual-memory-management driver for one device of this process.
 
     Args:
-        device: CUDA device ordinal; default ``torch.cuda.current_device()``
-            when torch has CUDA, else 0.
+        device: CUDA device ordinal; default ``torch.cuda.current_device()`` when torch has CUDA, else 0.
         rank: used in error messages only.
-        api: the ``cuda.bindings.driver`` module (default: the real module, or
-            the emulator under ``MOONEP_EP_CUDA_EMULATOR=1``), or an
-            :class:`~moonep_ep.testing.cuda_emulator.EmulatedCudaApi` of a test.
+        api: the ``cuda.bindings.driver`` module (default: the real module, or the emulator under
+            ``MOONEP_EP_CUDA_EMULATOR=1``), or an :class:`~moonep_ep.testing.cuda_emulator.EmulatedCudaApi`.
     """
 
     name = "cuda"
@@ -124,12 +120,9 @@ class CudaDriver(MemoryDriver):
 
     # -- context and lifetime --------------------------------------------------------
     def _ensure_context(self) -> None:
-        """Make the device's primary context (the one torch uses) current here.
-
-        Driver calls on a thread without a current context fail or land in the
-        wrong context, so: ``cuInit``, ``cuDeviceGet``, ``cuDevicePrimaryCtxRetain``
-        once per driver, and ``cuCtxSetCurrent`` once per calling thread.
-        """
+        """Make the device's primary context (the one torch uses) current here. Driver calls on a thread
+        without a current context fail or land in the wrong one, so: ``cuInit``, ``cuDeviceGet``,
+        ``cuDevicePrimaryCtxRetain`` once per driver, and ``cuCtxSetCurrent`` once per calling thread."""
         if self._ctx is None:
             if self._closed:
                 raise self.error("context", "this CudaDriver is closed; make a new one")
@@ -425,13 +418,10 @@ class CudaDriver(MemoryDriver):
         self._cu("cuCtxSynchronize")
 
     def zero_(self, tensor: torch.Tensor) -> None:
-        """torch's fill kernel on the device. Its first launch in a process loads the kernel's module
-        into device memory (lazy loading), which ``cuMemGetInfo`` then counts and nothing frees; over
-        the emulator the tensor is host memory, so the emulator is told of the launch and takes the
-        same stated bytes (``lazy=`` in its node spec)."""
+        """torch's fill kernel: its first launch lazily loads a module that ``cuMemGetInfo`` counts and nothing
+        frees. Over the emulator (host memory) the emulator takes the same stated bytes (node spec ``lazy=``)."""
         tensor.zero_()
-        emulator = cuda_calls.emulator_of(self.api)
-        if emulator is not None:
+        if (emulator := cuda_calls.emulator_of(self.api)) is not None:
             self._ensure_context()
             emulator.library_kernel_launched("torch-fill")
 

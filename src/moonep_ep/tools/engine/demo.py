@@ -62,6 +62,7 @@ class DemoConfig:
     timeout_s: float = 420.0
     oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
     workload: str = "auto"            # see WORKLOADS
+    reload_control: Optional[str] = None  # --reload: a checkpoint with a planted bug, must fail A's oracle
 
 
 @dataclasses.dataclass
@@ -222,6 +223,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     if unknown or not cfg.runs:
         raise ConfigError(f"--runs {','.join(cfg.runs)}: unknown run(s) {unknown}. Fix: a comma list of "
                           f"{', '.join(RUNS)}")
+    if cfg.reload_control and not cfg.reload:
+        raise ConfigError("--reload-control is a step of --reload. Fix: pass --reload too")
     if cfg.reload and "dp_sharded" not in cfg.runs:
         raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
     t_start = time.perf_counter()
@@ -245,7 +248,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
         else:
             layout = "sharded" if run == "dp_sharded" else "replicated"
             run_cfg = dataclasses.replace(engine_cfg, reload_model_dir=choice.reload_dir,
-                                          wrong_shape_model_dir=choice.wrong_shape_dir) \
+                                          wrong_shape_model_dir=choice.wrong_shape_dir,
+                                          control_model_dir=cfg.reload_control) \
                 if layout == "sharded" else engine_cfg
             results[run] = run_dp(run_cfg, progress, layout=layout)
         timings[run] = round(time.perf_counter() - t0, 1)

@@ -66,6 +66,9 @@ class EngineConfig:
     reload_model_dir: Optional[str] = None
     #: ``--reload``: a checkpoint whose experts have another shape; its reload must be refused.
     wrong_shape_model_dir: Optional[str] = None
+    #: ``--reload-control``: a checkpoint of A's shapes with a planted bug; updated to after the refusal, its
+    #: tokens must fail A's oracle (the negative control of the engine's verdict), then the update back to A.
+    control_model_dir: Optional[str] = None
     #: More ``LLM`` keyword arguments for the DP run (e.g. ``gpu_memory_utilization``).
     dp_llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Worker methods called with ``collective_rpc`` after generation; results under ``"probes"``.

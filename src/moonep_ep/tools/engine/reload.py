@@ -151,6 +151,9 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
         out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
         out["digest_after_wrong_shape"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
         out["generated_after_wrong_shape"] = generate()
+    if getattr(cfg, "control_model_dir", None):
+        _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.control_model_dir}))
+        out["generated_on_control"] = generate()
     _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.model_dir}))
     out["pointers_back_on_a"] = llm.collective_rpc("moonep_ep_pointers")[0]
     out["digest_back_on_a"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
@@ -251,5 +254,6 @@ def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
                                                       and a["token_ids"] == b["token_ids"]
                                                       for a, b in zip(after, on_b)),
         "sequences_after_update": on_b,
+        "sequences_on_control": sequences_by_prompt(reloads, n_prompts, "generated_on_control"),
         "sequences_after_wrong_shape": after,
     }

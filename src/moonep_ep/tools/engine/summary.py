@@ -86,7 +86,8 @@ FIGURE_SOURCES: dict[str, str] = {
                                               "on B before it (same engine, same prompts; informational)",
     "reload_oracle": "measured: the oracle on checkpoint B (fp32) judging the sequences generated after the "
                      "update and after the refusal; on checkpoint A judging the first (positive control: must "
-                     "fail)",
+                     "fail), and with --reload-control the tokens of the planted-bug checkpoint (negative control: "
+                     "must fail)",
     "reload_changes_tokens": "measured: the engine on B generates other tokens than its first generation on A for "
                              "some prompt (positive control: matching B then shows the update took effect)",
     "reload_back_to_a_matches_first_load_by_rank": "measured: SHA-256 of every expert row [0, E) of every MoE "
@@ -346,7 +347,9 @@ def _reload_summary(dp: dict[int, Any], first_on_a: list[Optional[dict[str, Any]
     on_b = judge(oracle_b, {"after_update": [s for s in after_update if s],
                             "after_refused_update": [s for s in after_wrong if s]},
                  dtypes=(RULE.reference_dtype,))
-    on_a = judge(getattr(choice, "oracle_path", None) or choice.path, {"after_update": [s for s in after_update if s]},
+    on_control = [s for s in fields.pop("sequences_on_control") if s]
+    on_a = judge(getattr(choice, "oracle_path", None) or choice.path,
+                 {"after_update": [s for s in after_update if s], **({"on_control": on_control} if on_control else {})},
                  dtypes=(RULE.reference_dtype,), oracles=oracles_a)
     verdict = {k: v[RULE.reference_dtype] for k, v in on_b.items()}
     control = on_a["after_update"][RULE.reference_dtype]
@@ -355,6 +358,9 @@ def _reload_summary(dp: dict[int, Any], first_on_a: list[Optional[dict[str, Any]
         "positive_control_checkpoint_a_rejects_b_sequences": not control["ok"],
         "checkpoint_a_on_b_sequences": _brief(control),
     }
+    if on_control:  # --reload-control: the engine updated to a checkpoint with a planted bug, judged by A's oracle
+        fields["reload_oracle"]["negative_control_on_a"] = _brief(on_a["on_control"][RULE.reference_dtype])
+        checks["reload_control_fails_the_oracle"] = not on_a["on_control"][RULE.reference_dtype]["ok"]
 
     def tokens(seq: Optional[dict[str, Any]]) -> Optional[list[int]]:
         return None if seq is None else seq["token_ids"]
