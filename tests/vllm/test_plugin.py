@@ -509,7 +509,12 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
     peer_naming.patch_engine_core(module, install=plugin._install, note={})                   # nothing
     assert not hasattr(module.DPEngineCoreProc, "run_busy_loop")
 
+    from moonep_ep.vllm import process_exit
+
+    frozen: list[bool] = []
+    monkeypatch.setattr(process_exit, "freeze_heap_at_exit", lambda: frozen.append(True))
     for backend in ("moonep", "naive"):
+        frozen.clear()
         module, cls = _fake_engine_core("unused", backend)
 
         def loop(self):
@@ -533,6 +538,7 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
                              "(a lost one is named)"]
         else:
             assert infos == [] and group_mod._PEERS == {}
+        assert frozen == ([True] if backend == "moonep" else [])  # a moonep core freezes its heap at exit
 
     # a peer that never publishes: the exact warning, and the loop still runs
     monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "1")
@@ -568,3 +574,22 @@ def test_the_engine_core_names_the_peer_from_its_dp_groups_table_not_another_gro
     assert str(lost.value) == "[rank 0] " + LOST.format(
         step="DP state synchronization (engine core of DP rank 0)", t=7,
         detail="lost rank(s) [1] on host host-b (10.1.2.3): RuntimeError: " + message)
+
+
+def test_the_heap_is_frozen_at_interpreter_exit_once_not_before():
+    """process_exit: registered once; at exit the heap is frozen before finalization's collections, which
+    then find nothing to walk; a collection before exit is unchanged."""
+    code = textwrap.dedent("""
+        import atexit, gc
+        from moonep_ep.vllm import process_exit
+
+        def at_exit():  # registered first, so it runs after process_exit's handler (atexit is LIFO)
+            print("frozen at exit:", gc.get_freeze_count() > 1000, flush=True)
+
+        atexit.register(at_exit)
+        print("registered:", process_exit.freeze_heap_at_exit(), process_exit.freeze_heap_at_exit())
+        print("frozen before exit:", gc.get_freeze_count())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["registered: True False", "frozen before exit: 0", "frozen at exit: True"]

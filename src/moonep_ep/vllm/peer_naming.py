@@ -125,6 +125,10 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
         if not _serves_moonep(self):
             return orig(self)
         from ..memory.group import TRANSPORT_ERRORS, default_timeout_s, register_peers
+        from .process_exit import freeze_heap_at_exit
+
+        # Why: this core's exit waits for its worker, then runs finalization's full GC passes (process_exit.py).
+        freeze_heap_at_exit()
 
         try:
             table = publish_dp_peers(self.dp_store, self.dp_rank, self.dp_size, default_timeout_s())
