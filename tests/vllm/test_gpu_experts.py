@@ -31,7 +31,9 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
     out = run_json("vllm", ["-m", "tests.support.gpu_experts_check", "--json"], timeout=420)
     r0 = out["ranks"][0]
     # The interpreter bugs the harness mends are real, and mended (fp16 runs need neither).
-    assert r0["bf16_dot_error_bare"] > 1e3 and r0["bf16_dot_error_mended"] == 0.0
+    # Mended: within fp32 rounding of a 16-term sum (bf16_dot_error's bound, ~2e-5; the summation order is the
+    # BLAS's, so 0 on one machine and 4.8e-7 on another); bare: bf16 bit patterns multiplied as integers, ~1e10.
+    assert r0["bf16_dot_error_bare"] > 1e3 and r0["bf16_dot_error_mended"] < 1e-4
     assert r0["downcast_mismatch_bare"]["e4m3"] > 0 and r0["downcast_mismatch_bare"]["bf16"] > 0
     assert r0["downcast_mismatch_mended"] == {"bf16": 0.0, "e4m3": 0.0}
     assert set(r0["formats"]) == set(FORMATS)
