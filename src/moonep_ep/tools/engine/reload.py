@@ -129,15 +129,24 @@ def _paused(llm: Any, call: Any) -> Any:
         core.call_utility("resume_scheduler")
 
 
+def _update(llm: Any, path: str) -> None:
+    """vLLM's in-place weight update to the checkpoint at ``path``, every DP rank paused."""
+    _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": path}))
+
+
+def _read_state(llm: Any) -> tuple[Any, Any]:
+    """This rank's MoE pointers and expert digests (:class:`MoonEPProbe`)."""
+    return llm.collective_rpc("moonep_ep_pointers")[0], llm.collective_rpc("moonep_ep_expert_digest")[0]
+
+
 def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str, Any]]]) -> dict[str, Any]:
-    """Steps 1-4 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
-    out: dict[str, Any] = {"pointers_a": llm.collective_rpc("moonep_ep_pointers")[0],
-                           "digest_a": llm.collective_rpc("moonep_ep_expert_digest")[0]}
+    """Steps 1-5 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
+    out: dict[str, Any] = {}
+    out["pointers_a"], out["digest_a"] = _read_state(llm)
     t0 = time.perf_counter()
-    _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.reload_model_dir}))
+    _update(llm, cfg.reload_model_dir)
     out["reload_s"] = round(time.perf_counter() - t0, 2)
-    out["pointers_b"] = llm.collective_rpc("moonep_ep_pointers")[0]
-    out["digest_b"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
+    out["pointers_b"], out["digest_b"] = _read_state(llm)
     out["generated_b"] = generate()
     out["wrong_shape_error"] = None
     if cfg.wrong_shape_model_dir:
@@ -148,15 +157,13 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
                 out["wrong_shape_error"] = f"{type(exc).__name__}: {exc}"
 
         _paused(llm, wrong)
-        out["pointers_after_wrong_shape"] = llm.collective_rpc("moonep_ep_pointers")[0]
-        out["digest_after_wrong_shape"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
+        out["pointers_after_wrong_shape"], out["digest_after_wrong_shape"] = _read_state(llm)
         out["generated_after_wrong_shape"] = generate()
-    if getattr(cfg, "control_model_dir", None):
-        _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.control_model_dir}))
+    if cfg.control_model_dir:
+        _update(llm, cfg.control_model_dir)
         out["generated_on_control"] = generate()
-    _paused(llm, lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": cfg.model_dir}))
-    out["pointers_back_on_a"] = llm.collective_rpc("moonep_ep_pointers")[0]
-    out["digest_back_on_a"] = llm.collective_rpc("moonep_ep_expert_digest")[0]
+    _update(llm, cfg.model_dir)
+    out["pointers_back_on_a"], out["digest_back_on_a"] = _read_state(llm)
     return out
 
 
