@@ -423,7 +423,7 @@ class CudaDriver(MemoryDriver):
         tensor.zero_()
         if (emulator := cuda_calls.emulator_of(self.api)) is not None:
             self._ensure_context()
-            emulator.library_kernel_launched("torch-fill")
+            emulator.kernel_launched("torch-fill")
 
     # -- tensors: the seam between emulated and real device memory ------------------------
     def _stream(self) -> int:

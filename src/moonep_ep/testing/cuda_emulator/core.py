@@ -244,9 +244,9 @@ class EmulatorCore:
         if fail[2] is None or fail[2] == gpu:
             raise _Fail(fail[1], f"injected by the node spec (mc_fail={step}:{fail[1]}) on GPU {gpu}")
 
-    def library_kernel_launched(self, module: str) -> None:
-        """A kernel of a library above the driver API (torch's fill) ran on the current GPU: on a real
-        GPU its first launch in the process lazily loads the module, as ``cuLaunchKernel`` does here."""
+    def kernel_launched(self, module: str) -> None:
+        """A kernel of ``module`` ran on the current GPU (``cuLaunchKernel``, or a library above the driver
+        API such as torch's fill): its first launch in the process lazily loads the module."""
         gpu = self._current_gpu()
         self._take_driver_memory((gpu, module), gpu, self.node.lazy_load, f"module-{module}")
 

@@ -161,9 +161,7 @@ class MulticastCalls(EmulatorCore):
         if int(shared_bytes) != 0 or extra not in (None, 0):
             raise kernels.UnsupportedKernel(f"{spec.name} is launched without shared memory or extra options")
         dst, src, vectors = kernels.launch_arguments(spec, kernel_params)
-        # Lazy loading: the module's code lands in device memory at its first launch, and stays.
-        self._take_driver_memory((self._current_gpu(), spec.name), self._current_gpu(), self.node.lazy_load,
-                                 f"module-{spec.name}")
+        self.kernel_launched(spec.name)  # lazy loading: the module's code lands in device memory, and stays
         try:
             self._multimem_store(dst, src, vectors * 16)
         except _Fail as fault:

@@ -200,7 +200,7 @@ def measure_footprint(args: argparse.Namespace) -> int:
              (f", granularity {granularity} B" if plan.driver == "host" else ""))
     per_rank = run_ranks(_measure_rank, ranks, args=(plan.driver, layers, model.num_experts, model.hidden_size,
                                                      model.moe_intermediate_size, slots, args.slot_pools,
-                                                     granularity, fmt.name, getattr(args, "skip_warm_up", False)),
+                                                     granularity, fmt.name, args.skip_warm_up),
                          backend=plan.backend, use_cuda=plan.use_cuda,
                          rank_envs=plan.rank_envs, progress=progress)
     granularity = per_rank[0]["granularity"]  # the driver's (CUDA: queried, not the host option)
