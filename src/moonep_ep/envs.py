@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
@@ -113,6 +113,13 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              ("auto", "reference", "moonep"), scope="vLLM plugin"),
     Variable("MOONEP_EP_CPU", "bool", False,
              "the CPU engine overrides (tests and the CPU demo)", scope="vLLM plugin"),
+    Variable("MOONEP_EP_QUANTIZED_EXPERTS", "choice", "auto",
+             "which experts compute a quantized MoonEP layer: triton = the format's Triton grouped GEMMs "
+             "(vLLM's INT4 and FP8 MoE kernels, the project's MXFP4 kernel); dequant = dequantize the used rows, "
+             "then a bf16 grouped GEMM (the CPU engine's path); auto = triton on GPUs, dequant on the CPU engine. "
+             "triton on the CPU engine runs the kernels in Triton's interpreter (CI's engine tier; needs the "
+             "environment's interpreter Triton, see docs/design/vllm.md)", ("auto", "triton", "dequant"),
+             scope="vLLM plugin"),
     Variable("MOONEP_EP_LAYOUT", "choice", "sharded",
              "sharded expert store, or vLLM's all-gathered replicated layout (A/B runs)",
              ("sharded", "replicated"), scope="vLLM plugin"),
@@ -147,6 +154,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_ALLOW_MISSING_VLLM", "bool", False,
              "outside CI, skip (instead of fail) the vLLM tests when their environment is missing",
              scope="tests"),
+    Variable("MOONEP_EP_ENGINE_TIER", "bool", False,
+             "run the GPU experts' engine tier: the CPU engine serving each tiny quantized model (and the "
+             "ModelCompressor checkpoint) with the Triton experts under the interpreter (about 135 s a model on "
+             "2 cores), so not in the default run", scope="tests"),
     Variable("MOONEP_EP_REAL_SHAPES", "bool", False,
              "run the GPU experts' real-shape check under the Triton interpreter (one K2/K3 expert per format; "
              "about 4 min on 2 cores, so not in the default run)", scope="tests"),
@@ -160,6 +171,13 @@ def get(name: str) -> Any:
     except KeyError:
         raise AttributeError(f"moonep_ep.envs has no variable {name!r}; declared: {sorted(VARIABLES)}") from None
     return var.parse(os.environ.get(name))
+
+
+def get_in(environ: Mapping[str, str], name: str) -> Any:
+    """The parsed value of ``name`` in ``environ`` (an environment being built for a child process)."""
+    if name not in VARIABLES:
+        raise AttributeError(f"moonep_ep.envs has no variable {name!r}")
+    return VARIABLES[name].parse(environ.get(name))
 
 
 def raw(name: str) -> str:

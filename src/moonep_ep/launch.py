@@ -166,13 +166,21 @@ class ProcessSet:
 
     def start(self, key: Hashable, target: Callable[..., Any], args: tuple, name: str,
               env: Optional[dict[str, str]] = None) -> Any:
-        """Spawn ``target(*args)`` with ``env`` added to the environment it inherits."""
+        """Spawn ``target(*args)`` with ``env`` added to the environment it inherits.
+
+        A ``PYTHONPATH`` in ``env`` also goes on this process's ``sys.path`` while the child starts: a spawned
+        child takes its parent's ``sys.path`` (multiprocessing's preparation data), not what ``PYTHONPATH``
+        would give a fresh interpreter."""
         saved = {k: os.environ.get(k) for k in env or {}}
+        saved_path = list(sys.path)
         os.environ.update(env or {})
+        extra = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:0] = extra
         try:
             proc = self.ctx.Process(target=target, args=args, name=name)
             proc.start()
         finally:
+            sys.path[:] = saved_path
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -38,3 +38,27 @@ def test_the_gpu_experts_refuse_the_block_size_before_any_kernel():
     with pytest.raises(ConfigError, match="BLOCK_SIZE_M 16 does not divide MoonEP's token_padding 24"):
         gpu_grouped_ffn("mxfp4", torch.zeros(48, 64, dtype=torch.bfloat16), {}, torch.tensor([48], dtype=torch.int32),
                         None, token_padding=24)
+
+
+def test_blocks_of_zero_route_weight_rows_are_skipped_and_the_rest_kept():
+    """MoonEP's padding rows carry route weight 0 (vLLM pads ``topk_weights`` with zeros): a block of only such
+    rows is marked -1; one nonzero row keeps its block (the control), and the original metadata is untouched."""
+    import torch
+
+    from moonep_ep.ops.grouped_blocks import grouped_blocks, skip_zero_weight_blocks
+
+    cu = torch.tensor([32, 32, 64, 96], dtype=torch.int32)       # groups: 2 blocks, empty, 2 blocks, 2 blocks
+    blocks = grouped_blocks(cu, 112, 16)                         # 7 blocks: 6 in groups, 1 past the end
+    assert blocks.expert_ids.tolist() == [0, 0, 2, 2, 3, 3, -1]
+    w = torch.zeros(112)
+    w[3] = 0.5                                                   # block 0: one real row
+    w[40] = 1e-30                                                # block 2: tiny but nonzero is live
+    w[80:96] = 0.25                                              # block 5: all real
+    w[100] = 0.7                                                 # past cu_seqlens[-1]: stays -1 anyway
+    skipped = skip_zero_weight_blocks(blocks, w)
+    assert skipped.expert_ids.tolist() == [0, -1, 2, -1, -1, 3, -1]
+    assert blocks.expert_ids.tolist() == [0, 0, 2, 2, 3, 3, -1]
+    assert torch.equal(skipped.sorted_token_ids, blocks.sorted_token_ids)
+    # NvS not a multiple of BLOCK_SIZE_M: the weights are padded with zeros to whole blocks
+    odd = skip_zero_weight_blocks(grouped_blocks(cu, 100, 16), torch.ones(100))
+    assert odd.expert_ids.tolist() == [0, 0, 2, 2, 3, 3, -1]

@@ -14,7 +14,7 @@ by the format's own decompressor (compressed-tensors ``decompress``; FP8:
 torch math written here), judged per row:
 ``max|out - ref| / max|ref| <= bound(format, dtype)`` (:data:`BOUND`, :data:`FP8_BOUND`).
 fp16 runs need no help from the harness; bf16 runs (MoonEP's dtype) need
-the interpreter mends of ``tests/support/triton_interpreter.py``, which rank
+the interpreter mends of ``moonep_ep/testing/triton_interpreter.py``, which rank
 0 applies after measuring the bugs they mend.
 
 Negative controls (each must exceed the bound): a block's expert id off by
@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from tests.support.triton_interpreter import INTERPRETER_ENV, enter_interpreter
+from moonep_ep.testing.triton_interpreter import INTERPRETER_ENV, enter_interpreter
 
 H, I, E, WORLD, LAYER = 256, 128, 4, 2, 0
 TOKEN_PADDING = 16
@@ -220,7 +220,7 @@ def rank_main(ctx: Any, formats: list[str], dtypes: list[str], controls: bool) -
     rank = ctx.rank
     out: dict[str, Any] = {"rank": rank, "formats": {}}
     if rank == 0:
-        from tests.support import triton_interpreter as ti
+        from moonep_ep.testing import triton_interpreter as ti
 
         out["bf16_dot_error_bare"], out["downcast_mismatch_bare"] = ti.bf16_dot_error(), ti.downcast_mismatch()
         ti.mend_bf16_dot()

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from tests.support.triton_interpreter import INTERPRETER_ENV, enter_interpreter
+from moonep_ep.testing.triton_interpreter import INTERPRETER_ENV, enter_interpreter
 
 MODELS = {"int4-g32": "kimi-k2-thinking", "fp8-block": "kimi-k2", "mxfp4": "kimi-k3"}
 ROWS = 16
@@ -86,7 +86,7 @@ def check_format(fmt: str) -> dict[str, Any]:
 
 def rank_main(ctx: Any, formats: list[str]) -> dict[str, Any]:
     enter_interpreter()
-    from tests.support.triton_interpreter import mend_downcasts
+    from moonep_ep.testing.triton_interpreter import mend_downcasts
 
     mend_downcasts()  # FP8: vLLM's activation quant casts fp32 -> e4m3 (fp16 runs need no other mend)
     return {fmt: check_format(fmt) for fmt in formats}

@@ -61,3 +61,19 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
             ctl = r0["formats"][fmt]["controls"]
             print(f"  {fmt:9} controls (must exceed {r0['formats'][fmt]['control_bound']:.2e}): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ctl.items())))
+
+
+def test_on_the_gpu_engine_each_format_selects_the_triton_experts(capsys):
+    """vLLM 0.33.0's own quantized MoE methods, built for a MoonEP layer (two EP ranks), select
+    ``MoonEPTritonQuantizedExperts`` on a CUDA platform (this machine has none: the platform is marked CUDA for
+    the selection only, ``tests/support/gpu_engine_selection.py``). Controls: without CUDA, or with
+    ``MOONEP_EP_QUANTIZED_EXPERTS=dequant``, the dequantizing experts; with the replicated layout vLLM's own
+    choice (or vLLM's own error on a machine without GPUs), never moonep_ep's."""
+    out = run_json("vllm", ["-m", "tests.support.gpu_engine_selection"], timeout=300)
+    assert out["platform"] == "UnspecifiedPlatform"
+    assert out["cuda"] == {fmt: "MoonEPTritonQuantizedExperts" for fmt in FORMATS}
+    assert out["no_gpu"] == out["cuda_dequant"] == {fmt: "MoonEPQuantizedExperts" for fmt in FORMATS}
+    assert set(out["replicated"]) == set(FORMATS)
+    assert not [v for v in out["replicated"].values() if v.startswith("MoonEP")], out["replicated"]
+    with capsys.disabled():
+        print(f"\n[gpu engine selection] {out['cuda']}; replicated layout: {out['replicated']}")

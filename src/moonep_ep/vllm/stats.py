@@ -210,6 +210,14 @@ class Stats:
             q["remote_weight_bytes"] += remote_weight
             q["remote_scale_bytes"] += remote_scale
 
+    def record_experts_call(self, seconds: float, rows: int) -> None:
+        """One quantized experts call: wall seconds and ``[NvS, H]`` rows (written with the next flush)."""
+        with _lock:
+            c = self.data.setdefault("experts_compute", {"calls": 0, "seconds": 0.0, "rows": 0})
+            c["calls"] += 1
+            c["seconds"] = round(c["seconds"] + seconds, 3)
+            c["rows"] += int(rows)
+
     def watch_expert_tensor(self, tensor: Any, label: str) -> None:
         """Count ``tensor``'s storage as expert memory while it lives (no-op with stats off)."""
         if stats_dir() is not None:

@@ -35,6 +35,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from ...testing.triton_interpreter import triton_experts_env
 from ...vllm.stats import read_stats
 from ...launch import ProcessSet, descendants
 from ..args import add_moe_shape_arguments
@@ -212,6 +213,7 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
         # The CPU engine overrides; inert in the single-process run (default backend), where
         # only their AMX permission request matters (see plugin._request_amx_permission).
         env["MOONEP_EP_CPU"] = "1"
+        env.update(triton_experts_env({**os.environ, **env}))
     return env
 
 

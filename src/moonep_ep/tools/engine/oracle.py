@@ -114,11 +114,74 @@ def oracle_version() -> str:
     return f"transformers {transformers.__version__}"
 
 
+#: ``expert_activation_quant`` -> what the oracle does to the routed experts' two GEMM inputs
+EXPERT_ACTIVATION_QUANT = {
+    "fp8-1x128": "dynamic e4m3 per 1x128 group, scale max|x|/448, round-trip (DeepSeek-V3's act_quant; what the "
+                 "Triton FP8-block experts compute)"}
+
+
+def fake_quant_fp8_1x128(x: Any) -> Any:
+    """``x`` with every 128-wide group of its last dim quantized to e4m3 and back (scale ``max|x| / 448``),
+    the arithmetic of vLLM's ``per_token_group_quant_fp8`` and DeepSeek-V3's ``act_quant``."""
+    import torch
+    import torch.nn.functional as F
+
+    k = x.shape[-1]
+    pad = (-k) % 128
+    g = F.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], -1, 128)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(*x.shape[:-1], k + pad)[..., :k].to(x.dtype)
+
+
+def quantize_expert_inputs(model: Any, kind: str, calls: Optional[list[int]] = None) -> int:
+    """Make the routed experts of an HF model (transformers' fused ``*Experts`` modules: ``gate_up_proj`` and
+    ``down_proj`` parameters, applied with ``nn.functional.linear``) see their inputs fake-quantized (``kind``:
+    :data:`EXPERT_ACTIVATION_QUANT`). Returns how many expert modules were wrapped (0 is an error)."""
+    import torch.nn.functional as F
+
+    if kind not in EXPERT_ACTIVATION_QUANT:
+        raise ValueError(f"expert_activation_quant {kind!r}: unknown; one of {sorted(EXPERT_ACTIVATION_QUANT)}")
+    linear = F.linear
+
+    def quantized_linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        if calls is not None:
+            calls[0] += 1
+        return linear(fake_quant_fp8_1x128(x), weight, bias)
+
+    wrapped = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj") \
+                and hasattr(module, "down_proj"):
+            if getattr(module, "config", None) is not None:
+                # transformers' own per-expert loop (its "eager" experts implementation), the one that applies
+                # the experts with nn.functional.linear; the batched / grouped_mm ones would bypass the wrapper
+                module.config._experts_implementation = "eager"
+            forward = module.forward
+
+            def quantized_forward(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+                F.linear = quantized_linear  # only the experts' own two GEMMs run inside this call
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    F.linear = linear
+
+            module.forward = quantized_forward
+            wrapped += 1
+    if not wrapped:
+        raise ValueError(f"expert_activation_quant {kind!r}: no fused experts module in {type(model).__name__}")
+    return wrapped
+
+
 class TeacherForcedOracle:
     """HF ``AutoModelForCausalLM`` of one checkpoint in one dtype (native classes, no remote code, offline)."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32"):
+    def __init__(self, model_dir: str, dtype: str = "float32", expert_activation_quant: Optional[str] = None):
         self.model_dir, self.dtype = model_dir, dtype
+        self.expert_activation_quant = expert_activation_quant
+        #: expert GEMMs that ran on fake-quantized inputs (checked after each forward: another experts
+        #: implementation of transformers would bypass the wrapper)
+        self.quantized_calls = [0]
         self._model: Any = None
         self._cache: dict[tuple[int, ...], Any] = {}
 
@@ -131,6 +194,8 @@ class TeacherForcedOracle:
             self._model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager",
                 trust_remote_code=False, local_files_only=True).eval()
+            if self.expert_activation_quant:
+                quantize_expert_inputs(self._model, self.expert_activation_quant, self.quantized_calls)
         return self._model
 
     def logprobs(self, prompt: Sequence[int], generated: Sequence[int]) -> Any:
@@ -140,8 +205,12 @@ class TeacherForcedOracle:
         key = (len(prompt), *prompt, *generated)
         if key not in self._cache:
             ids = torch.tensor([list(prompt) + list(generated)], dtype=torch.long)
+            before = self.quantized_calls[0]
             with torch.no_grad():
                 logits = self._load()(input_ids=ids, use_cache=False).logits[0]
+            if self.expert_activation_quant and self.quantized_calls[0] == before:
+                raise RuntimeError(f"oracle: {self.expert_activation_quant} was asked for, but no routed expert GEMM "
+                                   "ran through the wrapper (transformers chose another experts implementation)")
             first = len(prompt) - 1
             self._cache[key] = torch.log_softmax(logits[first:first + len(generated)].float(), dim=-1)
         return self._cache[key]
@@ -163,19 +232,21 @@ class TeacherForcedOracle:
 
 def judge_runs(model_dir: str, runs: Mapping[str, Iterable[Mapping[str, Any]]],
                dtypes: Sequence[str] = ("float32", "bfloat16"), rule: OracleRule = RULE,
-               oracles: Optional[dict[str, TeacherForcedOracle]] = None) -> dict[str, dict[str, Any]]:
+               oracles: Optional[dict[str, TeacherForcedOracle]] = None,
+               expert_activation_quant: Optional[str] = None) -> dict[str, dict[str, Any]]:
     """``{run: {dtype: verdict}}`` for every run's sequences (dicts with ``prompt_token_ids``,
     ``token_ids`` and ``logprobs``: the engine's log-prob of each of its tokens).
 
     ``verdict["ok"]`` of the reference dtype is the run's verdict; the other
-    dtypes carry the same figures for comparison (their ``ok`` is informational)."""
+    dtypes carry the same figures for comparison (their ``ok`` is informational). ``expert_activation_quant``:
+    the routed experts' inputs quantized as the served experts quantize them (:data:`EXPERT_ACTIVATION_QUANT`)."""
     oracles = oracles if oracles is not None else {}
     out: dict[str, dict[str, Any]] = {}
     for name, sequences in runs.items():
         seqs = list(sequences)
         out[name] = {}
         for dtype in dtypes:
-            oracle = oracles.setdefault(dtype, TeacherForcedOracle(model_dir, dtype))
+            oracle = oracles.setdefault(dtype, TeacherForcedOracle(model_dir, dtype, expert_activation_quant))
             records = [oracle.records(s["prompt_token_ids"], s["token_ids"], s.get("logprobs") or [])
                        for s in seqs]
             verdict = judge(records, rule)

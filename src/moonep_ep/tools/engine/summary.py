@@ -11,11 +11,12 @@ measured (and by what) or derived; a test keeps the two in step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
 from .reload import load_memory_fields, reload_fields, sequences_by_prompt, stats_by_rank
-from .oracle import RULE, TeacherForcedOracle, judge_runs, oracle_version
+from .oracle import EXPERT_ACTIVATION_QUANT, RULE, TeacherForcedOracle, judge_runs, oracle_version
 
 Progress = Callable[[str], None]
 
@@ -100,6 +101,9 @@ FIGURE_SOURCES: dict[str, str] = {
     # -- verdict ----------------------------------------------------------------------------------
     "max_abs_logprob_diff_at_matching_tokens": "measured: max |vLLM log-prob - oracle (fp32) log-prob| where the "
                                                "run's token equals the oracle's argmax, per run",
+    "experts_compute_by_rank": "measured: per EP rank, the quantized experts' calls, wall seconds in them and "
+                               "[NvS, H] rows given them, over the DP run as each worker last wrote its stats "
+                               "(vLLM's profile run included)",
     "timings_s": "measured: wall seconds of each engine run (start-up, generation, teardown) and of the oracle",
     "workload": "derived: on a checkpoint's own routers (--workload skewed), each owner's prompt words' mean "
                 "share of router picks on that owner, from its embedding and routers (router_skew.py); the "
@@ -107,9 +111,9 @@ FIGURE_SOURCES: dict[str, str] = {
 }
 
 #: Top-level keys that echo the configuration, describe the method or nest the above, not figures.
-NON_FIGURES = {"model", "engine", "device", "data_parallel_size", "all2all_backend", "buffer", "layout", "prompts",
-               "max_tokens", "runs", "notes", "figure_sources", "load_peak_method", "oracle", "oracle_version",
-               "oracle_rule", "deviating_runs", "ok"}
+NON_FIGURES = {"model", "engine", "device", "data_parallel_size", "all2all_backend", "buffer", "quantized_experts",
+               "oracle_expert_activation_quant", "layout", "prompts", "max_tokens", "runs", "notes", "figure_sources",
+               "load_peak_method", "oracle", "oracle_version", "oracle_rule", "deviating_runs", "ok"}
 #: The verdict, the last keys of the JSON.
 VERDICT_KEYS = ("oracle", "oracle_version", "oracle_rule", "max_abs_logprob_diff_at_matching_tokens",
                 "deviating_runs", "ok")
@@ -226,6 +230,17 @@ def _run_entry(name: str, payloads: dict[Any, Any], seqs: list[Optional[dict[str
     }
 
 
+def expert_activation_quant(results: dict[str, tuple[dict[Any, Any], list[dict[str, Any]]]]) -> Optional[str]:
+    """``"fp8-1x128"`` when the served experts quantize activations (the Triton FP8-block experts: W8A8, as
+    DeepSeek-V3's checkpoint config asks), so the oracle quantizes its experts' inputs alike; else None."""
+    for _, stats in results.values():
+        for s in stats:
+            served = s.get("quantized_experts") or {}
+            if served.get("class") == "MoonEPTritonQuantizedExperts" and served.get("format") == "fp8-block":
+                return "fp8-1x128"
+    return None
+
+
 def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str], ranks_of: list[int],
               results: dict[str, tuple[dict[Any, Any], list[dict[str, Any]]]], progress: Progress,
               judge: Callable[..., dict[str, dict[str, Any]]] = judge_runs, engine: Optional[str] = None,
@@ -236,6 +251,9 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     ranks = list(range(cfg.dp))
     sequences = {name: sequences_by_prompt(payloads, n) for name, (payloads, _) in results.items()}
     oracles: dict[str, TeacherForcedOracle] = {}
+    act_quant = expert_activation_quant(results)
+    if act_quant:  # every judgement of this run, the reload's too
+        judge = functools.partial(judge, expert_activation_quant=act_quant)
     verdicts = judge(getattr(choice, "oracle_path", None) or choice.path, {name: [s for s in seqs if s is not None] for name, seqs in sequences.items()},
                      oracles=oracles)
     runs: dict[str, Any] = {}
@@ -254,6 +272,10 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     if "dp_sharded" in results:
         dp, stats = results["dp_sharded"]
         summary["buffer"] = sorted({s.get("buffer") for s in stats if s.get("buffer")})
+        served = [s["quantized_experts"] for s in stats if s.get("quantized_experts")]
+        if served:  # one entry when every EP rank reports the same experts class and kernel
+            summary["quantized_experts"] = served[0] if all(e == served[0] for e in served) else served
+            summary["experts_compute_by_rank"] = [s.get("experts_compute") for s in stats]
         summary["layout"] = "sharded"
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
@@ -290,6 +312,8 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     summary["notes"] = notes
     summary["figure_sources"] = FIGURE_SOURCES
     summary["oracle"] = "transformers"
+    if act_quant:
+        summary["oracle_expert_activation_quant"] = EXPERT_ACTIVATION_QUANT[act_quant]
     summary["oracle_version"] = oracle_name or oracle_version()
     summary["oracle_rule"] = dataclasses.asdict(RULE)
     summary["max_abs_logprob_diff_at_matching_tokens"] = {

