@@ -243,6 +243,12 @@ def rank_main(ctx: Any, formats: list[str], dtypes: list[str], controls: bool) -
                                                              for n in tensors for e in range(E))
                     res["seconds_total"] = round(time.perf_counter() - t0, 2)
                     out["formats"][fmt] = res
+                if rank == 1 and "engine_selection" not in out:
+                    # while rank 0 computes: the vllm engine's selection (its own vLLM import, so it adds no wall
+                    # time here; tests/support/gpu_engine_selection.py says what it builds)
+                    from tests.support.gpu_engine_selection import collect
+
+                    out["engine_selection"] = collect()
                 del views
                 store.symm.comm.barrier(f"{fmt} checked")
             finally:

@@ -8,7 +8,9 @@ from its own), and the format's kernel — vLLM's ``fused_moe_kernel_gptq_awq``
 project's MXFP4 kernel — over the ``[E+B]`` views with MoonEP-grouped rows.
 Judged against the format's own dequantization (compressed-tensors'
 decompressor; DeepSeek's FP8 block formula) within the harness's stated
-bound; four negative controls must exceed it. Cost (measured on the 2-core
+bound; four negative controls must exceed it. Rank 1, idle while rank 0
+computes, also builds vLLM's three quantized MoE methods for a MoonEP layer
+and records which experts each selects (the GPU engine's selection). Cost (measured on the 2-core
 CI machine): 60-95 s, of which ~20 s is importing vLLM and ~10 s
 compressed-tensors' compression; each interpreted FFN call is 0.3-3 s.
 """
@@ -30,6 +32,7 @@ CONTROLS = {"int4-g32": {"expert_id_off_by_one", "stale_slot_scale", "swapped_ni
 def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_the_interpreter(capsys):
     out = run_json("vllm", ["-m", "tests.support.gpu_experts_check", "--json"], timeout=420)
     r0 = out["ranks"][0]
+    _check_engine_selection(out["ranks"][1]["engine_selection"])
     # The interpreter bugs the harness mends are real, and mended (fp16 runs need neither).
     # Mended: within fp32 rounding of a 16-term sum (bf16_dot_error's bound, ~2e-5; the summation order is the
     # BLAS's, so 0 on one machine and 4.8e-7 on another); bare: bf16 bit patterns multiplied as integers, ~1e10.
@@ -63,17 +66,14 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
                   + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ctl.items())))
 
 
-def test_on_the_gpu_engine_each_format_selects_the_triton_experts(capsys):
+def _check_engine_selection(sel: dict) -> None:
     """vLLM 0.33.0's own quantized MoE methods, built for a MoonEP layer (two EP ranks), select
     ``MoonEPTritonQuantizedExperts`` on a CUDA platform (this machine has none: the platform is marked CUDA for
-    the selection only, ``tests/support/gpu_engine_selection.py``). Controls: without CUDA, or with
-    ``MOONEP_EP_QUANTIZED_EXPERTS=dequant``, the dequantizing experts; with the replicated layout vLLM's own
-    choice (or vLLM's own error on a machine without GPUs), never moonep_ep's."""
-    out = run_json("vllm", ["-m", "tests.support.gpu_engine_selection"], timeout=300)
-    assert out["platform"] == "UnspecifiedPlatform"
-    assert out["cuda"] == {fmt: "MoonEPTritonQuantizedExperts" for fmt in FORMATS}
-    assert out["no_gpu"] == out["cuda_dequant"] == {fmt: "MoonEPQuantizedExperts" for fmt in FORMATS}
-    assert set(out["replicated"]) == set(FORMATS)
-    assert not [v for v in out["replicated"].values() if v.startswith("MoonEP")], out["replicated"]
-    with capsys.disabled():
-        print(f"\n[gpu engine selection] {out['cuda']}; replicated layout: {out['replicated']}")
+    the selection only, ``tests/support/gpu_engine_selection.py``; rank 1 of the kernel check runs it while rank 0
+    computes). Controls: without CUDA, or with ``MOONEP_EP_QUANTIZED_EXPERTS=dequant``, the dequantizing experts;
+    with the replicated layout vLLM's own choice (or vLLM's own error on a machine without GPUs), never ours."""
+    assert sel["platform"] == "UnspecifiedPlatform"
+    assert sel["cuda"] == {fmt: "MoonEPTritonQuantizedExperts" for fmt in FORMATS}, sel
+    assert sel["no_gpu"] == sel["cuda_dequant"] == {fmt: "MoonEPQuantizedExperts" for fmt in FORMATS}, sel
+    assert set(sel["replicated"]) == set(FORMATS)
+    assert not [v for v in sel["replicated"].values() if v.startswith("MoonEP")], sel["replicated"]
