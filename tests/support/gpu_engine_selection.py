@@ -73,7 +73,33 @@ def collect() -> dict[str, Any]:
             current_platform._enum = native
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    out["tuned_config"] = tuned_config()
     return out
+
+
+def tuned_config() -> dict[str, Any]:
+    """``gpu_experts.kernel_config`` on a GPU, with vLLM's device name read as an H200's: K2's FP8-block experts
+    at TP 16 (E 384, N 128: a tuned file vLLM ships), the file's entries read here directly: M 2048 (BLOCK_SIZE_M
+    64) with MoonEP's token padding 128 and 32 (it must come down to 32), and M 2 (8: below tl.dot's 16)."""
+    import vllm.model_executor.layers.fused_moe.fused_moe as fm
+
+    from moonep_ep.vllm.gpu_experts import kernel_config
+
+    name = "E=384,N=128,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    with open(os.path.join(os.path.dirname(fm.__file__), "configs", name)) as f:
+        entries = json.load(f)
+    saved = fm.get_device_name_as_file_name
+    fm.get_device_name_as_file_name = lambda: "NVIDIA_H200"
+    fm.get_moe_configs.cache_clear()
+    try:
+        shape = dict(experts=384, hidden=7168, intermediate=128, top_k=8, interpreter=False)
+        return {"file_m2048": entries["2048"], "file_m2": entries["2"],
+                "m2048_padding_128": kernel_config("fp8-block", tokens=2048, token_padding=128, **shape),
+                "m2048_padding_32": kernel_config("fp8-block", tokens=2048, token_padding=32, **shape),
+                "m2_padding_128": kernel_config("fp8-block", tokens=2, token_padding=128, **shape)}
+    finally:
+        fm.get_device_name_as_file_name = saved
+        fm.get_moe_configs.cache_clear()
 
 
 if __name__ == "__main__":

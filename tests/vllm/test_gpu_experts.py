@@ -77,3 +77,9 @@ def _check_engine_selection(sel: dict) -> None:
     assert sel["no_gpu"] == sel["cuda_dequant"] == {fmt: "MoonEPQuantizedExperts" for fmt in FORMATS}, sel
     assert set(sel["replicated"]) == set(FORMATS)
     assert not [v for v in sel["replicated"].values() if v.startswith("MoonEP")], sel["replicated"]
+    # block sizes on a GPU: vLLM's tuned file for the shape and device, BLOCK_SIZE_M fitted to the token padding
+    tuned = sel["tuned_config"]
+    assert tuned["file_m2048"]["BLOCK_SIZE_M"] == 64 and tuned["file_m2"]["BLOCK_SIZE_M"] == 8   # the control
+    assert tuned["m2048_padding_128"] == tuned["file_m2048"]
+    assert tuned["m2048_padding_32"] == {**tuned["file_m2048"], "BLOCK_SIZE_M": 32}
+    assert tuned["m2_padding_128"] == {**tuned["file_m2"], "BLOCK_SIZE_M": 16}

@@ -71,9 +71,10 @@ VLLM_CONFIG_KEYS = {"int4-g32": ("int4_w4a16", [0, 32]), "fp8-block": ("fp8_w8a8
 
 
 def fit_block_m(block_m: int, token_padding: int) -> int:
-    """The largest power of two <= ``block_m`` (and >= 16, ``tl.dot``'s least M) that divides ``token_padding``;
-    ``block_m`` itself when none does (``check_block_size`` then refuses, naming both)."""
-    m = 1 << (max(int(block_m), 1).bit_length() - 1)
+    """The largest power of two <= ``block_m`` that divides ``token_padding``, at least 16 (``tl.dot``'s least M;
+    vLLM's tuned configs ask for 8 at M 2-4, and MoonEP's groups are ``token_padding`` rows anyway); ``block_m``
+    itself when none does (``check_block_size`` then refuses, naming both)."""
+    m = 1 << (max(int(block_m), 16).bit_length() - 1)
     while m >= 16:
         if token_padding % m == 0:
             return m
@@ -160,8 +161,8 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
     """``[M, N]``: every block's rows times its weight row, in ``fmt``; rows of blocks not computed are zero."""
     M, N = a.shape[0], weight.shape[1]
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
-    cfg = {"BLOCK_SIZE_M": blocks.block_m, "BLOCK_SIZE_N": config["BLOCK_SIZE_N"],
-           "BLOCK_SIZE_K": config["BLOCK_SIZE_K"], "GROUP_SIZE_M": config.get("GROUP_SIZE_M", 1)}
+    # the whole config (a tuned one's num_warps / num_stages too), with the block rows the metadata was built for
+    cfg = {**config, "BLOCK_SIZE_M": blocks.block_m, "GROUP_SIZE_M": config.get("GROUP_SIZE_M", 1)}
     if fmt == "mxfp4":
         return mxfp4_grouped_gemm(a, weight, scale, out, blocks, block_n=cfg["BLOCK_SIZE_N"])
     from vllm.model_executor.layers.fused_moe import fused_moe
