@@ -160,7 +160,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "2 cores), so not in the default run", scope="tests"),
     Variable("MOONEP_EP_REAL_SHAPES", "bool", False,
              "run the GPU experts' real-shape check under the Triton interpreter (one K2/K3 expert per format; "
-             "about 4 min on 2 cores, so not in the default run)", scope="tests"),
+             "about 2 min on 2 cores, so not in the default run)", scope="tests"),
 ]}
 
 
