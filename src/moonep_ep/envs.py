@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 
@@ -164,20 +164,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
 ]}
 
 
-def get(name: str) -> Any:
-    """The parsed value of ``name`` from ``os.environ`` now (its default when unset)."""
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of ``name`` from ``os.environ`` now (its default when unset), or from ``environ``
+    (an environment being built for a child process)."""
     try:
         var = VARIABLES[name]
     except KeyError:
         raise AttributeError(f"moonep_ep.envs has no variable {name!r}; declared: {sorted(VARIABLES)}") from None
-    return var.parse(os.environ.get(name))
-
-
-def get_in(environ: Mapping[str, str], name: str) -> Any:
-    """The parsed value of ``name`` in ``environ`` (an environment being built for a child process)."""
-    if name not in VARIABLES:
-        raise AttributeError(f"moonep_ep.envs has no variable {name!r}")
-    return VARIABLES[name].parse(environ.get(name))
+    return var.parse((os.environ if environ is None else environ).get(name))
 
 
 def raw(name: str) -> str:

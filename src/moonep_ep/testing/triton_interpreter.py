@@ -94,7 +94,7 @@ def triton_experts_env(environ: Mapping[str, str]) -> dict[str, str]:
     environment when it says ``triton`` (the only way Triton kernels run without a GPU), else nothing."""
     from .. import envs
 
-    if envs.get_in(environ, "MOONEP_EP_QUANTIZED_EXPERTS") != "triton":
+    if envs.get("MOONEP_EP_QUANTIZED_EXPERTS", environ) != "triton":
         return {}
     return engine_interpreter_env(environ)
 

@@ -211,7 +211,10 @@ class Stats:
             q["remote_scale_bytes"] += remote_scale
 
     def record_experts_call(self, seconds: float, rows: int) -> None:
-        """One quantized experts call: wall seconds and ``[NvS, H]`` rows (written with the next flush)."""
+        """One quantized experts call: host wall seconds and ``[NvS, H]`` rows (written with the next flush;
+        no-op with stats off, as this runs once per MoE layer and step)."""
+        if stats_dir() is None:
+            return
         with _lock:
             c = self.data.setdefault("experts_compute", {"calls": 0, "seconds": 0.0, "rows": 0})
             c["calls"] += 1

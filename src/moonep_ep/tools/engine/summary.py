@@ -101,9 +101,10 @@ FIGURE_SOURCES: dict[str, str] = {
     # -- verdict ----------------------------------------------------------------------------------
     "max_abs_logprob_diff_at_matching_tokens": "measured: max |vLLM log-prob - oracle (fp32) log-prob| where the "
                                                "run's token equals the oracle's argmax, per run",
-    "experts_compute_by_rank": "measured: per EP rank, the quantized experts' calls, wall seconds in them and "
-                               "[NvS, H] rows given them, over the DP run as each worker last wrote its stats "
-                               "(vLLM's profile run included)",
+    "experts_compute_by_rank": "measured: per EP rank, the quantized experts' calls, host wall seconds in them "
+                               "(on a GPU, whose kernels run asynchronously, that is launch time) and [NvS, H] "
+                               "rows given them, over the DP run as each worker last wrote its stats (vLLM's "
+                               "profile run included)",
     "timings_s": "measured: wall seconds of each engine run (start-up, generation, teardown) and of the oracle",
     "workload": "derived: on a checkpoint's own routers (--workload skewed), each owner's prompt words' mean "
                 "share of router picks on that owner, from its embedding and routers (router_skew.py); the "
