@@ -138,6 +138,10 @@ def forward_cases(ctx: Any, H: int, I: int, E: int, K: int, gran: int, cases: li
         res["subnormal_entries_within_floor"] = bool((rows[~normal].float().abs() <= tiny).all())
         ref = reference_moe_bf16(x, ids, w, W["gate"], W["up"], W["down"])
         res["max_token_rel_err"] = float(token_rel_errors(y, ref).max())
+        # Negative control: the same rule against the dense MoE routed one expert over must fail, so a
+        # 0.0 above (bf16 GEMMs that round exactly as the reference does, e.g. AMX) still means agreement.
+        wrong = reference_moe_bf16(x, (ids + 1) % E, w, W["gate"], W["up"], W["down"])
+        res["wrong_expert_token_rel_err"] = float(token_rel_errors(y, wrong).max())
         res["max_abs_err_vs_fp32"] = float((y.float() - reference_moe(x, ids, w, W["gate"], W["up"],
                                                                        W["down"])).abs().max())
         res["combine_extras_none"] = none_w is None and none_ev is None
@@ -449,7 +453,8 @@ def test_forward_matches_dense_reference(forward):
         for case in out["cases"]:
             where = (R, rank, case["skew"], case["T"])
             # Per token, against the dense MoE rounded where the path rounds (ops.experts).
-            assert 0 < case["max_token_rel_err"] <= TOKEN_REL_TOL, where
+            assert 0 <= case["max_token_rel_err"] <= TOKEN_REL_TOL, where
+            assert case["wrong_expert_token_rel_err"] > TOKEN_REL_TOL, where  # the rule can fail
             assert 0 <= case["max_entry_rel_err"] <= ENTRY_REL_TOL, where   # every (token, k) row
             assert case["subnormal_entries_within_floor"], where
             assert case["combine_extras_none"], where
