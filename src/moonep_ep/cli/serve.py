@@ -38,6 +38,7 @@ import sys
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..launch import cpu_threads_bind
 from ..testing.triton_interpreter import triton_experts_env
 from .vllm_env import add_engine_arguments
 
@@ -155,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if hosts:
         return _run_host(args, hosts, dist, device, info["path"], name, extra)
     argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra)
+    if device == "cpu":  # every DP rank on this machine: each its own cores (a host of --hosts has its own)
+        env.update(cpu_threads_bind(args.dp))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     body = '{"model": "%s", "prompt": "w5 w6 w7 w8", "max_tokens": 8, "temperature": 0}' % name

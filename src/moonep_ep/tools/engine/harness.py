@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from ...testing.triton_interpreter import triton_experts_env
 from ...vllm.stats import read_stats
-from ...launch import ProcessSet, descendants
+from ...launch import ProcessSet, cpu_threads_bind, descendants
 from ..args import add_moe_shape_arguments
 
 Progress = Callable[[str], None]
@@ -232,9 +232,11 @@ def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str =
     Raises ``RuntimeError`` with every failing process's traceback."""
     stats_dir = tempfile.mkdtemp(prefix="moonep-ep-vllm-stats-")
     try:
-        env = dict(base_env(cfg), MOONEP_EP_VLLM_STATS_DIR=stats_dir, MOONEP_EP_LAYOUT=layout)
-        port = free_port()
         R = cfg.data_parallel_size
+        env = dict(base_env(cfg), MOONEP_EP_VLLM_STATS_DIR=stats_dir, MOONEP_EP_LAYOUT=layout)
+        if cfg.device == "cpu":
+            env.update(cpu_threads_bind(R, {**os.environ, **env}))
+        port = free_port()
         jobs = [([i for i in range(len(cfg.prompts)) if cfg.rank_of(i) == r], {"rank": r, "size": R, "port": port})
                 for r in range(R)]
         progress(f"DP={R} expert-parallel run, all2all_backend=moonep, {layout} expert layout")
