@@ -54,3 +54,62 @@ def pytest_xdist_make_scheduler(config, log):
             return "vllm-engines" if nodeid.split("::", 1)[0] in ENGINE_FILES else nodeid
 
     return EnginesTogether(config, log)
+
+
+# --- figures tests measure, and what the machine did: printed once, at the end ----------------------------
+# A test's own figures (``report("...")``) travel as user properties, so they reach the terminal under xdist
+# too, where ``capsys.disabled()`` output stays in the worker.
+_REPORT_KEY = "moonep_ep_report"
+
+
+@pytest.fixture
+def report(request):
+    """``report(text)``: one line for the "measured figures" section at the end of the run."""
+    return lambda text: request.node.user_properties.append((_REPORT_KEY, text.strip("\n")))
+
+
+#: What the printing process (the xdist controller, or pytest itself when serial) gathers for the summary.
+_RUN: dict | None = None
+
+
+def pytest_sessionstart(session):
+    global _RUN
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller sees every report and prints
+    import time
+
+    from tests.support.machine_report import CpuCounters
+
+    _RUN = {"t0": time.monotonic(), "cpu0": CpuCounters.read(), "lines": [],
+            "seconds": {"engine group": 0.0, "other tests": 0.0}, "tests": {"engine group": 0, "other tests": 0}}
+
+
+def pytest_runtest_logreport(report):
+    if _RUN is None:
+        return
+    group = "engine group" if report.nodeid.split("::", 1)[0] in ENGINE_FILES else "other tests"
+    _RUN["seconds"][group] += report.duration
+    _RUN["tests"][group] += report.when == "call"
+    if report.when == "teardown":  # the last report of a test carries every line it reported
+        _RUN["lines"] += [text for key, text in report.user_properties if key == _REPORT_KEY]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _RUN is None:
+        return
+    import os
+    import time
+
+    from tests.support.machine_report import CpuCounters, cpu_description, usage_line
+
+    tr = terminalreporter
+    if _RUN["lines"]:
+        tr.section("measured figures")
+        for text in _RUN["lines"]:
+            tr.write_line(text)
+    wall = time.monotonic() - _RUN["t0"]
+    tr.section("the machine during this run")
+    tr.write_line(cpu_description())
+    tr.write_line(usage_line(CpuCounters.read().since(_RUN["cpu0"]), wall, os.cpu_count() or 1))
+    tr.write_line("; ".join(f"{g}: {_RUN['tests'][g]} tests, {_RUN['seconds'][g]:.0f} s of test time"
+                            for g in _RUN["seconds"]))

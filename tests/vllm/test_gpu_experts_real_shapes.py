@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "fp8-block", "mxfp4"])
-def test_one_real_shaped_expert_past_2_31_bytes_through_store_slot_and_kernel(fmt, capsys):
+def test_one_real_shaped_expert_past_2_31_bytes_through_store_slot_and_kernel(fmt, report):
     out = run_json("vllm", ["-m", "tests.support.gpu_experts_real_shapes", "--json", "--formats", fmt], timeout=600)
     r = out["formats"][fmt]
     weights = [n for n in r["owner_row_offset"] if "scale" not in n]
@@ -34,7 +34,6 @@ def test_one_real_shaped_expert_past_2_31_bytes_through_store_slot_and_kernel(fm
     assert r["slot_equals_owner"]
     assert r["max_row_rel_err"] <= r["bound"] and r["max_row_rel_err_slot_rows"] <= r["bound"], r
     assert out["ok"]
-    with capsys.disabled():
-        print(f"\n[real shape {fmt}, {r['model']} H {r['H']} I {r['I']} E {r['E']}] max row rel err "
-              f"{r['max_row_rel_err']:.2e} <= {r['bound']:.2e}; kernel {r['kernel_seconds']} s, "
-              f"total {out['seconds']} s")
+    report(f"[real shape {fmt}, {r['model']} H {r['H']} I {r['I']} E {r['E']}] max row rel err "
+           f"{r['max_row_rel_err']:.2e} <= {r['bound']:.2e}; kernel {r['kernel_seconds']} s, "
+           f"total {out['seconds']} s")

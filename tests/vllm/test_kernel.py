@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_real_vllm_kernel_sharded_equals_dense_and_replicated(ranks, capsys):
+def test_real_vllm_kernel_sharded_equals_dense_and_replicated(ranks, report):
     out = run_json("vllm", ["-m", "tests.support.kernel_check", "--ranks", str(ranks), "--json"], timeout=280)
     assert out["ok"]
     results = out["ranks"]
@@ -65,13 +65,12 @@ def test_real_vllm_kernel_sharded_equals_dense_and_replicated(ranks, capsys):
     # Skewed routing made ranks prefetch experts owned by other ranks.
     assert sum(r["remote_prefetched"] for r in results) > 0
     assert any(o != r["rank"] for r in results for layer in r["layers"] for _, _, o in layer["slots"])
-    with capsys.disabled():
-        print(f"\n[kernel tier, {ranks} ranks, {L} layers, E={E}] per-rank expert bytes:")
-        print(f"  {'rank':>4}  {'sharded (OS-measured)':>22}  {'replicated [E+B]':>18}")
-        for r in results:
-            print(f"  {r['rank']:>4}  {r['sharded_bytes_measured_os']:>22,}  {r['replicated_bytes_measured']:>18,}")
-        errs = [layer["max_abs_err"] for r in results for layer in r["layers"]]
-        print(f"  max |sharded - dense fp32| = {max(errs):.4f}; sharded == replicated on every rank and layer")
+    report(f"[kernel tier, {ranks} ranks, {L} layers, E={E}] per-rank expert bytes:")
+    report(f"  {'rank':>4}  {'sharded (OS-measured)':>22}  {'replicated [E+B]':>18}")
+    for r in results:
+        report(f"  {r['rank']:>4}  {r['sharded_bytes_measured_os']:>22,}  {r['replicated_bytes_measured']:>18,}")
+    errs = [layer["max_abs_err"] for r in results for layer in r["layers"]]
+    report(f"  max |sharded - dense fp32| = {max(errs):.4f}; sharded == replicated on every rank and layer")
 
 
 def test_misconfigurations_fail_on_every_rank_with_a_fix():
@@ -106,7 +105,7 @@ def test_plugin_is_lazy_idempotent_and_leaves_other_backends_alone():
     assert out["other_backend_untouched"]
 
 
-def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
+def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(report):
     t0 = time.monotonic()
     out = run_json("vllm", ["-m", "tests.support.load_check", "--ranks", "2", "--json"], timeout=280)
     elapsed = time.monotonic() - t0
@@ -156,12 +155,11 @@ def test_zero_copy_load_in_place_update_and_refusals_on_vllm_layers(capsys):
         poisoned = any(r["forward_without_prefetch"][l]["has_nan"] for r in out["ranks"])
         assert poisoned == used, (l, [r["forward_without_prefetch"][l] for r in out["ranks"]])
     assert any(l["slots_used"] for r in out["ranks"] for l in r["forward_after_poison"])
-    with capsys.disabled():
-        r = out["ranks"][0]
-        print(f"\n[kernel tier, load] peak {r['load_memory']['peak_expert_bytes']:,} B = store "
-              f"{r['store']['physical_bytes']['total_bytes']:,} B "
-              f"(one layer {r['store']['one_layer_local_bytes']:,} B); "
-              f"update peak {r['update_memory']['peak_expert_bytes']:,} B; {elapsed:.0f}s")
+    r = out["ranks"][0]
+    report(f"[kernel tier, load] peak {r['load_memory']['peak_expert_bytes']:,} B = store "
+           f"{r['store']['physical_bytes']['total_bytes']:,} B "
+           f"(one layer {r['store']['one_layer_local_bytes']:,} B); "
+           f"update peak {r['update_memory']['peak_expert_bytes']:,} B; {elapsed:.0f}s")
 
 
 def test_kernel_verdict_fails_when_any_check_fails():

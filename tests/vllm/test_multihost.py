@@ -61,7 +61,7 @@ def _scenario(out: dict, name: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-def test_two_hosts_serve_fabric_across_hosts_oracle_and_clean_sigterm(multihost, capsys):
+def test_two_hosts_serve_fabric_across_hosts_oracle_and_clean_sigterm(multihost, report):
     out, r = multihost, _scenario(multihost, "serve")
     checks = out["checks"]
     hosts = [h["name"] for h in r["hosts"]]
@@ -89,18 +89,16 @@ def test_two_hosts_serve_fabric_across_hosts_oracle_and_clean_sigterm(multihost,
     assert r["left_running_in_namespaces"] == []
     assert r["leftover_hosts"] == {"namespaces": [], "processes": [], "client_interface": False}
     assert checks["serve_nothing_left"]
-    with capsys.disabled():
-        print(f"\n[multihost] serve: ready in {r['startup_s']}s, {r['max_in_flight']} in flight, oracle "
-              f"{verdict['abs_logprob_diff']}, fills by owner host "
-              f"{[s['remote_by_owner_host'] for s in stats]} in {r['traffic_rounds']} round(s), "
-              f"SIGTERM {r['sigterm']['seconds']}s; whole check {out['_elapsed_s']}s")
+    report(f"[multihost] serve: ready in {r['startup_s']}s, {r['max_in_flight']} in flight, oracle "
+           f"{verdict['abs_logprob_diff']}, fills by owner host "
+           f"{[s['remote_by_owner_host'] for s in stats]} in {r['traffic_rounds']} round(s), "
+           f"SIGTERM {r['sigterm']['seconds']}s; whole check {out['_elapsed_s']}s")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_sigkilled_headless_node_fails_requests_ends_the_head_and_leaves_nothing(multihost):
     out, r = multihost, _scenario(multihost, "sigkill")
-    lost_host = r["hosts"][1]["name"]
     assert r["before_kill"][0] == 200 and r["killed"]["processes"] >= 2
     assert r["after_kill"][0] == 500 and r["after_kill_s"] <= 20, r["after_kill"]
     assert r["head_ended"]["within_bound"] and r["head_ended"]["survivors"] == []
@@ -109,16 +107,15 @@ def test_sigkilled_headless_node_fails_requests_ends_the_head_and_leaves_nothing
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-def test_sigkill_survivor_names_the_lost_rank_and_host(multihost, capsys):
+def test_sigkill_survivor_names_the_lost_rank_and_host(multihost, report):
     """Whichever collective the survivor meets the loss in -- a MoonEP step, vLLM's worker DP batch sync or the
     engine core's DP all-reduce (timing decides) -- its error names the lost rank and host."""
     r = _scenario(multihost, "sigkill")
     lost_host = r["hosts"][1]["name"]
     errors = r["peer_lost_errors"]
     assert errors and all(f"lost rank(s) [1] on host {lost_host}" in e and "[rank 0]" in e for e in errors), errors
-    with capsys.disabled():
-        print(f"\n[multihost] sigkill: request failed in {r['after_kill_s']}s, met in {r['peer_lost_steps']}, "
-              f"head ended {r['head_ended']['seconds_since_kill']}s after the kill")
+    report(f"[multihost] sigkill: request failed in {r['after_kill_s']}s, met in {r['peer_lost_steps']}, "
+           f"head ended {r['head_ended']['seconds_since_kill']}s after the kill")
 
 
 @pytest.mark.slow

