@@ -110,6 +110,6 @@ def pytest_terminal_summary(terminalreporter):
     wall = time.monotonic() - _RUN["t0"]
     tr.section("the machine during this run")
     tr.write_line(cpu_description())
-    tr.write_line(usage_line(CpuCounters.read().since(_RUN["cpu0"]), wall, os.cpu_count() or 1))
+    tr.write_line(usage_line(CpuCounters.read().since(_RUN["cpu0"]), wall, len(os.sched_getaffinity(0))))
     tr.write_line("; ".join(f"{g}: {_RUN['tests'][g]} tests, {_RUN['seconds'][g]:.0f} s of test time"
                             for g in _RUN["seconds"]))

