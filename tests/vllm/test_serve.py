@@ -77,3 +77,28 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
            f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
            f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
            f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
+
+
+def test_a_dev_shm_entry_counts_as_left_behind_only_when_no_live_process_holds_it():
+    """The check's rule (``serve_check.orphaned_dev_shm``): under xdist the other worker's tests create /dev/shm
+    segments while the server runs; those are held by a live process, and only an unheld new entry is the
+    stopped server's leftover."""
+    import os
+    from multiprocessing import shared_memory
+
+    from tests.support.serve_check import orphaned_dev_shm
+
+    before = os.listdir("/dev/shm")
+    held = shared_memory.SharedMemory(create=True, size=4096)  # mapped by this live process
+    orphan = f"moonep-ep-test-orphan-{os.getpid()}"
+    with open(os.path.join("/dev/shm", orphan), "wb") as f:   # written, closed, held by no one
+        f.write(b"x")
+    try:
+        after = os.listdir("/dev/shm")
+        assert held.name.lstrip("/") in after and orphan in after
+        assert orphaned_dev_shm(before, after) == [orphan]
+        assert orphaned_dev_shm(after, after) == []  # nothing new, nothing left
+    finally:
+        held.close()
+        held.unlink()
+        os.unlink(os.path.join("/dev/shm", orphan))
