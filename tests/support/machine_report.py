@@ -84,16 +84,16 @@ def _throttled_us() -> int | None:
 
 def cpu_quota() -> float | None:
     """CPUs' worth of time this cgroup may use (the CFS quota over its period); None when unlimited."""
-    v2 = _cgroup_file("cpu.max", "cpu.cfs_quota_us")
-    if v2 is None:
+    path = _cgroup_file("cpu.max", "cpu.cfs_quota_us")
+    if path is None:
         return None
-    with open(v2) as f:
+    with open(path) as f:
         words = f.read().split()
-    if v2.endswith("cpu.max"):
+    if path.endswith("cpu.max"):
         return None if words[0] == "max" else int(words[0]) / int(words[1])
     if int(words[0]) < 0:
         return None
-    with open(v2.replace("cpu.cfs_quota_us", "cpu.cfs_period_us")) as f:
+    with open(path.replace("cpu.cfs_quota_us", "cpu.cfs_period_us")) as f:
         return int(words[0]) / int(f.read())
 
 

@@ -86,7 +86,7 @@ def test_a_dev_shm_entry_counts_as_left_behind_only_when_no_live_process_holds_i
     import os
     from multiprocessing import shared_memory
 
-    from tests.support.serve_check import orphaned_dev_shm
+    from tests.support.serve_check import leak_scan, orphaned_dev_shm
 
     before = os.listdir("/dev/shm")
     held = shared_memory.SharedMemory(create=True, size=4096)  # mapped by this live process
@@ -94,10 +94,11 @@ def test_a_dev_shm_entry_counts_as_left_behind_only_when_no_live_process_holds_i
     with open(os.path.join("/dev/shm", orphan), "wb") as f:   # written, closed, held by no one
         f.write(b"x")
     try:
-        after = os.listdir("/dev/shm")
-        assert held.name.lstrip("/") in after and orphan in after
+        after = leak_scan()
+        assert held.name.lstrip("/") in after["dev_shm"] and orphan in after["dev_shm"]
+        assert held.name.lstrip("/") in after["dev_shm_held"] and orphan not in after["dev_shm_held"]
         assert orphaned_dev_shm(before, after) == [orphan]
-        assert orphaned_dev_shm(after, after) == []  # nothing new, nothing left
+        assert orphaned_dev_shm(after["dev_shm"], after) == []  # nothing new, nothing left
     finally:
         held.close()
         held.unlink()
