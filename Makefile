@@ -8,6 +8,15 @@ PIP    := $(PY) -m pip
 # the default (CUDA) build is kept.
 TORCH_CPU_SPEC ?= torch==2.13.0
 RANKS  ?= 4
+# A fresh set-up downloads about 4 GB (vLLM's CUDA torch alone is several). A dropped connection
+# mid-wheel made a CI run fail after five resumes of the same stalled download; pip's own retry
+# options (read from the environment by every pip below) give it more room before it gives up.
+export PIP_RETRIES ?= 10
+export PIP_RESUME_RETRIES ?= 20
+# The three environments take about 14 GB (.venv-vllm 9.5, .venv-vllm-cpu 3.5, .venv 1.2) and pip
+# unpacks wheels beside them; a set-up that runs out of disk half-way leaves a broken environment
+# behind, so it refuses to start below this much free space (GiB) and says how much there is.
+SETUP_FREE_GIB ?= 20
 
 # vLLM environments, one per tier (they pin different torch builds, so neither
 # can share the main environment):
@@ -40,7 +49,7 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 DRIVER_MAJOR := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 CUDA_BINDINGS_SPEC := $(shell test -n "$(DRIVER_MAJOR)" && test "$(DRIVER_MAJOR)" -lt 580 2>/dev/null && echo '"cuda-bindings>=12.8,<13"')
 
-.PHONY: install install-test install-mutate mutate demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
+.PHONY: setup-disk-check install install-test install-mutate mutate demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -126,7 +135,16 @@ selftest: install
 # one of them (tests/conftest.py, ENGINE_FILES), the rest share the other; TEST_WORKERS=0 runs serially.
 SETUP_JOBS ?= 3
 TEST_WORKERS ?= 2
-test:
+setup-disk-check:
+	@if test -f $(VENV)/.moonep-ep-installed && test -f $(VLLM_VENV)/.moonep-ep-ready \
+	    && test -f $(VLLM_CPU_VENV)/.moonep-ep-ready; then exit 0; fi; \
+	free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if test "$$free" -lt $(SETUP_FREE_GIB); then \
+	  echo "make: $$free GiB free on the disk of $$(pwd), and setting up the environments needs about $(SETUP_FREE_GIB) GiB."; \
+	  echo "Fix: free disk space (old clones' .venv* directories, pip's cache: pip cache purge), or set SETUP_FREE_GIB=N to try anyway."; \
+	  exit 1; fi
+
+test: setup-disk-check
 	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=target install-test venvs
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
