@@ -18,6 +18,13 @@ each bug is written into a copy of the quantized checkpoint
 (:func:`~moonep_ep.tools.checkpoints.tiny_quantized.corrupt`) and decompressed by the
 same decompressor; every bug must **fail**.
 
+FP8 block is served W8A8 by the Triton experts (activations quantized per
+1x128), judged by an oracle whose experts quantize alike under
+:data:`~moonep_ep.tools.engine.oracle.W8A8_RULE`. So its W8A8 section repeats
+the controls with every "engine" quantizing its expert inputs the same way:
+``bf16`` (a correct W8A8 implementation in bf16 arithmetic) must pass the
+W8A8 rule, ``scale_doubled`` and ``stale_scale`` must fail it.
+
 ``python -m tests.support.quantized_controls --json`` (an environment with
 transformers and compressed-tensors).
 """
@@ -30,12 +37,24 @@ import sys
 import time
 from typing import Any, Sequence
 
-from moonep_ep.tools.engine.oracle import RULE, judge_runs
+from moonep_ep.tools.engine.oracle import RULE, judge_runs, quantize_expert_inputs, rule_for
 from moonep_ep.tools.checkpoints.tiny_quantized import CONTROLS, QUANTIZED_MODELS, build_tiny_quantized, corrupt, dequantized_copy
 
 
 def controls_of(name: str) -> tuple[str, ...]:
     return tuple(c for c in CONTROLS if not (c == "nibble_swapped" and QUANTIZED_MODELS[name] == "fp8-block"))
+
+
+#: format -> the activation quantization its GPU experts apply (the oracle and every "engine" apply it too)
+ACTIVATION_QUANT = {"fp8-block": "fp8-1x128"}
+W8A8_CONTROLS = ("scale_doubled", "stale_scale")
+
+
+def _verdicts(clean: str, runs: dict[str, Any], act_quant: Any = None) -> dict[str, Any]:
+    verdicts = judge_runs(clean, runs, dtypes=(RULE.reference_dtype,), expert_activation_quant=act_quant)
+    return {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
+                                                          "max_gap_at_divergence", "abs_logprob_diff")}
+            for run, v in verdicts.items()}
 
 
 def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: int = 16,
@@ -52,19 +71,28 @@ def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: in
     for name in models:
         path = build_tiny_quantized(name)
         clean = dequantized_copy(path)
-        runs = {}
-        for run in ("bf16", *controls_of(name)):
-            src = clean if run == "bf16" else dequantized_copy(corrupt(path, run))
-            dtype = torch.bfloat16 if run == "bf16" else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="eager",
-                                                         local_files_only=True).eval()
-            runs[run] = greedy(model, prompts, max_tokens)
-        verdicts = judge_runs(clean, runs, dtypes=(RULE.reference_dtype,))
-        res = {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
-                                                             "max_gap_at_divergence", "abs_logprob_diff")}
-               for run, v in verdicts.items()}
-        out["models"][name] = {"format": QUANTIZED_MODELS[name], "oracle_checkpoint": clean, "controls": res,
-                               "ok": res["bf16"]["ok"] and not any(res[c]["ok"] for c in controls_of(name))}
+
+        def generated(controls: Sequence[str], act_quant: Any = None) -> dict[str, Any]:
+            runs = {}
+            for run in ("bf16", *controls):
+                src = clean if run == "bf16" else dequantized_copy(corrupt(path, run))
+                dtype = torch.bfloat16 if run == "bf16" else torch.float32
+                model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="eager",
+                                                             local_files_only=True).eval()
+                if act_quant:
+                    quantize_expert_inputs(model, act_quant)
+                runs[run] = greedy(model, prompts, max_tokens)
+            return runs
+
+        res = _verdicts(clean, generated(controls_of(name)))
+        entry = {"format": QUANTIZED_MODELS[name], "oracle_checkpoint": clean, "controls": res,
+                 "ok": res["bf16"]["ok"] and not any(res[c]["ok"] for c in controls_of(name))}
+        act_quant = ACTIVATION_QUANT.get(QUANTIZED_MODELS[name])
+        if act_quant:
+            w8a8 = _verdicts(clean, generated(W8A8_CONTROLS, act_quant), act_quant)
+            entry["w8a8"] = {"activation_quant": act_quant, "rule": rule_for(act_quant).__dict__, "controls": w8a8}
+            entry["ok"] = entry["ok"] and w8a8["bf16"]["ok"] and not any(w8a8[c]["ok"] for c in W8A8_CONTROLS)
+        out["models"][name] = entry
     out["ok"] = all(m["ok"] for m in out["models"].values())
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out

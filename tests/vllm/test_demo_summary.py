@@ -288,3 +288,26 @@ def test_record_prefetch_counts_fills_padding_and_bytes_at_the_copy(tmp_path, mo
     fresh.record_prefetch(_Plan(real), ep_rank=1, epn=2, real_tokens=[8, 8])
     entry = next(iter(fresh.data["forward"]["fills_by_owner_expert"]["0"].values()))
     assert entry["padding_only"] == 0 and entry["real_entries"] > 0
+
+
+def test_a_w8a8_run_is_judged_by_the_w8a8_rule_against_an_oracle_that_quantizes_alike():
+    """The Triton FP8-block experts quantize activations (W8A8): the oracle is asked to quantize its experts'
+    inputs alike, and the verdict names ``W8A8_RULE``; the dequantizing experts (W8A16) keep ``RULE``."""
+    from moonep_ep.tools.engine.oracle import RULE, W8A8_RULE
+
+    asked = []
+
+    def recording_judge(model_dir, runs, dtypes=("float32", "bfloat16"), oracles=None, rule=None,
+                        expert_activation_quant=None):
+        asked.append(expert_activation_quant)
+        return fake_judge()(model_dir, runs, dtypes, oracles, rule)
+
+    for cls, want_quant, want_rule in (("MoonEPTritonQuantizedExperts", "fp8-1x128", W8A8_RULE),
+                                       ("MoonEPQuantizedExperts", None, RULE)):
+        served = {"class": cls, "format": "fp8-block", "kernel": "k", "triton_interpreter": False}
+        stats = [dict(_stats(r), quantized_experts=served) for r in range(R)]
+        asked.clear()
+        out = _summary(_results(stats=stats), judge_runs=recording_judge)
+        assert set(asked) == {want_quant}, cls
+        assert out["oracle_rule"] == dataclasses.asdict(want_rule), cls
+        assert ("oracle_expert_activation_quant" in out) == (want_quant is not None), cls

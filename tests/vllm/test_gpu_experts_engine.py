@@ -11,7 +11,10 @@ and its stand-in ``cpu`` backend, ``moonep_ep.testing.triton_interpreter``).
 Judged by HF transformers on the copy the format's own library decompressed
 (compressed-tensors' decompressor; FP8 block: DeepSeek's formula), with real
 slot fills from both owners (the skewed workload), weight and scale bytes
-counted apart at the copy.
+counted apart at the copy. FP8 block runs W8A8 here (activations quantized
+per 1x128, as vLLM serves it on GPUs): its oracle quantizes its experts'
+inputs alike and judges by ``W8A8_RULE``, whose controls are in
+``test_quantized_controls.py``.
 
 Controls: the same command without the switch serves with the dequantizing
 experts (``test_quantized_checkpoints.py``: class ``MoonEPQuantizedExperts``),
@@ -31,11 +34,13 @@ whatever ``--max-tokens`` is.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from moonep_ep import envs
+from moonep_ep.tools.engine.oracle import RULE, W8A8_RULE
 from tests.support.vllm_envs import run_json
 
 pytestmark = [pytest.mark.slow,
@@ -49,18 +54,7 @@ MODELS = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "vllm fused_moe_kernel_gptq
 TRITON = {"MOONEP_EP_QUANTIZED_EXPERTS": "triton"}
 
 
-#: FP8 block through the Triton experts is W8A8 (vLLM's fused_moe_kernel with dynamic 1x128 activations, as vLLM
-#: serves DeepSeek-V3 FP8 on GPUs): e4m3 keeps 3 mantissa bits, so the run differs from the fp32 oracle by more than
-#: the rule allows even with the oracle's expert inputs quantized alike (p50 0.033, p90 0.081, max 0.23 nats; the
-#: oracle's own bf16 W8A8 run differs from its fp32 one by p50 0.028, p90 0.068). A looser rule for W8A8 that still
-#: fails the stale-scale control was not found (a correct bf16 W8A8 run: p90 0.085; stale scales: 0.115), so this
-#: stays a known failure; strict, so a pass is reported as a change.
-FP8_W8A8_OVER_THE_RULE = pytest.mark.xfail(strict=True, reason="FP8 W8A8 differs from the oracle by more than the "
-                                                              "rule (docs/design/vllm.md, FP8 activations)")
-
-
-@pytest.mark.parametrize("model", [pytest.param(m, marks=FP8_W8A8_OVER_THE_RULE) if MODELS[m][0] == "fp8-block"
-                                   else m for m in MODELS])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(model, report):
     fmt, kernel, weight_per_scale_byte = MODELS[model]
     t0 = time.monotonic()
@@ -75,13 +69,16 @@ def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(mode
     # FP8: the Triton experts quantize activations per 1x128 (W8A8, as the checkpoint's dynamic scheme asks), so
     # the oracle's experts see their inputs quantized alike; INT4 and MXFP4 are weight-only, judged as before
     assert out.get("oracle_expert_activation_quant", "").startswith("dynamic e4m3") == (fmt == "fp8-block")
+    # ... and judged by the W8A8 rule (its bounds and controls: test_quantized_controls.py); the others by RULE
+    assert out["oracle_rule"] == dataclasses.asdict(W8A8_RULE if fmt == "fp8-block" else RULE)
     compute = out["experts_compute_by_rank"]
     assert len(compute) == 2 and all(c["calls"] > 0 and c["seconds"] > 0 for c in compute), compute
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1], out["remote_prefetch_fills"]
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_scale_bytes"] > 0 and q["remote_weight_bytes"] == weight_per_scale_byte * q["remote_scale_bytes"]
-    report(f"[{fmt} triton experts engine] ok; oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}"
-           f", max {out['max_abs_logprob_diff_at_matching_tokens']}; fills {out['remote_prefetch_fills']['fills']}"
+    diff = run["oracle"]["float32"]["abs_logprob_diff"]
+    report(f"[{fmt} triton experts engine] ok; oracle p50 {diff['p50']}, p90 {diff['p90']}, positions "
+           f"{run['oracle']['float32']['positions']}, max {out['max_abs_logprob_diff_at_matching_tokens']}; fills {out['remote_prefetch_fills']['fills']}"
            f"; experts {compute}; engine {out['timings_s']}; {time.monotonic() - t0:.0f}s")
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from moonep_ep.tools.engine.oracle import RULE, judge, position_record
+from moonep_ep.tools.engine.oracle import RULE, W8A8_RULE, judge, position_record, rule_for
 from tests.support.vllm_envs import run_json
 
 
@@ -48,6 +48,21 @@ def test_the_distribution_gates():
     missing = position_record(5, -1.0, (5, -1.0), (6, -3.0), None)
     assert "engine_logprobs_missing" in judge([[_ok()] * 9 + [missing]])["failed"]
     assert not judge([])["ok"]                                                # nothing judged is no pass
+
+
+def test_w8a8_runs_are_judged_by_the_w8a8_rule_and_everything_else_by_the_rule():
+    assert rule_for(None) is RULE and rule_for("fp8-1x128") is W8A8_RULE
+    with pytest.raises(ValueError, match="'int8-per-token': no rule"):
+        rule_for("int8-per-token")
+    # W8A8 widens only the distribution gates (docs/design/vllm.md, FP8 activations)
+    assert (W8A8_RULE.p50_max, W8A8_RULE.p90_max) == (0.08, 0.30)
+    assert (W8A8_RULE.divergence_gap, W8A8_RULE.abs_max, W8A8_RULE.reference_dtype) == \
+        (RULE.divergence_gap, RULE.abs_max, RULE.reference_dtype)
+    # a median of 0.05 nats: over RULE's 0.02, within W8A8's 0.08; a 90th percentile of 0.2: over both p90s but W8A8's
+    w8a8_noise = [[_ok(0.05)] * 8 + [_ok(0.2)] * 2]
+    assert judge(w8a8_noise)["failed"] == ["p50", "p90"] and judge(w8a8_noise, W8A8_RULE)["ok"]
+    assert judge([[_ok(0.09)] * 10], W8A8_RULE)["failed"] == ["p50"]
+    assert judge([[_ok(0.05)] * 8 + [_ok(0.31)] * 2], W8A8_RULE)["failed"] == ["p90"]
 
 
 @pytest.mark.slow

@@ -105,8 +105,9 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     saved in two safetensors shards with an index, ``quantization_config`` written by
     ``ModelCompressor.update_config``), not by ``tiny_quantized.build_tiny_quantized``.
 
-    Checked by hand against ``build_tiny_quantized('tiny-kimi-k2-thinking-int4', seed=3)``: the tensors are
-    byte-equal (same min-max rule), the ``quantization_config`` keys are the same, and what differs is what the
+    Checked by hand against ``build_tiny_quantized('tiny-kimi-k2-thinking-int4', seed=3)`` before that builder
+    scaled each expert block by a gain (``with_block_gains``): the tensors were byte-equal (same min-max rule),
+    the ``quantization_config`` keys are the same, and what differs is what the
     ecosystem writes: ``ignore`` names every non-expert linear exactly (36 names, as in K2-Thinking's
     config.json; the builder writes 5 regexes), config.json is rewritten with sorted keys, the weights are
     sharded with ``model.safetensors.index.json`` and no moonep_ep stamp. The exact-name ignore list made the

@@ -36,7 +36,7 @@ import math
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["OracleRule", "RULE", "judge", "position_record", "TeacherForcedOracle", "judge_runs", "oracle_version"]
+__all__ = ["OracleRule", "RULE", "W8A8_RULE", "rule_for", "judge", "position_record", "TeacherForcedOracle", "judge_runs", "oracle_version"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,21 @@ class OracleRule:
 
 
 RULE = OracleRule()
+#: The rule when the served experts quantize their GEMM inputs to e4m3 per 1x128 (W8A8: the Triton FP8-block
+#: experts), judged against an oracle whose experts quantize alike. e4m3 keeps 3 mantissa bits, so a bf16 input
+#: one ulp from the fp32 oracle's can land on the next code (up to 12.5 % of the value): the oracle's own bf16
+#: W8A8 forward differs from its fp32 one by more than :data:`RULE` allows. The bounds and the runs they come
+#: from: ``docs/design/vllm.md`` (FP8 activations).
+W8A8_RULE = OracleRule(p50_max=0.08, p90_max=0.30)
+#: ``expert_activation_quant`` -> the rule its runs are judged by
+RULES = {None: RULE, "fp8-1x128": W8A8_RULE}
+
+
+def rule_for(expert_activation_quant: Optional[str]) -> OracleRule:
+    if expert_activation_quant not in RULES:
+        raise ValueError(f"expert_activation_quant {expert_activation_quant!r}: no rule; one of "
+                         f"{sorted(k for k in RULES if k)} or None")
+    return RULES[expert_activation_quant]
 
 
 def position_record(token: int, oracle_lp_token: float, top1: tuple[int, float], top2: tuple[int, float],
@@ -231,7 +246,7 @@ class TeacherForcedOracle:
 
 
 def judge_runs(model_dir: str, runs: Mapping[str, Iterable[Mapping[str, Any]]],
-               dtypes: Sequence[str] = ("float32", "bfloat16"), rule: OracleRule = RULE,
+               dtypes: Sequence[str] = ("float32", "bfloat16"), rule: Optional[OracleRule] = None,
                oracles: Optional[dict[str, TeacherForcedOracle]] = None,
                expert_activation_quant: Optional[str] = None) -> dict[str, dict[str, Any]]:
     """``{run: {dtype: verdict}}`` for every run's sequences (dicts with ``prompt_token_ids``,
@@ -239,7 +254,9 @@ def judge_runs(model_dir: str, runs: Mapping[str, Iterable[Mapping[str, Any]]],
 
     ``verdict["ok"]`` of the reference dtype is the run's verdict; the other
     dtypes carry the same figures for comparison (their ``ok`` is informational). ``expert_activation_quant``:
-    the routed experts' inputs quantized as the served experts quantize them (:data:`EXPERT_ACTIVATION_QUANT`)."""
+    the routed experts' inputs quantized as the served experts quantize them (:data:`EXPERT_ACTIVATION_QUANT`);
+    ``rule`` defaults to that quantization's (:func:`rule_for`)."""
+    rule = rule or rule_for(expert_activation_quant)
     oracles = oracles if oracles is not None else {}
     out: dict[str, dict[str, Any]] = {}
     for name, sequences in runs.items():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
 from .reload import load_memory_fields, reload_fields, sequences_by_prompt, stats_by_rank
-from .oracle import EXPERT_ACTIVATION_QUANT, RULE, TeacherForcedOracle, judge_runs, oracle_version
+from .oracle import EXPERT_ACTIVATION_QUANT, RULE, TeacherForcedOracle, judge_runs, oracle_version, rule_for
 
 Progress = Callable[[str], None]
 
@@ -316,7 +316,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     if act_quant:
         summary["oracle_expert_activation_quant"] = EXPERT_ACTIVATION_QUANT[act_quant]
     summary["oracle_version"] = oracle_name or oracle_version()
-    summary["oracle_rule"] = dataclasses.asdict(RULE)
+    summary["oracle_rule"] = dataclasses.asdict(rule_for(act_quant))
     summary["max_abs_logprob_diff_at_matching_tokens"] = {
         name: entry["oracle"][RULE.reference_dtype]["max_abs_logprob_diff_at_matching_tokens"]
         for name, entry in runs.items()}
