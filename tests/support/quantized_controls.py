@@ -71,13 +71,14 @@ def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: in
     for name in models:
         path = build_tiny_quantized(name)
         clean = dequantized_copy(path)
+        # each bug written and decompressed once: the W8A8 section below runs the same copies again
+        sources = {"bf16": clean, **{c: dequantized_copy(corrupt(path, c)) for c in controls_of(name)}}
 
         def generated(controls: Sequence[str], act_quant: Any = None) -> dict[str, Any]:
             runs = {}
             for run in ("bf16", *controls):
-                src = clean if run == "bf16" else dequantized_copy(corrupt(path, run))
                 dtype = torch.bfloat16 if run == "bf16" else torch.float32
-                model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="eager",
+                model = AutoModelForCausalLM.from_pretrained(sources[run], dtype=dtype, attn_implementation="eager",
                                                              local_files_only=True).eval()
                 if act_quant:
                     quantize_expert_inputs(model, act_quant)

@@ -186,9 +186,9 @@ def with_block_gains(weights: dict[str, Any], names: list[str], seed: int) -> di
     Why: the tiny model's experts are i.i.d. normal, so every FP8 block's ``amax / 448`` (16384 values) comes
     out close to every other's, in every expert (standard deviation over mean about 7 %; 42 % with the gains).
     A stale scale (expert 8's on expert 0) then changes almost nothing and the oracle cannot tell it from a
-    correct run, while real checkpoints' block scales differ across blocks and experts. Gains in ``[1/2, 2]`` per block (drawn from ``seed``, independent
-    of the weights) give the scales that spread; they multiply weights before quantization, so the checkpoint
-    and the oracle's decompressed copy agree as before."""
+    correct run, while real checkpoints' block scales differ across blocks and experts. Gains in ``[1/2, 2]``
+    per block (drawn from ``seed``, independent of the weights) give the scales that spread; they multiply
+    weights before quantization, so the checkpoint and the oracle's decompressed copy agree as before."""
     import torch
 
     gen = torch.Generator().manual_seed(10_000 + seed)
@@ -247,7 +247,8 @@ def build_tiny_quantized(name: str, out_dir: Optional[str] = None, seed: int = 0
     fmt = QUANTIZED_MODELS[name]
     c = _tiny_config(seed, moe_intermediate)
     out = out_dir or default_dir(name, seed, moe_intermediate)
-    stamp = json.loads(json.dumps({"format": fmt, "block_gain_octaves": BLOCK_GAIN_OCTAVES, **dataclasses.asdict(c)}))
+    stamp = json.loads(json.dumps({"format": fmt, "block_gain_octaves": BLOCK_GAIN_OCTAVES,
+                                   **dataclasses.asdict(c)}))
     stamp_path = os.path.join(out, "moonep_ep_tiny.json")
     if os.path.exists(stamp_path) and os.path.exists(os.path.join(out, "model.safetensors")):
         with open(stamp_path) as f:
@@ -306,7 +307,6 @@ def ct_scheme(qcfg: dict[str, Any]) -> tuple[Any, str]:
 
 def decompress_tensors(cfg: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """Every quantized module of ``tensors`` back to an fp32 ``weight`` by the format's own decompressor."""
-
     qcfg = cfg.get("quantization_config") or {}
     out = dict(tensors)
     if qcfg.get("quant_method") == "fp8":

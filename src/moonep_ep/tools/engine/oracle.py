@@ -36,7 +36,8 @@ import math
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["OracleRule", "RULE", "W8A8_RULE", "rule_for", "judge", "position_record", "TeacherForcedOracle", "judge_runs", "oracle_version"]
+__all__ = ["OracleRule", "RULE", "W8A8_RULE", "rule_for", "judge", "position_record", "TeacherForcedOracle",
+           "judge_runs", "oracle_version"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ RULES = {None: RULE, "fp8-1x128": W8A8_RULE}
 
 
 def rule_for(expert_activation_quant: Optional[str]) -> OracleRule:
+    """The rule for runs whose experts quantize their inputs as ``expert_activation_quant`` says (None: none)."""
     if expert_activation_quant not in RULES:
         raise ValueError(f"expert_activation_quant {expert_activation_quant!r}: no rule; one of "
                          f"{sorted(k for k in RULES if k)} or None")
