@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moonep_ep.errors import DriverError
-from moonep_ep.memory.accounting import snapshot
+from moonep_ep.memory.accounting import own_memfd_bytes, snapshot
 from moonep_ep.memory.driver import HandleType
 from moonep_ep.memory.host import HostDriver
 
@@ -52,6 +52,20 @@ def test_map_write_read_and_teardown(driver):
     driver.unmap(base, 2 * GRAN)
     driver.free_reservation(base, 2 * GRAN)
     driver.release(h)
+
+
+def test_own_memfd_bytes_counts_this_ranks_memfds_as_the_snapshot_does(driver):
+    other = HostDriver(rank=1, granularity=GRAN)
+    before = own_memfd_bytes(0)
+    mine = driver.create(3 * GRAN, HandleType.POSIX_FD, tag="w")
+    theirs = other.create(5 * GRAN, HandleType.POSIX_FD, tag="w")  # rank 1's, open here: not rank 0's bytes
+    try:
+        assert own_memfd_bytes(0) == before + 3 * GRAN == snapshot(0).own_bytes
+        assert own_memfd_bytes(1) == 5 * GRAN == snapshot(1).own_bytes
+    finally:
+        driver.release(mine)
+        other.release(theirs)
+    assert own_memfd_bytes(0) == before and own_memfd_bytes(1) == 0
 
 
 def test_alignment_is_enforced(driver):

@@ -76,6 +76,25 @@ def test_dequantize_rows_follows_the_format_definition(fmt):
     assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("fmt, out, inp", [("int4-g32", 2 * I, H), ("mxfp4", 2 * I, H), ("fp8-block", 2 * I, H),
+                                            ("fp8-block", 200, 160)])  # 200 x 160: partial last blocks
+def test_bf16_rows_are_the_float32_products_rounded_once(fmt, out, inp):
+    """The engine's bf16 rows take INT4 and MXFP4 products in bf16 and FP8's per block: every value must still
+    be the format definition's float32 product, rounded once to bf16."""
+    weight, scale, want = MAKERS[fmt](3, out, inp, seed=5)
+    assert torch.equal(dequantize_rows(fmt, weight, scale), want.to(torch.bfloat16))
+
+
+def test_int4_rows_with_float32_scales_are_taken_in_float32():
+    # 0.3 in float32 is not a bf16 number: a bf16 product would round the scale first, then the product.
+    weight, scale, _ = _int4(2, 64, 64)
+    scale = torch.full(scale.shape, 0.3, dtype=torch.float32)
+    q = torch.stack([(weight >> (4 * i)) & 0xF for i in range(8)], -1).flatten(-2).float() - 8
+    want = (q * 0.3).to(torch.bfloat16)
+    assert torch.equal(dequantize_rows("int4-g32", weight, scale), want)
+    assert not torch.equal(want, q.to(torch.bfloat16) * torch.tensor(0.3, dtype=torch.bfloat16))  # the control
+
+
 @pytest.mark.parametrize("fmt", sorted(MAKERS))
 def test_grouped_ffn_reads_only_the_used_rows_and_matches_the_dense_reference(fmt):
     w13, s13, d13 = MAKERS[fmt](G, 2 * I, H, seed=1)

@@ -31,19 +31,40 @@ def is_moonep_memfd(target: str) -> bool:
     return target.startswith(f"/memfd:{MEMFD_PREFIX}")
 
 
+def _open_memfds() -> list[tuple[str, str]]:
+    """``(fd, target)`` of every moonep_ep memfd open in this process (``/proc/self/fd``)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the fd of the listdir itself, closed meanwhile
+        if is_moonep_memfd(target):
+            out.append((name, target))
+    return out
+
+
+def own_memfd_bytes(rank: int) -> int:
+    """``snapshot(rank).own_bytes`` without the mapping scan: the load-peak sampler calls it at every expert
+    a loader writes, and ``/proc/self/maps`` of a vLLM worker has thousands of lines."""
+    own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}."
+    own = 0
+    for name, target in _open_memfds():
+        if target.startswith(own_prefix):
+            try:
+                own += os.fstat(int(name)).st_size
+            except OSError:
+                continue
+    return own
+
+
 def snapshot(rank: int | None = None) -> ProcessMemory:
     """Scan ``/proc/self``; ``own_*`` count memfds named for ``rank``."""
     open_memfds = own = resident = 0
     by_tag: dict[str, int] = {}
     held: dict[int, int] = {}  # inode -> bytes kept alive (fd size, or mapped extent)
     own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}." if rank is not None else None
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # the fd of the listdir itself, closed meanwhile
-        if not is_moonep_memfd(target):
-            continue
+    for name, target in _open_memfds():
         open_memfds += 1
         try:
             st_any = os.fstat(int(name))

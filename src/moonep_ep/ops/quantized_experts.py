@@ -42,44 +42,73 @@ __all__ = ["dequantize_rows", "quantized_grouped_ffn", "used_groups", "E2M1_VALU
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32
 FP8_BLOCK = 128
+#: byte -> its two E2M1 values, low nibble first (bf16 holds every E2M1 value exactly)
+_E2M1_PAIRS = torch.tensor([(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.bfloat16)
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """``[n, N, K/8]`` int32 -> ``[n, N, K]`` signed values ``q - 8`` (float32)."""
+    """``[n, N, K/8]`` int32 -> ``[n, N, K]`` signed values ``q - 8`` (bf16: exact for -8..7)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return nibbles.flatten(-2).to(torch.float32) - 8.0
+    return nibbles.flatten(-2).to(torch.bfloat16) - 8.0
 
 
 def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """``[n, N, K/2]`` uint8 -> ``[n, N, K]`` E2M1 values (float32)."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    return table[codes.to(torch.int64)]
+    """``[n, N, K/2]`` uint8 -> ``[n, N, K]`` E2M1 values (bf16, exact): one gather of a byte's two values."""
+    pairs = torch.nn.functional.embedding(packed.to(torch.int32), _E2M1_PAIRS.to(packed.device))
+    return pairs.flatten(-2)
+
+
+def _times_groups(fmt: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values [n, N, K] * scale [n, N, K/32]``, each scale over its 32 columns (no repeated scale tensor)."""
+    n, N, K = values.shape
+    if K % GROUP or tuple(scale.shape) != (n, N, K // GROUP):
+        raise config_error(None, f"{fmt} scale rows do not cover the weight rows",
+                           (tuple(scale.shape), tuple(values.shape)),
+                           "pass the format's scale tensor of the same projection")
+    return (values.view(n, N, K // GROUP, GROUP) * scale.unsqueeze(-1)).view(n, N, K)
+
+
+def _times_blocks(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values [n, N, K] * scale [n, ceil(N/128), ceil(K/128)]``, each scale over its 128x128 block."""
+    n, N, K = values.shape
+    nb, kb = -(-N // FP8_BLOCK), -(-K // FP8_BLOCK)
+    if tuple(scale.shape) != (n, nb, kb):
+        raise config_error(None, "fp8-block scale rows do not cover the weight rows",
+                           (tuple(scale.shape), tuple(values.shape)),
+                           "pass the format's scale tensor of the same projection")
+    if N % FP8_BLOCK or K % FP8_BLOCK:  # a partial last block (I = 1344 = 10.5 x 128): repeat, cut to size
+        return values * scale.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)[..., :N, :K]
+    return (values.view(n, nb, FP8_BLOCK, kb, FP8_BLOCK) * scale[:, :, None, :, None]).view(n, N, K)
 
 
 def dequantize_rows(fmt: str, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
                     ) -> torch.Tensor:
-    """``[n, N, K]`` dequantized rows from ``n`` expert rows of weight and scale (same row index)."""
+    """``[n, N, K]`` dequantized rows from ``n`` expert rows of weight and scale (same row index).
+
+    Every value is the float32 product ``value * scale`` rounded once to ``out_dtype``. For bf16 out, the INT4
+    (bf16 scales) and MXFP4 products are taken in bf16, which rounds the exact product once: the same bytes,
+    with a quarter of the memory traffic (``tests/ops/test_quantized_experts.py`` compares the two)."""
     if weight.shape[0] != scale.shape[0]:
         raise config_error(None, "weight and scale rows must pair one to one", (weight.shape[0], scale.shape[0]),
                            "pass the same rows of the weight view and of its scale view")
+    narrow = out_dtype == torch.bfloat16
     if fmt == "int4-g32":
-        w = _unpack_int4(weight)
-        s = scale.to(torch.float32).repeat_interleave(GROUP, dim=-1)
+        values = _unpack_int4(weight)
+        if not (narrow and scale.dtype == torch.bfloat16):
+            values, scale = values.to(torch.float32), scale.to(torch.float32)
+        w = _times_groups(fmt, values, scale)
     elif fmt == "mxfp4":
-        w = _unpack_e2m1(weight)
-        s = torch.exp2(scale.to(torch.float32) - 127.0).repeat_interleave(GROUP, dim=-1)
+        values = _unpack_e2m1(weight)
+        powers = torch.exp2(scale.to(torch.float32) - 127.0)  # E8M0: a power of two, exact in bf16 too
+        if not narrow:
+            values = values.to(torch.float32)
+        w = _times_groups(fmt, values, powers.to(values.dtype))
     elif fmt == "fp8-block":
-        w = weight.to(torch.float32)
-        N, K = w.shape[-2:]
-        s = scale.to(torch.float32).repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)[..., :N, :K]
+        w = _times_blocks(weight.to(torch.float32), scale.to(torch.float32))
     else:
         raise config_error(None, "unknown quantized expert format", fmt, "use int4-g32, mxfp4 or fp8-block")
-    if s.shape != w.shape:
-        raise config_error(None, f"{fmt} scale rows do not cover the weight rows", (tuple(s.shape), tuple(w.shape)),
-                           "pass the format's scale tensor of the same projection")
-    return (w * s).to(out_dtype)
+    return w.to(out_dtype)
 
 
 def used_groups(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor]:

@@ -333,9 +333,9 @@ class ExpertMemorySampler:
             if self._cuda_base is None:
                 self._cuda_base = (free, reserved)
             return max(0, (self._cuda_base[0] - free) - (reserved - self._cuda_base[1]))
-        from ..memory.accounting import snapshot
+        from ..memory.accounting import own_memfd_bytes
 
-        return snapshot(rank if isinstance(rank, int) else None).own_bytes
+        return own_memfd_bytes(rank) if isinstance(rank, int) else 0
 
 
 STATS = Stats()

@@ -120,6 +120,16 @@ def compress_experts_ct(weights: dict[str, Any], fmt: str) -> tuple[dict[str, An
     """Quantize and compress the routed experts with compressed-tensors' ``ModelCompressor``.
 
     Returns ``(compressed tensors by checkpoint name, quantization_config)``."""
+    import torch
+
+    # compressed-tensors' E2M1 rounding (``FP4_E2M1_DATA.cast_to_fp4``) is ``torch.compile``d: on CPU, Inductor
+    # compiled it for 30-35 s per process and shape before the first MXFP4 checkpoint, for the same bytes the
+    # eager function writes (compared by digest), so it runs eager here.
+    with torch._dynamo.config.patch(disable=True):
+        return _compress_experts_ct(weights, fmt)
+
+
+def _compress_experts_ct(weights: dict[str, Any], fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
     import compressed_tensors
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
