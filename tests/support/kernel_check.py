@@ -40,7 +40,7 @@ import sys
 import tempfile
 from typing import Any
 
-from tests.support.vllm_moe_model import KernelCase, expert_weights, fused_moe_config
+from tests.support.vllm_moe_model import KernelCase, expert_weights
 
 #: Pass criterion against the dense fp32 reference: |out - ref| <= atol + rtol*|ref| elementwise.
 #: The kernel rounds to bf16 after each grouped GEMM, the SiLU product and the route weight.

@@ -189,7 +189,7 @@ def test_another_model_without_real_fills_from_two_owners_gets_a_note():
 
 
 def _reload(refused=True, pointers_b=None, tokens_after=100, tokens_b=100, digest_b=DIGEST_B,
-            digest_after_wrong=None, digest_back=DIGEST_A, pointers_back=None, control_tokens=None):
+            digest_after_wrong=None, digest_back=DIGEST_A, pointers_back=None, control_tokens=None, after_len=2):
     ptr = {"layers.1.mlp.experts": {"w13_weight": 1}}
 
     def make(rank, gen):
@@ -198,7 +198,7 @@ def _reload(refused=True, pointers_b=None, tokens_after=100, tokens_b=100, diges
                 "digest_a": DIGEST_A, "digest_b": digest_b,
                 "wrong_shape_error": "ConfigError: reload refused" if refused else None,
                 "pointers_after_wrong_shape": ptr, "digest_after_wrong_shape": digest_after_wrong or digest_b,
-                "generated_after_wrong_shape": [dict(g, token_ids=[tokens_after, 6]) for g in gen],
+                "generated_after_wrong_shape": [dict(g, token_ids=[tokens_after, 6][:after_len]) for g in gen],
                 "pointers_back_on_a": pointers_back or ptr, "digest_back_on_a": digest_back,
                 **({"generated_on_control": [dict(g, token_ids=[control_tokens, 6]) for g in gen]}
                    if control_tokens is not None else {})}
@@ -214,6 +214,18 @@ def test_a_reload_control_must_fail_the_oracle_on_a():
     assert missed["runs"]["dp_sharded"]["checks"]["reload_control_fails_the_oracle"] is False and missed["ok"] is False
     plain = _summary(_results(reload=_reload()), reload=True)
     assert "reload_control_fails_the_oracle" not in plain["runs"]["dp_sharded"]["checks"]
+
+
+def test_the_shorter_generation_after_the_refusal_is_compared_with_the_start_of_b():
+    """After the refused update the engine generates TOKENS_AFTER_REFUSAL tokens a prompt, not the run's: they
+    repeat B when they equal B's first tokens."""
+    from moonep_ep.tools.engine.reload import TOKENS_AFTER_REFUSAL
+
+    assert 0 < TOKENS_AFTER_REFUSAL < DemoConfig().max_tokens
+    same = _summary(_results(reload=_reload(after_len=1)), reload=True)
+    assert same["generation_after_wrong_shape_repeats_b"] is True and same["ok"] is True
+    other = _summary(_results(reload=_reload(after_len=1, tokens_after=101)), reload=True)
+    assert other["generation_after_wrong_shape_repeats_b"] is False
 
 
 def test_reload_is_judged_by_the_oracle_on_b_with_a_positive_control():

@@ -62,13 +62,13 @@ def routing_counts(R: int, n: int, E: int, K: int, seed: int) -> torch.Tensor:
         raise ValueError(f"top-k {K} of {E} experts: K must be in 1..E")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(E, (R * n, K), generator=gen)
+    pending = torch.arange(R * n)  # rows that may hold a clash: all, then only the ones just redrawn
     while True:
-        ordered = ids.sort(dim=1).values
-        clash = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
-        redraw = int(clash.sum())
-        if not redraw:
+        ordered = ids[pending].sort(dim=1).values
+        pending = pending[(ordered[:, 1:] == ordered[:, :-1]).any(dim=1)]
+        if not pending.numel():
             break
-        ids[clash] = torch.randint(E, (redraw, K), generator=gen)
+        ids[pending] = torch.randint(E, (pending.numel(), K), generator=gen)
     rank = torch.arange(R).repeat_interleave(n * K)
     return torch.bincount(rank * E + ids.reshape(-1), minlength=R * E).reshape(R, E)
 

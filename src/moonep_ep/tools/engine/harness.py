@@ -140,14 +140,14 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()
-        def generate_phases() -> list[dict[str, Any]]:
+        def generate_phases(max_tokens: Optional[int] = None) -> list[dict[str, Any]]:
             generated: list[dict[str, Any]] = []
             for phase in cfg.phases or [indices]:
                 mine = [i for i in phase if i in indices]
                 if barrier is not None:
                     barrier.wait(timeout=cfg.timeout_s)
                 generated += [dict(g, index=i) for i, g in zip(mine, generate(llm, [cfg.prompts[i] for i in mine],
-                                                                                  cfg.max_tokens))]
+                                                                                  max_tokens or cfg.max_tokens))]
             return generated
 
         generated = generate_phases()

@@ -15,7 +15,10 @@ In every DP rank's process, after the first generation on checkpoint A
    prompts are generated on B;
 4. the same with a checkpoint whose experts have another shape: the reload
    must fail (its message is kept), pointers and expert bytes stay, and the
-   next generation still serves B;
+   next generation still serves B: the same prompts and phases, their first
+   :data:`TOKENS_AFTER_REFUSAL` tokens (every prompt's prefill and a few
+   decode steps show the engine serving; the full length cost one more
+   whole generation per ``--reload``);
 5. an update back to A: every expert row must hold again exactly the bytes
    the engine's first load of A put there (digests per expert row). That is
    the in-place update path against the first-load path, row by row; with
@@ -38,6 +41,8 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 PROBE = "moonep_ep.tools.engine.reload.MoonEPProbe"
+#: Tokens per prompt generated after the refused update (step 4).
+TOKENS_AFTER_REFUSAL = 4
 
 
 def reloadable_attention_kwargs(model_dir: str) -> dict[str, Any]:
@@ -164,8 +169,9 @@ def _read_state(llm: Any) -> tuple[Any, Any]:
     return llm.collective_rpc("moonep_ep_pointers")[0], llm.collective_rpc("moonep_ep_expert_digest")[0]
 
 
-def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str, Any]]]) -> dict[str, Any]:
-    """Steps 1-5 above; ``generate()`` runs this rank's prompts as the first generation did (same phases)."""
+def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[..., list[dict[str, Any]]]) -> dict[str, Any]:
+    """Steps 1-5 above; ``generate(max_tokens=None)`` runs this rank's prompts as the first generation did (same
+    phases), ``max_tokens`` tokens each (default: the run's)."""
     out: dict[str, Any] = {}
     out["pointers_a"], out["digest_a"] = _read_state(llm)
     t0 = time.perf_counter()
@@ -183,7 +189,7 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[[], list[dict[str
 
         _paused(llm, wrong)
         out["pointers_after_wrong_shape"], out["digest_after_wrong_shape"] = _read_state(llm)
-        out["generated_after_wrong_shape"] = generate()
+        out["generated_after_wrong_shape"] = generate(TOKENS_AFTER_REFUSAL)
     if cfg.control_model_dir:
         _update(llm, cfg.control_model_dir)
         out["generated_on_control"] = generate()
@@ -283,7 +289,7 @@ def reload_fields(dp: dict[int, Any], n_prompts: int) -> dict[str, Any]:
         "wrong_shape_pointers_unchanged_by_rank": pointers_same_after_wrong,
         "wrong_shape_expert_bytes_unchanged_by_rank": bytes_same_after_wrong,
         "generation_after_wrong_shape_repeats_b": all(a is not None and b is not None
-                                                      and a["token_ids"] == b["token_ids"]
+                                                      and a["token_ids"] == b["token_ids"][:len(a["token_ids"])]
                                                       for a, b in zip(after, on_b)),
         "sequences_after_update": on_b,
         "sequences_on_control": sequences_by_prompt(reloads, n_prompts, "generated_on_control"),

@@ -24,7 +24,7 @@ import functools
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 from ...errors import ConfigError
 

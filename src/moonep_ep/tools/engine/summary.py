@@ -83,7 +83,8 @@ FIGURE_SOURCES: dict[str, str] = {
     "wrong_shape_pointers_unchanged_by_rank": "measured: as reload_pointers_unchanged_by_rank, after the refusal",
     "wrong_shape_expert_bytes_unchanged_by_rank": "measured: the expert digests (as below) after the refusal "
                                                   "equal those after the update to B, per rank",
-    "generation_after_wrong_shape_repeats_b": "measured: the engine's tokens after the refusal equal its tokens "
+    "generation_after_wrong_shape_repeats_b": "measured: the engine's tokens after the refusal (the first "
+                                              "reload.TOKENS_AFTER_REFUSAL of each prompt) equal its first tokens "
                                               "on B before it (same engine, same prompts; informational)",
     "reload_oracle": "measured: the oracle on checkpoint B (fp32) judging the sequences generated after the "
                      "update and after the refusal; on checkpoint A judging the first (positive control: must "
