@@ -78,6 +78,16 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
     return out
 
 
+def verdicts(oracle_dir: str, runs: dict[str, Any], expert_activation_quant: Any = None) -> dict[str, Any]:
+    """``{run: verdict}`` of the reference dtype, the fields the controls report (``judge_runs``' rule by default:
+    the one for ``expert_activation_quant``)."""
+    judged = judge_runs(oracle_dir, runs, dtypes=(RULE.reference_dtype,),
+                        expert_activation_quant=expert_activation_quant)
+    return {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
+                                                          "max_gap_at_divergence", "abs_logprob_diff")}
+            for run, v in judged.items()}
+
+
 def run_controls(max_tokens: int = 16) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -95,10 +105,7 @@ def run_controls(max_tokens: int = 16) -> dict[str, Any]:
         if name != "bf16":
             _perturb(model, name)
         runs[name] = greedy(model, prompts, max_tokens)
-    verdicts = judge_runs(choice.path, runs, dtypes=(RULE.reference_dtype,))
-    out = {name: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
-                                                          "max_gap_at_divergence", "abs_logprob_diff")}
-           for name, v in verdicts.items()}
+    out = verdicts(choice.path, runs)
     return {"model": choice.path, "rule": RULE.__dict__, "controls": out,
             "ok": out["bf16"]["ok"] and not any(out[b]["ok"] for b in BUGS),
             "seconds": round(time.perf_counter() - t0, 1)}

@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from moonep_ep.tools.engine.oracle import RULE, judge_runs, quantize_expert_inputs, rule_for
+from moonep_ep.tools.engine.oracle import RULE, quantize_expert_inputs, rule_for
 from moonep_ep.tools.checkpoints.tiny_quantized import CONTROLS, QUANTIZED_MODELS, build_tiny_quantized, corrupt, dequantized_copy
 
 
@@ -50,19 +50,12 @@ ACTIVATION_QUANT = {"fp8-block": "fp8-1x128"}
 W8A8_CONTROLS = ("scale_doubled", "stale_scale")
 
 
-def _verdicts(clean: str, runs: dict[str, Any], act_quant: Any = None) -> dict[str, Any]:
-    verdicts = judge_runs(clean, runs, dtypes=(RULE.reference_dtype,), expert_activation_quant=act_quant)
-    return {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
-                                                          "max_gap_at_divergence", "abs_logprob_diff")}
-            for run, v in verdicts.items()}
-
-
 def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: int = 16,
                  num_prompts: int = 6) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.support.oracle_controls import greedy
+    from tests.support.oracle_controls import greedy, verdicts
     from moonep_ep.tools.checkpoints.tiny_model import mixed_prompt_ids
 
     prompts = mixed_prompt_ids(num_prompts)
@@ -85,12 +78,12 @@ def run_controls(models: Sequence[str] = tuple(QUANTIZED_MODELS), max_tokens: in
                 runs[run] = greedy(model, prompts, max_tokens)
             return runs
 
-        res = _verdicts(clean, generated(controls_of(name)))
+        res = verdicts(clean, generated(controls_of(name)))
         entry = {"format": QUANTIZED_MODELS[name], "oracle_checkpoint": clean, "controls": res,
                  "ok": res["bf16"]["ok"] and not any(res[c]["ok"] for c in controls_of(name))}
         act_quant = ACTIVATION_QUANT.get(QUANTIZED_MODELS[name])
         if act_quant:
-            w8a8 = _verdicts(clean, generated(W8A8_CONTROLS, act_quant), act_quant)
+            w8a8 = verdicts(clean, generated(W8A8_CONTROLS, act_quant), act_quant)
             entry["w8a8"] = {"activation_quant": act_quant, "rule": rule_for(act_quant).__dict__, "controls": w8a8}
             entry["ok"] = entry["ok"] and w8a8["bf16"]["ok"] and not any(w8a8[c]["ok"] for c in W8A8_CONTROLS)
         out["models"][name] = entry

@@ -44,10 +44,15 @@ def _open_memfds() -> list[tuple[str, str]]:
     return out
 
 
+def _own_prefix(rank: int) -> str:
+    """The fd target prefix of the memfds ``rank`` created (``host.HostDriver.create`` names them)."""
+    return f"/memfd:{MEMFD_PREFIX}.r{rank}."
+
+
 def own_memfd_bytes(rank: int) -> int:
     """``snapshot(rank).own_bytes`` without the mapping scan: the load-peak sampler calls it at every expert
     a loader writes, and ``/proc/self/maps`` of a vLLM worker has thousands of lines."""
-    own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}."
+    own_prefix = _own_prefix(rank)
     own = 0
     for name, target in _open_memfds():
         if target.startswith(own_prefix):
@@ -63,7 +68,7 @@ def snapshot(rank: int | None = None) -> ProcessMemory:
     open_memfds = own = resident = 0
     by_tag: dict[str, int] = {}
     held: dict[int, int] = {}  # inode -> bytes kept alive (fd size, or mapped extent)
-    own_prefix = f"/memfd:{MEMFD_PREFIX}.r{rank}." if rank is not None else None
+    own_prefix = _own_prefix(rank) if rank is not None else None
     for name, target in _open_memfds():
         open_memfds += 1
         try:
