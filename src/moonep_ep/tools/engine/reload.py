@@ -151,12 +151,21 @@ class MoonEPProbe:
 def _paused(llm: Any, call: Any) -> Any:
     """Run ``call()`` while every DP rank's scheduler is paused (vLLM's DP-wide pause consensus), with the
     prefix cache cleared: after a weight update, cached KV blocks hold keys and values of the old weights."""
-    core = llm.llm_engine.engine_core
-    core.call_utility("pause_scheduler", "abort", True)
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):  # the engine core in its own process: the DP-wide pause
+        pause, resume = (lambda: client.call_utility("pause_scheduler", "abort", True),
+                         lambda: client.call_utility("resume_scheduler"))
+    else:
+        # vLLM's in-process client (MOONEP_EP_CPU_ENGINE_IN_PROCESS): this rank's own EngineCore. The DP ranks are
+        # in step without a consensus: each left generate() when no rank had a request left (the DP all-reduce of
+        # has_unfinished_requests) and runs the same update sequence, whose collectives pair them.
+        core = client.engine_core
+        pause, resume = (lambda: core.pause_scheduler("abort", True)), core.resume_scheduler
+    pause()
     try:
         return call()
     finally:
-        core.call_utility("resume_scheduler")
+        resume()
 
 
 def _update(llm: Any, path: str) -> None:
