@@ -1,8 +1,15 @@
 """Run a function on N local ranks, each a real process with its own process group.
 
 Used by the CLI (``selftest``, ``demo``, ``footprint --measure``) and by the
-multi-process tests. Ranks are *spawned* (never forked: fork is unsafe after
-CUDA init and would hide the handle exchange), join a gloo (CPU) or NCCL (GPU)
+multi-process tests. Ranks are never forked from the caller (fork is unsafe
+after CUDA init, and a child that inherited the caller's memory and fds would
+hide the handle exchange): they fork from multiprocessing's fork server, a
+clean process that imported only ``torch`` (``RANK_PRELOAD``) and holds no
+CUDA context, memory handle or mapping, and they take the caller's
+environment, working directory, ``sys.path`` and stdout/stderr at the moment
+they start, as a spawned child would. Importing torch is most of a spawned
+rank's start (about 2.3 s of CPU); the server pays it once per calling
+process. Ranks join a gloo (CPU) or NCCL (GPU)
 group through a fresh ``file://`` rendezvous in a private temporary directory,
 and report ``(rank, result)`` or their traceback to the parent. The parent
 ends every rank it started, by pid, on every path.
@@ -27,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from . import envs
@@ -37,6 +45,10 @@ DEFAULT_RANK_TIMEOUT_S = 600.0
 RANK_RSS_ESTIMATE_BYTES = 300 << 20
 #: How often ``run_ranks`` reports how many ranks are up while they start.
 PROGRESS_INTERVAL_S = 3.0
+#: What the fork server imports once, before it forks each rank (``ProcessSet(preload=...)``). Only modules
+#: that start no thread and read no setting of ours at import: a rank imports the rest after its
+#: environment is in place.
+RANK_PRELOAD = ("torch",)
 
 
 def check_rank_count(ranks: int, what: str) -> list[str]:
@@ -180,8 +192,14 @@ class ProcessSet:
     only processes this set started (a recycled pid is left alone).
     """
 
-    def __init__(self, track_descendants: bool = False):
-        self.ctx = mp.get_context("spawn")
+    def __init__(self, track_descendants: bool = False, preload: Sequence[str] = ()):
+        """``preload``: start children from multiprocessing's fork server after it imported these modules
+        (once per calling process; the first set's list wins), else spawn a fresh interpreter for each."""
+        if preload:
+            self.ctx = mp.get_context("forkserver")
+            self.ctx.set_forkserver_preload(list(preload))
+        else:
+            self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.procs: dict[Hashable, Any] = {}
         self.track_descendants = track_descendants
@@ -190,7 +208,7 @@ class ProcessSet:
 
     def start(self, key: Hashable, target: Callable[..., Any], args: tuple, name: str,
               env: Optional[dict[str, str]] = None) -> Any:
-        """Spawn ``target(*args)`` with ``env`` added to the environment it inherits.
+        """Start ``target(*args)`` with ``env`` added to the environment it inherits.
 
         A ``PYTHONPATH`` in ``env`` also goes on this process's ``sys.path`` while the child starts: a spawned
         child takes its parent's ``sys.path`` (multiprocessing's preparation data), not what ``PYTHONPATH``
@@ -201,6 +219,12 @@ class ProcessSet:
         extra = [p for p in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[:0] = extra
         try:
+            if self.ctx.get_start_method() == "forkserver":
+                # What a spawned child inherits and a fork server's child would not: it forks from the server,
+                # which kept the environment and stdio of its own start. (multiprocessing passes the working
+                # directory and sys.path to both kinds of children.)
+                args = (dict(os.environ), _InheritedFd(1), _InheritedFd(2), target, args)
+                target = _with_callers_environment
             proc = self.ctx.Process(target=target, args=args, name=name)
             proc.start()
         finally:
@@ -314,6 +338,32 @@ class ProcessSet:
         return sent
 
 
+class _InheritedFd:
+    """One of the caller's fds, duplicated into a fork server's child as it starts (``reduction.DupFd``
+    works only while multiprocessing pickles a child's arguments); the child receives the fd number."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def _with_callers_environment(environ: dict[str, str], stdout_fd: int, stderr_fd: int,
+                              target: Callable[..., Any], args: tuple) -> None:
+    """In a fork server's child: the caller's environment and stdout/stderr, then ``target(*args)``."""
+    for fd, onto in ((stdout_fd, 1), (stderr_fd, 2)):
+        os.dup2(fd, onto)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 def _rank_main(fn_ref: str, rank: int, world: int, backend: str, use_cuda: bool,
                init_file: str, timeout_s: float, results: Any, args: tuple) -> None:
     # ``fn`` travels by name and is imported here, after "started" is reported: importing
@@ -425,7 +475,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
               env: dict[str, str] | None = None,
               rank_envs: Sequence[dict[str, str]] | None = None,
               progress: Callable[[str], None] | None = None) -> list[Any]:
-    """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; return results in rank order.
+    """Run ``fn(ctx, *args)`` on ``world_size`` rank processes; return results in rank order.
 
     ``use_cuda`` (default: ``backend == "nccl"``) pins rank ``r`` to GPU
     ``r % device_count``; with fewer GPUs than ranks use gloo (NCCL refuses two
@@ -440,7 +490,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
     workdir = tempfile.mkdtemp(prefix="moonep-ep-run-")
     init_file = os.path.join(workdir, "pg_init")
     group_timeout = group_timeout_s or min(timeout_s, envs.MOONEP_EP_TIMEOUT_S)
-    ranks = ProcessSet()
+    ranks = ProcessSet(preload=RANK_PRELOAD)
     started: set[int] = set()
     up: set[int] = set()
     t_start = time.monotonic()

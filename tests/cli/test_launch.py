@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from moonep_ep.launch import ProcessSet, proc_stat, descendants
+from moonep_ep.launch import RANK_PRELOAD, ProcessSet, proc_stat, descendants
 
 
 def spawn_grandchild_and_report(key, results):
@@ -32,6 +32,20 @@ def report_error(key, results):
 
 def hang(key, results):
     time.sleep(120)
+
+
+def report_what_a_rank_sees(key, results, memfd_name):
+    """What a rank started from the fork server inherited: environment, stdout/stderr, fds, parent."""
+    print(f"rank {key} on stdout", flush=True)
+    print(f"rank {key} on stderr", file=sys.stderr, flush=True)
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if fd.isdigit()
+           and os.path.exists(f"/proc/self/fd/{fd}")]
+    results.put((key, "ok", {"late": os.environ.get("MOONEP_EP_TEST_LATE"),
+                             "gone": os.environ.get("MOONEP_EP_TEST_GONE"),
+                             "callers_memfd": any(memfd_name in target for target in fds),
+                             "parent": os.getppid(), "torch_preloaded": "torch" in sys.modules}))
+    results.close()
+    results.join_thread()
 
 
 def _alive(pid: int) -> bool:
@@ -107,3 +121,50 @@ def test_cpu_engine_dp_ranks_get_their_own_cores(monkeypatch):
     # Controls: one rank keeps vLLM's own binding; a user's own mask is kept.
     assert cpu_threads_bind(1, {}) == {}
     assert cpu_threads_bind(2, {"VLLM_CPU_OMP_THREADS_BIND": "7|8"}) == {}
+
+
+def test_ranks_fork_from_a_clean_server_with_the_callers_environment_and_stdio(tmp_path, capfd, monkeypatch):
+    """``run_ranks``' children fork from multiprocessing's fork server (torch imported once), yet see what a
+    spawned child would: the caller's environment and stdout/stderr when each starts, not the server's (which
+    kept those of its own start), and none of the caller's fds (a memfd opened by the caller stays the
+    caller's: the handle exchange is not bypassed)."""
+    monkeypatch.setenv("MOONEP_EP_TEST_GONE", "set when the server started")
+    monkeypatch.delenv("MOONEP_EP_TEST_LATE", raising=False)
+    server_stdio = tmp_path / "server-stdio"
+    first = ProcessSet(preload=RANK_PRELOAD)
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(server_stdio, "w") as f:  # if this start starts the server, the server keeps this file
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            first.start(0, report_what_a_rank_sees, (0, first.results, "-"), name="moonep-ep-test-first")
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    try:
+        out, errors = first.collect([0], 120)
+    finally:
+        first.end(join_s=5)
+    assert not errors and out[0]["gone"] == "set when the server started" and out[0]["late"] is None
+    assert "rank 0 on stdout" in server_stdio.read_text()  # the control: the redirect above reached the rank
+
+    monkeypatch.setenv("MOONEP_EP_TEST_LATE", "set after the server started")
+    monkeypatch.delenv("MOONEP_EP_TEST_GONE")
+    memfd = os.memfd_create("moonep-ep-test-callers-memfd")
+    later = ProcessSet(preload=RANK_PRELOAD)
+    try:
+        later.start(1, report_what_a_rank_sees, (1, later.results, "moonep-ep-test-callers-memfd"),
+                    name="moonep-ep-test-later")
+        out, errors = later.collect([1], 120)
+    finally:
+        later.end(join_s=5)
+        os.close(memfd)
+    assert not errors, errors
+    assert out[1]["late"] == "set after the server started" and out[1]["gone"] is None
+    assert out[1]["callers_memfd"] is False and out[1]["parent"] != os.getpid()
+    assert out[1]["torch_preloaded"] is True
+    captured = capfd.readouterr()
+    assert "rank 1 on stdout" in captured.out and "rank 1 on stderr" in captured.err
+    assert "rank 1" not in server_stdio.read_text()
