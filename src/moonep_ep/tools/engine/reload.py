@@ -6,13 +6,15 @@ In every DP rank's process, after the first generation on checkpoint A
 1. the data pointers of every MoE layer's parameters and ``[E+B]`` views are
    read from the worker (:class:`MoonEPProbe`, a vLLM worker extension);
 2. generation is paused on every DP rank together (vLLM's ``pause_scheduler``:
-   a DP-wide consensus, so no rank is still stepping a wave whose MoE layers
-   need its peers) and the prefix cache is cleared (its KV blocks were
+   a DP-wide consensus when the engine core has its own process, so no rank is
+   still stepping a wave whose MoE layers need its peers; each rank's own
+   engine core in the in-process CPU engine, whose ranks left ``generate``
+   together) and the prefix cache is cleared (its KV blocks were
    computed with A's weights: a prompt seen before would reuse them), then
    ``collective_rpc("reload_weights", weights_path=B)`` updates the weights
    in place, then generation resumes;
 3. pointers and a digest of the rank's own expert bytes again, and the same
-   prompts are generated on B;
+   prompts are generated on B, :data:`TOKENS_ON_B` tokens each;
 4. the same with a checkpoint whose experts have another shape: the reload
    must fail (its message is kept), pointers and expert bytes stay, and the
    next generation still serves B: the same prompts and phases, their first
@@ -41,8 +43,16 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 PROBE = "moonep_ep.tools.engine.reload.MoonEPProbe"
+#: Tokens per prompt generated on B after the update (step 3): the oracle on B judges every position, and
+#: step 4's tokens are compared with their start. Half the run's 16: each decode step is a forward of every
+#: MoE layer on both ranks, and these steps were the largest share of a ``--reload`` run after the first
+#: generation.
+TOKENS_ON_B = 8
 #: Tokens per prompt generated after the refused update (step 4).
 TOKENS_AFTER_REFUSAL = 4
+#: Tokens per prompt generated on ``--reload-control``'s planted bug: A's oracle must reject them (p50 and p90
+#: over every prompt's positions).
+TOKENS_ON_CONTROL = 4
 
 
 def reloadable_attention_kwargs(model_dir: str) -> dict[str, Any]:
@@ -187,7 +197,7 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[..., list[dict[st
     _update(llm, cfg.reload_model_dir)
     out["reload_s"] = round(time.perf_counter() - t0, 2)
     out["pointers_b"], out["digest_b"] = _read_state(llm)
-    out["generated_b"] = generate()
+    out["generated_b"] = generate(TOKENS_ON_B)
     out["wrong_shape_error"] = None
     if cfg.wrong_shape_model_dir:
         def wrong() -> None:
@@ -201,7 +211,7 @@ def run_reload_sequence(llm: Any, cfg: Any, generate: Callable[..., list[dict[st
         out["generated_after_wrong_shape"] = generate(TOKENS_AFTER_REFUSAL)
     if cfg.control_model_dir:
         _update(llm, cfg.control_model_dir)
-        out["generated_on_control"] = generate()
+        out["generated_on_control"] = generate(TOKENS_ON_CONTROL)
     _update(llm, cfg.model_dir)
     out["pointers_back_on_a"], out["digest_back_on_a"] = _read_state(llm)
     return out
