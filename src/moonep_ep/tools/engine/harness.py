@@ -224,6 +224,8 @@ def _run_processes(cfg: EngineConfig, jobs: list[tuple[list[int], Optional[dict[
         if status == "ok":
             engines.adopt(payload.get("descendants", []))
 
+    out: dict[Any, Any] = {}
+    errors: dict[Any, str] = {}
     try:
         for (indices, dp), key in zip(jobs, keys):
             engines.start(key, _engine_main, (cfg, indices, dp, engines.results, barrier), env=env,
@@ -237,7 +239,13 @@ def _run_processes(cfg: EngineConfig, jobs: list[tuple[list[int], Optional[dict[
         # queues. A SIGKILL within that (the default 5 s) left their /dev/shm segments to Python's resource
         # tracker ("2 leaked shared_memory objects" at the end of a vllm-demo on 2 busy cores). Idle, all exit
         # in about a second, and end() returns as soon as they have.
-        engines.end(term_s=ENGINE_EXIT_S)
+        # An engine process that reported leaves by itself (closes its queue, runs multiprocessing's
+        # finalizers, os._exit). A SIGTERM in between (end()'s default is not to wait) killed it before its
+        # finalizers, and the tracker reported the in-process uni executor's lock as leaked (one line in a
+        # clean-clone make demo on 2 busy cores): a set that reported is given ENGINE_EXIT_S to exit first; a
+        # failed or hung one is signalled at once.
+        reported = len(out) == len(keys) and not errors
+        engines.end(join_s=ENGINE_EXIT_S if reported else 0.0, term_s=ENGINE_EXIT_S)
     if errors:
         text = "\n".join(f"--- {label} rank {k} ---\n{v}" for k, v in errors.items())
         raise RuntimeError(f"{label} failed:\n{text}")
