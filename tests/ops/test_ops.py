@@ -663,6 +663,23 @@ def test_demo_four_ranks_json():
     assert "[demo]" in proc.stderr  # progress went to stderr
 
 
+def test_pull_ratio_reads_each_sides_fastest_trial():
+    """Another process only ever slows a trial, so the ratio compares each side's fastest.
+
+    The preemption pattern below (most local trials slowed 5x, no remote
+    one) is what a median turned into a ratio of 5.05 in CI beside an engine.
+    """
+    from moonep_ep.tools.bench.prefetch import pull_rates
+
+    preempted_local = [5e-3, 1e-3, 5e-3, 5e-3, 1e-3, 5e-3, 1e-3]  # seconds per trial of 1e6 B
+    rates = pull_rates(10**6, [1e-3] * 7, preempted_local)
+    assert rates["remote_gbps"] == pytest.approx(1.0) and rates["local_gbps"] == pytest.approx(1.0)
+    assert rates["ratio"] == pytest.approx(1.0) and rates["trials"] == 7
+    assert rates["local_gbps_median"] == pytest.approx(0.2)  # the median, reported beside, is what was fooled
+    # Control: a cost the mapping adds to every remote trial is still read.
+    assert pull_rates(10**6, [2e-3] * 7, preempted_local)["ratio"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("fault, entries_over", [("swap_cold_experts", None), ("drop_lowest_weight", 1)])
 def test_demo_rule_catches_a_cold_expert_swap_and_one_dropped_expert(fault, entries_over):
     """Negative controls: the faults hit the MoonEP path only, never the oracles."""

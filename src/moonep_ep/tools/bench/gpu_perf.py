@@ -15,7 +15,9 @@
   (inverted: throughput ratio). The views are VMM-mapped, possibly
   multi-owner; a ratio far from 1.0 means the kernels run slower on them.
 
-Trials alternate which side runs first; medians are reported. On the host
+Trials alternate which side runs first; the slot fill reports each side's
+fastest trial (``prefetch.measure_pull``: a busy machine only slows a trial),
+the grouped FFN medians. On the host
 driver or the emulator the figures are CPU memcpy / matmul times: they show
 the tool works, not GPU facts (``"device"`` says which).
 """
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "ok": all(f is not None and f > 0 for f in fills) and all(r["ffn"]["outputs_equal"] for r in per_rank),
         "driver": plan.driver, "emulated": per_rank[0]["emulated"], "device": per_rank[0]["device"],
-        "measure": "medians of interleaved trials; CUDA events on a GPU, wall clock on CPU",
+        "measure": "interleaved trials, slot fill the fastest a side, FFN medians; CUDA events on a GPU, "
+                   "wall clock on CPU",
         "slot_fill_imported_over_local": fills,
         "slot_fill_gbps": [(r["slot_fill"]["remote_gbps"], r["slot_fill"]["local_gbps"]) for r in per_rank],
         "ffn_views_over_plain": ffns,

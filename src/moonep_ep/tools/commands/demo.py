@@ -348,8 +348,10 @@ FIGURE_SOURCES: dict[str, str] = {
     "layout_bytes_per_rank": "derived: the store's page plan (layout.plan), for comparison with the measurement",
     "replicated_expert_bytes_per_rank": "derived: L*(E+B)*3*row bytes, vLLM 0.33.0's all-gathered [E+B] layout",
     "granularity": "measured: the driver's allocation granularity",
-    "prefetch_remote_gbps": "measured: median GB/s of slot <- peer-held rows through the mapping",
-    "prefetch_local_gbps": "measured: median GB/s of slot <- the same bytes from this rank's own memory",
+    "prefetch_remote_gbps": "measured: GB/s of the fastest trial of slot <- peer-held rows "
+                            "through the mapping",
+    "prefetch_local_gbps": "measured: GB/s of the fastest trial of slot <- the same bytes from "
+                           "this rank's own memory",
     "prefetch_remote_over_local": "derived: prefetch_remote_gbps / prefetch_local_gbps",
     "prefetch_bench_bytes": "measured: bytes copied per bandwidth trial",
     "seconds": "measured: wall time of the run",
@@ -450,7 +452,7 @@ def format_report(s: dict[str, Any]) -> str:
         if bw["remote_gbps"] is not None:
             lines.append(f"    pull prefetch: {bw['remote_gbps']:.2f} GB/s from peers' pages vs "
                          f"{bw['local_gbps']:.2f} GB/s local copy (ratio {bw['ratio']:.2f}, "
-                         f"{_mib(bw['bytes'])} per trial)")
+                         f"{_mib(bw['bytes'])} per trial, fastest of {bw['trials']})")
     return "\n".join(lines)
 
 
