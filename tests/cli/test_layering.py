@@ -1,6 +1,9 @@
 """No import circles among moonep_ep modules and the test support code (``tests/support``), read statically (every import: module level, inside
 functions, under ``TYPE_CHECKING``), so a circle that only closes at run time is caught too.
 
+The same graph shows that the package ships nothing only tests use (every module is reached from a
+command, the vLLM plugin or what ``make`` runs).
+
 One circle is allowed and named: ``memory.cuda`` imports ``cuda_probe`` and ``multimem`` at run time,
 and those two name ``cuda``'s classes in annotations only (under ``TYPE_CHECKING``, never executed).
 """
@@ -157,3 +160,57 @@ def test_no_library_file_is_over_600_lines():
     long = {str(path.relative_to(SRC)): n for path in (SRC / "moonep_ep").rglob("*.py")
             if (n := len(path.read_text().splitlines())) > 600}
     assert long == {}, long
+
+
+#: Modules another program loads by name rather than by an import our code writes: Triton loads the
+#: backend package ``testing/triton_interpreter`` registers as an entry point, then that package's
+#: ``compiler.py`` and ``driver.py`` (``triton/backends/__init__.py``: ``_load_module(name,
+#: os.path.join(root, "compiler.py"))``).
+LOADED_BY_NAME = {"moonep_ep.testing.triton_interpreter": {"moonep_ep.testing.triton_cpu",
+                                                            "moonep_ep.testing.triton_cpu.compiler",
+                                                            "moonep_ep.testing.triton_cpu.driver"}}
+
+
+def _named_modules(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """Modules a file names whole in a string literal (``[sys.executable, "-m", "moonep_ep.x"]``, importlib)."""
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules}
+
+
+def unreached(edges: dict[str, set[str]], roots: set[str], named: dict[str, set[str]]) -> set[str]:
+    """Package modules no walk from ``roots`` reaches, over imports, names in strings and parent packages."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in edges:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b.c imports a and a.b
+        todo += list(edges[name]) + list(named.get(name, ()))
+    return {m for m in edges if m.startswith("moonep_ep")} - seen
+
+
+def test_the_package_ships_nothing_only_tests_use():
+    """Every module of the package is reached from what users run: the ``moonep-ep`` command (and ``python -m
+    moonep_ep``) and each of its subcommands, the vLLM plugin entry point, and what ``make`` and ``scripts/`` run with ``-m``. A module
+    only tests reach belongs in ``tests/support`` (the house rule)."""
+    from moonep_ep.cli.main import SUBCOMMANDS
+
+    edges, _ = import_graph()
+    names = set(edges)
+    named = {name: _named_modules(path, names) for name, (path, _) in _modules().items()}
+    for package, loaded in LOADED_BY_NAME.items():
+        named[package] = named.get(package, set()) | loaded
+    run_by_make = set()
+    for path in [ROOT / "Makefile", *(p for p in (ROOT / "scripts").rglob("*") if p.is_file())]:
+        run_by_make |= {m for m in path.read_text().split() if m in names}
+    roots = ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"} | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()}
+             | run_by_make)
+    assert {"moonep_ep.tools.bench.gpu_perf", "moonep_ep.testing.triton_interpreter"} <= run_by_make
+    assert unreached(edges, roots, named) == set()
+    # Control: a module that only a tests/support file imports is reported.
+    edges_with_stray = {**edges, "moonep_ep.stray": set(),
+                        "tests.support.hosts": edges["tests.support.hosts"] | {"moonep_ep.stray"}}
+    assert unreached(edges_with_stray, roots, named) == {"moonep_ep.stray"}
