@@ -161,7 +161,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              scope="tests"),
     Variable("MOONEP_EP_ENGINE_TIER", "bool", False,
              "run the GPU experts' engine tier: the CPU engine serving each tiny quantized model (and the "
-             "ModelCompressor checkpoint) with the Triton experts under the interpreter (about 135 s a model on "
+             "ModelCompressor checkpoint) with the Triton experts under the interpreter (70-112 s a model on "
              "2 cores), so not in the default run", scope="tests"),
     Variable("MOONEP_EP_REAL_SHAPES", "bool", False,
              "run the GPU experts' real-shape check under the Triton interpreter (one K2/K3 expert per format; "
