@@ -53,9 +53,11 @@ RULE = OracleRule()
 #: The rule when the served experts quantize their GEMM inputs to e4m3 per 1x128 (W8A8: the Triton FP8-block
 #: experts), judged against an oracle whose experts quantize alike. e4m3 keeps 3 mantissa bits, so a bf16 input
 #: one ulp from the fp32 oracle's can land on the next code (up to 12.5 % of the value): the oracle's own bf16
-#: W8A8 forward differs from its fp32 one by more than :data:`RULE` allows. The bounds and the runs they come
-#: from: ``docs/design/vllm.md`` (FP8 activations).
-W8A8_RULE = OracleRule(p50_max=0.08, p90_max=0.30)
+#: W8A8 forward differs from its fp32 one by more than :data:`RULE` allows. Its tails are wider too: on a CPU
+#: without AMX that bf16 forward picked another expert than fp32 at one position of 96 (a routing near-tie,
+#: with or without the activation quantization), 2.15 nats of gap and 2.21 of |Δ| there. The bounds and the
+#: runs they come from: ``docs/design/vllm.md`` (FP8 activations).
+W8A8_RULE = OracleRule(divergence_gap=3.0, p50_max=0.08, p90_max=0.30, abs_max=3.0)
 #: ``expert_activation_quant`` -> the rule its runs are judged by
 RULES = {None: RULE, "fp8-1x128": W8A8_RULE}
 
