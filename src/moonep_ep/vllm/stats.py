@@ -211,8 +211,10 @@ class Stats:
             q["remote_scale_bytes"] += remote_scale
 
     def record_experts_call(self, seconds: float, rows: int) -> None:
-        """One quantized experts call: host wall seconds and ``[NvS, H]`` rows (written with the next flush;
-        no-op with stats off, as this runs once per MoE layer and step)."""
+        """One quantized experts call: host wall seconds and ``[NvS, H]`` rows (no-op with stats off, as this
+        runs once per MoE layer and step). Written at once, as every record is: an engine process may leave
+        with ``os._exit`` after its last step, and a write left to a later flush was lost there (17 of 18
+        calls reported)."""
         if stats_dir() is None:
             return
         with _lock:
@@ -220,6 +222,7 @@ class Stats:
             c["calls"] += 1
             c["seconds"] = round(c["seconds"] + seconds, 3)
             c["rows"] += int(rows)
+        self.flush()
 
     def watch_expert_tensor(self, tensor: Any, label: str) -> None:
         """Count ``tensor``'s storage as expert memory while it lives (no-op with stats off)."""

@@ -137,9 +137,6 @@ class MoonEPProbe:
 
         from ...vllm.stats import STATS
 
-        # The stats file then also holds the last step's experts calls, which record_experts_call leaves to
-        # the next flush: an engine process that reported leaves with os._exit, so no later flush comes.
-        STATS.flush()
         return copy.deepcopy(STATS.data["forward"])
 
     def moonep_ep_memory(self) -> dict[str, Any]:
