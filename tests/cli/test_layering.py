@@ -11,6 +11,7 @@ and those two name ``cuda``'s classes in annotations only (under ``TYPE_CHECKING
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -32,6 +33,12 @@ def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: pathlib.Path) -> ast.Module:
+    """One parse of a source file per test session (every test here reads the same files)."""
+    return ast.parse(path.read_text())
+
+
 def _type_checking_lines(tree: ast.AST) -> set[int]:
     """Line numbers of the bodies of ``if TYPE_CHECKING:`` blocks."""
     lines: set[int] = set()
@@ -49,7 +56,7 @@ def import_graph() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
     typing_only: set[tuple[str, str]] = set()
     for name, (path, is_package) in modules.items():
         package = name if is_package else name.rsplit(".", 1)[0]
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         hidden = _type_checking_lines(tree)
         runtime: set[str] = set()
         typing: set[str] = set()
@@ -173,7 +180,7 @@ LOADED_BY_NAME = {"moonep_ep.testing.triton_interpreter": {"moonep_ep.testing.tr
 
 def _named_modules(path: pathlib.Path, modules: set[str]) -> set[str]:
     """Modules a file names whole in a string literal (``[sys.executable, "-m", "moonep_ep.x"]``, importlib)."""
-    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+    return {node.value for node in ast.walk(_tree(path))
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules}
 
 
@@ -194,8 +201,8 @@ def unreached(edges: dict[str, set[str]], roots: set[str], named: dict[str, set[
 
 def test_the_package_ships_nothing_only_tests_use():
     """Every module of the package is reached from what users run: the ``moonep-ep`` command (and ``python -m
-    moonep_ep``) and each of its subcommands, the vLLM plugin entry point, and what ``make`` and ``scripts/`` run with ``-m``. A module
-    only tests reach belongs in ``tests/support`` (the house rule)."""
+    moonep_ep``) and each of its subcommands, the vLLM plugin entry point, and what ``make`` and ``scripts/``
+    run with ``-m``. A module only tests reach belongs in ``tests/support`` (the house rule)."""
     from moonep_ep.cli.main import SUBCOMMANDS
 
     edges, _ = import_graph()
@@ -206,8 +213,8 @@ def test_the_package_ships_nothing_only_tests_use():
     run_by_make = set()
     for path in [ROOT / "Makefile", *(p for p in (ROOT / "scripts").rglob("*") if p.is_file())]:
         run_by_make |= {m for m in path.read_text().split() if m in names}
-    roots = ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"} | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()}
-             | run_by_make)
+    roots = ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"}
+             | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()} | run_by_make)
     assert {"moonep_ep.tools.bench.gpu_perf", "moonep_ep.testing.triton_interpreter"} <= run_by_make
     assert unreached(edges, roots, named) == set()
     # Control: a module that only a tests/support file imports is reported.
