@@ -7,7 +7,8 @@
 #
 # Runs as the lent machine is: `python3` (override: PYTHON=...) with PYTHONPATH=src -- no venv, no
 # install, nothing fetched. Part 1 alone answers the first question: does the CUDA path allocate,
-# export, import, map, verify and tear down with 0 leaks on the real driver? Parts 3-5 need >= 2 GPUs
+# export, import, map, verify and tear down with 0 leaks on the real driver? Part 6 (one GPU, torch and
+# Triton) runs the project's MXFP4 experts at Kimi K2/K3 shapes and the slot-fill race. Parts 3-5 need >= 2 GPUs
 # and an installed vLLM 0.33.0 environment (.venv-vllm, up to date); elsewhere they report
 # "not_applicable" with the reason and "ok": null (nothing ran, nothing passed).
 # MOONEP_EP_CUDA_EMULATOR=1 (set by the CPU test of this script, never on a GPU) runs every step over
@@ -25,6 +26,7 @@ VLLM_PY=.venv-vllm/bin/python
 
 # part|step|limit_s|needs|modules|check over `out` (the step's JSON; "rc" = exit status only)|what it answers
 # needs: - (always), gpu (real hardware), engine (>= 2 GPUs and an up-to-date .venv-vllm)
+# A step that prints {"not_applicable": why} (a precondition it checks itself is missing) is reported so.
 # modules: what `python3` must import for the step (engine steps: what .venv-vllm must import)
 PLAN=$(cat <<'EOF'
 1|env|30|-|torch,numpy,pytest|out["ok"]|python3, torch, cuda-bindings, pytest importable; the GPU seen by torch and the driver
@@ -38,6 +40,9 @@ PLAN=$(cat <<'EOF'
 3|make_demo|450|engine|vllm,compressed_tensors|out.get("ok") is True|vLLM's CUDA engine, DP=2, the moonep backend (what make demo runs)
 4|kv_accounting|450|engine|vllm|rc|vLLM's model memory counts the store (scripts/gpu_checks/kv_accounting.sh)
 5|serve|450|engine|vllm|rc|the openai client against what make serve starts (scripts/gpu_checks/serve.sh)
+6|mxfp4_experts|180|gpu|torch,triton|out["ok"]|the MXFP4 experts at K2 and K3 shapes, bf16 and fp16: an expert past 2^31 bytes, a slot row, against a reference decoded here; one scale off by one must fail
+6|mxfp4_kernel|150|gpu|torch,triton|out["ok"]|the MXFP4 grouped GEMM's registers, spills and time over a dense bf16 grouped GEMM (decode and prefill, fastest trials)
+6|mxfp4_race|120|gpu|torch,triton|out["ok"]|slot fills on a side stream, then the experts: without a wait (reported) and after wait_for_slots (must match)
 EOF
 )
 # What the lent GPU machine's python3 (3.12) has, and what it lacks, as its lender states it.
@@ -137,14 +142,22 @@ PYEOF
     make_demo) timeout "$limit" "$VLLM_PY" -m moonep_ep vllm-demo --reload --json ;;
     kv_accounting) TIMEOUT_S=$((limit - 10)) timeout "$limit" bash scripts/gpu_checks/kv_accounting.sh ;;
     serve) TIMEOUT_S=$((limit - 10)) timeout "$limit" bash scripts/gpu_checks/serve.sh ;;
+    mxfp4_experts) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check experts --json ;;
+    mxfp4_kernel) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check kernel --json ;;
+    mxfp4_race) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac
 }
 
-# Why a step cannot run here ("" = it can).
+# Why a step ($2) cannot run here ("" = it can).
 not_applicable() {
   case "$1" in
-    gpu) [ "$EMU" = 1 ] && echo "needs a real GPU (the emulated twins of these tests run in CI: pytest -m cuda_emulated)" ;;
+    gpu)
+      if [ "$EMU" = 1 ] && [ "$2" = gpu_tests ]; then
+        echo "needs a real GPU (the emulated twins of these tests run in CI: pytest -m cuda_emulated)"
+      elif [ "$EMU" = 1 ]; then
+        echo "needs a real GPU and Triton's GPU backend (the emulated CUDA driver runs no kernels)"
+      fi ;;
     engine)
       if [ "$EMU" = 1 ]; then echo "needs vLLM's CUDA engine on real GPUs"
       elif [ "${GPUS:-0}" -lt 2 ]; then echo "needs >= 2 GPUs (DP=2), found ${GPUS:-0}"
@@ -162,7 +175,7 @@ run_part() {
   while IFS='|' read -r p name limit needs mods check what; do
     [ "$p" = "$part" ] || continue
     local why
-    why=$(not_applicable "$needs")
+    why=$(not_applicable "$needs" "$name")
     if [ -z "$why" ] && [ "$needs" != engine ]; then  # engine steps run in .venv-vllm, checked above
       local missing
       missing=$(missing_modules "$mods")
@@ -193,7 +206,9 @@ else:
         out = None
         if check != "rc":
             status, detail = "failed", f"rc={rc}, no JSON result ({type(exc).__name__}: {exc})"
-    if status == "passed":
+    if status == "passed" and rc == 0 and isinstance(out, dict) and out.get("not_applicable"):
+        status, detail = "not_applicable", str(out["not_applicable"])
+    elif status == "passed":
         if check == "rc":
             status = "passed" if rc == 0 else "failed"
         else:
@@ -214,6 +229,9 @@ keep = {
     "check": ("cuda",), "env": ("python", "torch", "torch_cuda", "cuda.bindings", "gpu", "torch_sees_gpu"),
     "gpu_tests": ("tests", "skipped", "failures"),
     "ops_demo": ("max_token_rel_err", "ok"),
+    "mxfp4_experts": ("device", "triton", "models"),
+    "mxfp4_kernel": ("device", "triton", "models", "kernels"),
+    "mxfp4_race": ("device", "models"),
 }.get(name, ())
 figures = {k: out[k] for k in keep if isinstance(out, dict) and k in out}
 if name == "check" and "cuda" in figures:

@@ -26,6 +26,9 @@ if _WORKER:
     os.makedirs(_worker_tmp, exist_ok=True)
     os.environ["TMPDIR"] = _worker_tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    # ... and its own emulated GPU machine: the emulator's device-wide figure (cuMemGetInfo) counts every
+    # process's memory on the node, so a test reading it must not see the other worker's ranks
+    os.environ.setdefault("MOONEP_EP_CUDA_EMULATOR_MACHINE", f"pytest-{_WORKER}")
 
 #: Test files whose tests start vLLM engines (a DP=2 engine set on CPU binds one worker per core, so it
 #: fills a 2-core machine by itself). Under ``pytest -n 2 --dist loadgroup`` (``make test``) they form one

@@ -103,10 +103,18 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "GPU model and count, IMEX none/channel/domain, driver CUDA version, multicast 0/1, granularity "
              "overrides, lazy-load bytes, fabric state, injected multicast failures "
              "(moonep_ep.testing.cuda_emulator.node)", scope="tests", text="node spec"),
+    Variable("MOONEP_EP_CUDA_EMULATOR_MACHINE", "str", None,
+             "which emulated machine this process is on: processes with different values never see each other's "
+             "device memory (device-wide figures included); each pytest worker gets its own", scope="tests",
+             text="name"),
     Variable("MOONEP_EP_CUDA_EMULATOR_HOST", "str", None,
              "which host of a multi-host emulated NVLink domain (`hosts=` in the node spec) this process runs on: "
              "a host index or name; unset: the host named like this process's hostname, else host 0",
              scope="tests", text="host"),
+    Variable("MOONEP_EP_CPU_DEFERRED_COPIES", "bool", True,
+             "slot fills of CPU tensors (host driver, CUDA emulator) land only when their event is waited on, "
+             "as a GPU's side-stream copies may: a reader that did not wait sees the old bytes; 0 = copy at "
+             "issue (ops/prefetch.py)"),
     # -- vLLM plugin ---------------------------------------------------------------------
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",
@@ -165,7 +173,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "2 cores), so not in the default run", scope="tests"),
     Variable("MOONEP_EP_REAL_SHAPES", "bool", False,
              "run the GPU experts' real-shape check under the Triton interpreter (one K2/K3 expert per format; "
-             "about 2 min on 2 cores, so not in the default run)", scope="tests"),
+             "fp16 and bf16; about 4 min on 2 cores, so not in the default run)", scope="tests"),
 ]}
 
 

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.support.vllm_envs import python_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -32,7 +35,7 @@ def test_plan_lists_each_parts_steps_and_limits_within_one_command():
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
     parts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5]
+    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6]
     for p in parts:
         assert p["limit_s"] == sum(s["limit_s"] for s in p["steps"]) <= 480, p   # a command gets 600 s at most
         assert f"part {p['part']}: {p['limit_s']} s of limits" in proc.stdout
@@ -64,8 +67,9 @@ def test_the_script_installs_and_fetches_nothing():
 @pytest.mark.slow
 def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_path):
     """Parts 1 and 2 on an emulated one-H200 machine (the loan's): every step that can run passes; the
-    GPU-marked pytest step says why it cannot run here. Parts 3-5 (vLLM's CUDA engine) report what they
-    need and "ok": null. Negative control: a driver older than the bindings fails part 1."""
+    GPU-marked pytest step says why it cannot run here. Parts 3-5 (vLLM's CUDA engine) and 6 (Triton kernels
+    on the GPU) report what they need and "ok": null. Negative control: a driver older than the bindings
+    fails part 1."""
     env = {"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": "H200x1", "PYTHON": sys.executable,
            "OUT": str(tmp_path)}
     for part in (1, 2):
@@ -77,8 +81,11 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
         assert ran and set(ran.values()) == {"passed"}
         assert set(summary["not_applicable"]) == ({"gpu_tests"} if part == 1 else set())
     assert summary["figures"]["perf"]["device"] == "cpu"
+    # Both ratios compare each side's fastest trial (tools/bench/timing.py), so load on the other core cannot
+    # push them out: both sides are CPU memcpy / matmul over the same DRAM here.
     assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["slot_fill_imported_over_local"])
-    for part in (3, 4, 5):
+    assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["ffn_views_over_plain"])
+    for part in (3, 4, 5, 6):
         proc = _run("--part", str(part), env=env, timeout=60)
         summary = _last_json(proc.stdout)
         assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == []
@@ -104,3 +111,23 @@ def test_plan_states_each_steps_needs_against_the_lent_machine():
     assert "hypothesis" in steps["gpu_tests"]["modules"]
     assert steps["make_demo"]["lent_machine"] == "cannot run: it has no vllm, compressed_tensors"
     assert all(steps[n]["lent_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))
+    # Part 6 needs nothing the lent machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
+    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race"):
+        assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["lent_machine"] == "runs", steps[name]
+        assert re.search(rf"^  {name}\s+\d+ s  \[gpu\] ", proc.stdout, re.M), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU part 6 runs; this checks what a CPU answers")
+def test_a_step_that_finds_a_precondition_missing_itself_is_not_applicable(tmp_path):
+    """Part 6 under a python3 that has Triton (the vLLM environment's) but no GPU, without the emulator: the
+    script's own checks let the steps run, and each step's module answers {"not_applicable": why}; the part
+    reports each step so, with "ok": null and nothing failed."""
+    env = {"PYTHON": python_of("vllm"), "OUT": str(tmp_path)}
+    proc = _run("--part", "6", env=env, timeout=180)
+    summary = _last_json(proc.stdout)
+    assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == [], proc.stdout[-3000:]
+    assert summary["not_applicable"] == {name: "torch sees no CUDA GPU"
+                                         for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race")}
+    # the step ran (its output is kept), unlike a step the script itself found not applicable
+    assert json.loads((tmp_path / "mxfp4_race.out").read_text()) == {
+        "check": "race", "not_applicable": "torch sees no CUDA GPU", "ok": None}

@@ -25,7 +25,7 @@ from moonep_ep.layout.plan import predict_rank_bytes
 from moonep_ep.layout.store import ShardedExpertStore
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
-from moonep_ep.ops.prefetch import pull_slots
+from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
 from moonep_ep.launch import run_ranks
 from tests.support.cli import moonep_ep_json
 from tests.support.hypothesis_budget import max_examples
@@ -64,7 +64,8 @@ def quantized_store(ctx: Any, fmt: str) -> dict[str, Any]:
         layer, remote = 1, [((rank + 1) % world) * epn + j for j in range(epn)]
         full = {p.name: store.gen_a(layer, p.name) for p in projs}
         tally: dict[str, int] = {}
-        copies, by_expert, _ = pull_slots(full, remote, E, bytes_by_tensor=tally)
+        copies, by_expert, event = pull_slots(full, remote, E, bytes_by_tensor=tally)
+        wait_for_slots(event)
         out["copies"] = copies
         out["tally"] = tally
         out["by_expert"] = {int(k): v for k, v in by_expert.items()}
@@ -73,7 +74,7 @@ def quantized_store(ctx: Any, fmt: str) -> dict[str, Any]:
                                                    row_bytes(layer, p.name, e, p.row_bytes))]
         # Negative control: a fill given the weights only leaves every scale slot stale.
         weights_only = {p.name: store.gen_a(2, p.name) for p in projs if p.role == "weight"}
-        pull_slots(weights_only, remote, E)
+        wait_for_slots(pull_slots(weights_only, remote, E)[2])
         out["stale_scale_slots"] = [(p.name, b) for p in projs if p.role == "scale" for b, e in enumerate(remote)
                                     if not torch.equal(_bytes(store.slots(2, p.name)[b]),
                                                        row_bytes(2, p.name, e, p.row_bytes))]

@@ -67,7 +67,7 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
     from moonep_ep.errors import MoonEPError
     from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
     from moonep_ep.memory import exchange
-    from moonep_ep.ops.prefetch import pull_slots
+    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
 
     rank = ctx.rank
     driver = HostDriver(rank=rank, granularity=GRAN)
@@ -104,7 +104,8 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
             if me_dies and point == "during_prefetch" and step == 3:
                 die()
             full = {p.name: store.gen_a(step % 2, p.name) for p in store.projections}
-            pull_slots(full, [(victim * 3 + b) % store.num_experts for b in range(3)], store.num_experts)
+            wait_for_slots(pull_slots(full, [(victim * 3 + b) % store.num_experts for b in range(3)],
+                                      store.num_experts)[2])
             store.finish_loading()
         out["error"] = None
     except MoonEPError as exc:

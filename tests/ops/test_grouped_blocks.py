@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from moonep_ep.errors import ConfigError
 from moonep_ep.ops.grouped_blocks import check_block_size, check_segments_aligned, grouped_blocks
@@ -62,3 +63,56 @@ def test_blocks_of_zero_route_weight_rows_are_skipped_and_the_rest_kept():
     # NvS not a multiple of BLOCK_SIZE_M: the weights are padded with zeros to whole blocks
     odd = skip_zero_weight_blocks(grouped_blocks(cu, 100, 16), torch.ones(100))
     assert odd.expert_ids.tolist() == [0, 0, 2, 2, 3, 3, -1]
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the tensor calls that read values to the host (``item``, ``tolist``, ``bool(t)``, ``.cpu()``, ...)."""
+
+    NAMES = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+        if name in self.NAMES or to_cpu:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_a_misaligned_group_is_refused_in_the_library_path_without_a_host_read():
+    """Groups [0, 16), [16, 24), [24, 48): the third starts at row 24, inside a 16-row block, so that block would
+    be computed with group 1's weights for group 2's rows. ``grouped_blocks`` (what the GPU experts build their
+    launch from) refuses it with a device-side assert: on CPU it raises at once."""
+    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+
+    misaligned = torch.tensor([16, 24, 48], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="not a multiple of BLOCK_SIZE_M 16.*Fix: pad every group to a multiple "
+                                           "of 16") as e:
+        grouped_blocks(misaligned, 48, 16)
+    assert not isinstance(e.value, ConfigError)  # torch's device-assert error, not the host-side check's
+    hidden = torch.zeros(48, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not a multiple of BLOCK_SIZE_M 16"):
+        gpu_grouped_ffn("mxfp4", hidden, {}, misaligned, None, token_padding=16)
+    # block metadata passed in (a test's corrupted copy) does not skip the check on cu_seqlens
+    with pytest.raises(RuntimeError, match="not a multiple of BLOCK_SIZE_M 16"):
+        gpu_grouped_ffn("mxfp4", hidden, {}, misaligned, None, token_padding=16,
+                        blocks=grouped_blocks(torch.tensor([16, 32, 48], dtype=torch.int32), 48, 16))
+    # the control: the same ends moved to block boundaries pass (empty groups included)
+    assert grouped_blocks(torch.tensor([16, 16, 48], dtype=torch.int32), 48, 16).expert_ids.tolist() == [0, 2, 2]
+    # no host read on the way: none of the value-reading calls, where the host-side check makes two
+    with _HostReads() as reads:
+        grouped_blocks(torch.tensor([16, 16, 48, 48, 64, 80], dtype=torch.int32), 96, 16)
+    assert reads.calls == []
+    with _HostReads() as reads:
+        check_segments_aligned(torch.tensor([16, 16, 48], dtype=torch.int32), 16)
+    assert reads.calls == ["to", "tolist"]
+    # and on the meta device, whose tensors hold no values (any read raises), the metadata and the check run
+    meta = torch.empty(6, dtype=torch.int32, device="meta")
+    blocks = grouped_blocks(meta, 96, 16)
+    assert blocks.expert_ids.device.type == "meta" and blocks.num_blocks == 6
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        check_segments_aligned(meta, 16)

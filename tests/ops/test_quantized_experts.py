@@ -125,3 +125,106 @@ def test_mismatched_rows_and_unknown_formats_are_refused():
         dequantize_rows("int4-g32", weight, scale[:1])
     with pytest.raises(ValueError, match="unknown quantized expert format"):
         dequantize_rows("nvfp4", weight, scale)
+
+
+def _fed_groups(counts):
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return cu, int(cu[-1]) + 8
+
+
+@pytest.mark.parametrize("fmt", sorted(MAKERS))
+def test_chunks_of_used_rows_give_the_same_bits_and_a_smaller_peak(fmt):
+    """Two used rows a chunk against all ten at once: the same output bit for bit, and a smaller peak of live
+    storages (tracked at every aten op: ``tests/support/alloc_tracker.py``)."""
+    from tests.support.alloc_tracker import tracked_peak
+
+    counts = [16, 0, 16, 32, 0, 16, 16, 16, 0, 16, 16, 16, 16]
+    w13, s13, _ = MAKERS[fmt](len(counts), 2 * I, H, seed=1)
+    w2, s2, _ = MAKERS[fmt](len(counts), H, I, seed=3)
+    cu, M = _fed_groups(counts)
+    hidden = torch.randn(M, H, generator=_gen(7)).to(torch.bfloat16)
+    route = torch.rand(M, generator=_gen(8))
+    two_rows = 2 * 3 * I * H  # gate, up and down values of two rows
+    chunked_peak, chunked = tracked_peak(lambda: quantized_grouped_ffn(hidden, fmt, w13, s13, w2, s2, cu, route,
+                                                                       chunk_elements=two_rows))
+    whole_peak, whole = tracked_peak(lambda: quantized_grouped_ffn(hidden, fmt, w13, s13, w2, s2, cu, route,
+                                                                   chunk_elements=1 << 40))
+    assert torch.equal(chunked, whole)
+    assert (chunked[int(cu[-1]):] == 0).all()
+    assert chunked_peak < whole_peak / 2, (chunked_peak, whole_peak)  # 10 used rows: at most 2 alive, not 10
+
+
+def test_the_storage_tracker_measures_what_the_cpu_allocator_allocates():
+    """The tracker against the CPU allocator's own events (``torch.profiler``'s memory timeline) on one real
+    chunked call: the same peak up to the few scalars the profiler also sees (measured: 24 bytes)."""
+    from tests.support.alloc_tracker import allocator_peak, tracked_peak
+
+    counts = [16, 0, 16, 32, 0, 16]
+    w13, s13, _ = _fp8(len(counts), 2 * I, H, seed=1)
+    w2, s2, _ = _fp8(len(counts), H, I, seed=3)
+    cu, M = _fed_groups(counts)
+    hidden = torch.randn(M, H, generator=_gen(7)).to(torch.bfloat16)
+
+    def call():
+        return quantized_grouped_ffn(hidden, "fp8-block", w13, s13, w2, s2, cu, chunk_elements=2 * 3 * I * H)
+
+    tracked, _ = tracked_peak(call)
+    allocated, _ = allocator_peak(call)
+    # the chunk's fp32 temporaries alone are 2 rows x 2I x H x 8 bytes: far above the slack allowed
+    assert tracked >= 2 * 2 * I * H * 8 and 0 <= allocated - tracked <= 256, (tracked, allocated)
+
+
+def test_the_dequantize_fallback_peak_at_k2_fp8_with_96_used_rows_is_within_the_stated_bound(report):
+    """K2's FP8-block experts (H 7168, I 2048, E 384, B 4 slots): 96 used rows (92 experts and the 4 slots), 16
+    rows each, one call, on the meta device (the shapes without the data: the unchunked control would need 25 GB
+    here), its allocations measured by the storage tracker (which the test above checks against the CPU
+    allocator). The bound is the module docstring's, worked out here: ``c = floor(2^27 / (3·I·H)) = 3`` rows a
+    chunk, ``β = 9`` bytes per FP8 value (1 for the e4m3 copy, 4 for the fp32 values, 4 for the fp32 product)."""
+    from moonep_ep.ops.quantized_experts import rows_per_chunk
+    from tests.support.alloc_tracker import tracked_peak
+
+    Hk, Ik, E, B = 7168, 2048, 384, 4
+    meta = dict(device="meta")
+    w13 = torch.empty(E + B, 2 * Ik, Hk, dtype=torch.float8_e4m3fn, **meta)
+    s13 = torch.empty(E + B, 2 * Ik // 128, Hk // 128, **meta)
+    w2 = torch.empty(E + B, Hk, Ik, dtype=torch.float8_e4m3fn, **meta)
+    s2 = torch.empty(E + B, Hk // 128, Ik // 128, **meta)
+    counts = torch.zeros(E + B, dtype=torch.int64)
+    counts[list(range(0, E, 4))[:92] + [E, E + 1, E + 2, E + 3]] = 16
+    cu = counts.cumsum(0).to(torch.int32)  # on the host: the one sync the call makes reads it
+    M = int(cu[-1]) + 16
+    hidden, route = torch.empty(M, Hk, dtype=torch.bfloat16, **meta), torch.empty(M, **meta)
+    assert int((counts > 0).sum()) == 96 and M == 1552
+    c = 3
+    assert rows_per_chunk(Hk, Ik) == c
+    bound = 2 * M * Hk + 2 * M * (3 * Ik + 2 * Hk) + 9 * c * 3 * Ik * Hk
+    chunked, out = tracked_peak(lambda: quantized_grouped_ffn(hidden, "fp8-block", w13, s13, w2, s2, cu, route))
+    whole, _ = tracked_peak(lambda: quantized_grouped_ffn(hidden, "fp8-block", w13, s13, w2, s2, cu, route,
+                                                          chunk_elements=1 << 40))
+    assert tuple(out.shape) == (M, Hk)
+    assert chunked <= bound < whole, (chunked, bound, whole)
+    report(f"[dequantize fallback, K2 FP8, 96 used rows x 16] peak {chunked / 1e9:.3f} GB in chunks of {c} rows "
+           f"(bound {bound / 1e9:.3f} GB); all rows at once {whole / 1e9:.2f} GB")
+
+
+@pytest.mark.parametrize("fmt, beta, table", [
+    ("fp8-block", 1 + 4 + 4 + 4 / 128 ** 2, 0),           # e4m3 copy, fp32 values, fp32 product; fp32 scale copy
+    ("int4-g32", 0.5 + 2 / 32 + 4 + 4, 8 * 4),            # int32 words copy, bf16 scale copy, shifted and masked
+    #                                                       int32; the 8 shifts (int32)
+    ("mxfp4", 0.5 + 1 / 32 + 2 + 2 + 4 / 32 + 2 / 32, 0)])  # bytes and E8M0 copy, int32 bytes, bf16 pairs, fp32 and
+#                                                             bf16 powers
+def test_the_bytes_per_value_of_each_formats_dequantization(fmt, beta, table):
+    """``β`` of the module docstring's bound: the peak bytes per weight value of one ``dequantize_rows`` call (the
+    rows' copy out of the view included), measured on the meta device, against the sum worked out by hand."""
+    from tests.support.alloc_tracker import tracked_peak
+
+    n, N, K = 2, 1024, 2048
+    stored = {"fp8-block": ((N, K), torch.float8_e4m3fn, (N // 128, K // 128), torch.float32),
+              "int4-g32": ((N, K // 8), torch.int32, (N, K // 32), torch.bfloat16),
+              "mxfp4": ((N, K // 2), torch.uint8, (N, K // 32), torch.uint8)}[fmt]
+    w = torch.empty(n + 1, *stored[0], dtype=stored[1], device="meta")
+    s = torch.empty(n + 1, *stored[2], dtype=stored[3], device="meta")
+    rows = torch.arange(n, device="meta")
+    peak, out = tracked_peak(lambda: dequantize_rows(fmt, w.index_select(0, rows), s.index_select(0, rows)))
+    assert tuple(out.shape) == (n, N, K) and out.dtype == torch.bfloat16
+    assert peak == beta * n * N * K + table, (peak / (n * N * K), beta)

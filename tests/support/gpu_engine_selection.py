@@ -92,7 +92,7 @@ def tuned_config() -> dict[str, Any]:
     fm.get_device_name_as_file_name = lambda: "NVIDIA_H200"
     fm.get_moe_configs.cache_clear()
     try:
-        shape = dict(experts=384, hidden=7168, intermediate=128, top_k=8, interpreter=False)
+        shape = dict(local_experts=384, hidden=7168, intermediate=128, top_k=8, interpreter=False)
         return {"file_m2048": entries["2048"], "file_m2": entries["2"],
                 "m2048_padding_128": kernel_config("fp8-block", tokens=2048, token_padding=128, **shape),
                 "m2048_padding_32": kernel_config("fp8-block", tokens=2048, token_padding=32, **shape),

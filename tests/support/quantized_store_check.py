@@ -79,7 +79,7 @@ def check_rank(ctx: Any, name: str, path: str, oracle_path: str) -> dict[str, An
     from moonep_ep.memory.host import HostDriver
     from moonep_ep.layout.store import ShardedExpertStore
     from moonep_ep.ops.experts import ENTRY_REL_TOL, reference_rows_bf16
-    from moonep_ep.ops.prefetch import pull_slots
+    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
     from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
     from moonep_ep.tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
 
@@ -108,8 +108,9 @@ def check_rank(ctx: Any, name: str, path: str, oracle_path: str) -> dict[str, An
         scales = {p.name: views[p.name] for p in specs if p.role == "scale"}
         other = (rank + 1) % world
         remote = [other * epn + b for b in range(SLOTS)]
-        _, w_bytes, _ = pull_slots(weights, remote, E)
-        _, s_bytes, _ = pull_slots(scales, remote, E)
+        _, w_bytes, w_event = pull_slots(weights, remote, E)
+        _, s_bytes, s_event = pull_slots(scales, remote, E)
+        wait_for_slots((w_event, s_event))
         out["remote_fill"] = {"owner": other, "experts": remote, "weight_bytes": sum(w_bytes.values()),
                               "scale_bytes": sum(s_bytes.values())}
         # groups: this rank's first 3 experts and the 4 slots (remote experts), ROWS_PER_GROUP rows each
@@ -137,12 +138,12 @@ def check_rank(ctx: Any, name: str, path: str, oracle_path: str) -> dict[str, An
                                 "ok": max(errs) <= ENTRY_REL_TOL}
         # negative control: slot 0 gets another remote expert's weight, its scale stays the previous expert's
         stale = [other * epn + SLOTS] + [-1] * (SLOTS - 1)
-        pull_slots(weights, stale, E)
+        wait_for_slots(pull_slots(weights, stale, E)[2])
         ids_stale = ids.clone()
         ids_stale[slot0] = stale[0]
         ref = reference_rows_bf16(hidden[:n], ids_stale, route[:n], gate, up, down)
         bad = entry_errors()
-        pull_slots(scales, stale, E)
+        wait_for_slots(pull_slots(scales, stale, E)[2])
         fixed = entry_errors()
         out["stale_scale_control"] = {"slot": 0, "weight_of": stale[0], "scale_of": remote[0],
                                       "max_entry_rel_error": max(bad[slot0]), "fails": max(bad[slot0]) > ENTRY_REL_TOL,

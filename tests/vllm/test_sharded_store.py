@@ -176,6 +176,7 @@ def _int4_rows(seed: int, layer: int, expert: int) -> dict:
 
 def quantized_rank(ctx, skip_up: bool) -> dict:
     from moonep_ep.memory.host import HostDriver
+    from moonep_ep.ops.prefetch import wait_for_slots
     from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
     from moonep_ep.vllm.quantized_engine import prefetch_quantized
 
@@ -202,6 +203,7 @@ def quantized_rank(ctx, skip_up: bool) -> dict:
         other = 1 - rank
         remote = [other * epn + b for b in range(B)]
         out["fill"] = prefetch_quantized(views, remote[:3] + [-1], E, rank, epn)
+        wait_for_slots(out["fill"].pop("event"))  # weights and scales land before a slot is read
         out["slots_equal_sources"] = all(torch.equal(v[E + b], v[remote[b]]) for v in views.values() for b in range(3))
         rows = _int4_rows(0, 1, remote[0])
         out["source_rows_are_the_checkpoint"] = torch.equal(views["w13_weight_packed"][remote[0]][:I], rows["w1_packed"]) \

@@ -59,25 +59,12 @@ from .commplan import CommPlan, PrefetchStats
 from .limits import (WEIGHT_TILE, check_gen_a_weights, check_gen_b_weights, check_hidden, check_shape, check_tensor,
                      positive_int)
 from .planner import DispatchPlan, entry_dst, plan_dispatch
-from .prefetch import SideStreams, pull_slots, push_slots
+from .prefetch import DoneEvent, SideStreams, pull_slots, push_slots, wait_for_slots
 from .routing import Routing, dedup_tables, destination_routes, source_routes
 
 __all__ = ["ReferenceBuffer", "Buffer", "CommPlan", "PrefetchStats", "WEIGHT_TILE"]
 
 _uid = itertools.count(1)
-
-
-class _DoneEvent:
-    """Event handle of work that already completed (CPU): ``wait``/``synchronize`` return at once."""
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
 
 class ReferenceBuffer:
@@ -258,7 +245,7 @@ class ReferenceBuffer:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             return event
-        return _DoneEvent()
+        return DoneEvent()  # CPU dispatch/combine: gloo collectives, complete on return
 
     # -- dispatch ---------------------------------------------------------------------------
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: Optional[torch.Tensor] = None,
@@ -522,8 +509,10 @@ class ReferenceBuffer:
           every rank's slots are final. Collective.
 
         Returns:
-            ``None``, or with ``async_finish`` an event (CUDA Gen A: the copy
-            stream's event, which the caller waits on; otherwise complete).
+            ``None`` (the slots are ready for the current stream), or with
+            ``async_finish`` an event: Gen A the copy stream's, which the
+            caller waits on with ``ops.prefetch.wait_for_slots`` before any
+            slot is read (CPU: the copies land then); Gen B complete.
         """
         self._check_alive("prefetch_weight")
         full = {"gate": full_gate_weight, "up": full_up_weight, "down": full_down_weight}
@@ -550,19 +539,15 @@ class ReferenceBuffer:
         if gen_a:
             row = plan.global_plan.experts_to_copy[self.rank].tolist()
             copies, by_expert, event = pull_slots(tensors, row, self.E, streams=self._streams)
-            seconds = None if event is not None else time.perf_counter() - t0
-            self.last_prefetch = PrefetchStats.from_copies("A", copies, by_expert, seconds, plan.slot_sources,
-                                                           self.epn, self.rank)
-            if event is None:
-                return _DoneEvent() if async_finish else None
-            if async_finish:
-                return event
-            torch.cuda.current_stream(self.device).wait_event(event)
-            return None
+            if not async_finish:
+                wait_for_slots(event)  # CUDA: the current stream waits; CPU: the copies land now
+            timed = not async_finish and self.device.type != "cuda"
+            self.last_prefetch = PrefetchStats.from_copies("A", copies, by_expert, time.perf_counter() - t0
+                                                           if timed else None, plan.slot_sources, self.epn, self.rank)
+            return event if async_finish else None  # async: the caller waits (wait_for_slots) before a slot read
         copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, self.rank, self.epn,
                                            streams=self._streams)
-        if event is not None:
-            event.synchronize()  # our pushes must land before the barrier releases the readers
+        event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
         self.comm.barrier("prefetch_weight (Gen B): every push landed")
         self.last_prefetch = PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources)
         return self._event() if async_finish else None
@@ -574,6 +559,7 @@ class ReferenceBuffer:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._streams.close()  # CPU: copies still queued land before teardown, as a CUDA stream's do
         self.comm.barrier("Buffer.destroy")
         self._release()
 
@@ -588,7 +574,8 @@ class ReferenceBuffer:
         try:
             if self.explicitly_destroy:
                 warnings.warn("ReferenceBuffer was not destroy()ed before being garbage collected", ResourceWarning)
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn warnings down
+            self._streams.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn warnings or tensors down
             pass
         self._release()
 

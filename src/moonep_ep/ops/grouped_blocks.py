@@ -16,6 +16,12 @@ permute is needed:
   ``g`` with ``cu_seqlens[g] > start``: empty groups are skipped), ``-1`` for
   blocks at or past ``cu_seqlens[-1]`` (the kernels write nothing there);
 * ``num_tokens_post_padded`` = ``cu_seqlens[-1]`` (a device tensor: no host sync).
+
+That every group starts on a block boundary is checked on the device
+(:func:`assert_segments_aligned`, ``torch._assert_async``): no host sync on
+the way; a CUDA launch fails with a device-side assert, a CPU call raises at
+once. A misaligned block would otherwise be computed silently with one
+group's weights for another group's rows.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 
 from ..errors import config_error
 
-__all__ = ["GroupedBlocks", "check_block_size", "grouped_blocks", "skip_zero_weight_blocks", "check_segments_aligned"]
+__all__ = ["GroupedBlocks", "assert_segments_aligned", "check_block_size", "grouped_blocks", "skip_zero_weight_blocks",
+           "check_segments_aligned"]
 
 
 @dataclasses.dataclass
@@ -56,11 +63,31 @@ def check_block_size(block_m: int, token_padding: int, rank: int | None = None) 
                            f"multiple of {block_m}")
 
 
+def misaligned_message(block_m: int) -> str:
+    """What :func:`assert_segments_aligned` says (the values stay on the device: naming them would sync)."""
+    return str(config_error(None, f"cu_seqlens holds a group end that is not a multiple of BLOCK_SIZE_M {block_m}, "
+                                  "so a kernel block would hold rows of two weight rows",
+                            f"cu_seqlens % {block_m} != 0 (values on the device)",
+                            f"pad every group to a multiple of {block_m} (MoonEP's token_padding), or use a "
+                            "BLOCK_SIZE_M that divides the token padding"))
+
+
+def assert_segments_aligned(cu_seqlens: torch.Tensor, block_m: int) -> None:
+    """Every group of ``cu_seqlens`` starts on a ``block_m`` boundary, checked without a host sync.
+
+    ``torch._assert_async``: on CUDA the check is a kernel queued on the current stream (a failure is a
+    device-side assert at the next sync); on CPU it raises ``RuntimeError`` here; on the meta device it is
+    a no-op. Ends that are multiples of ``block_m`` are starts that are (a group starts at the previous end)."""
+    torch._assert_async((cu_seqlens.remainder(block_m) == 0).all(), misaligned_message(block_m))
+
+
 def grouped_blocks(cu_seqlens: torch.Tensor, num_rows: int, block_m: int) -> GroupedBlocks:
-    """Block metadata for ``num_rows`` (NvS) rows grouped by ``cu_seqlens`` (``[G]`` int32 inclusive ends)."""
+    """Block metadata for ``num_rows`` (NvS) rows grouped by ``cu_seqlens`` (``[G]`` int32 inclusive ends);
+    refuses (on the device, :func:`assert_segments_aligned`) a group that does not start on a block."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
         raise config_error(None, "cu_seqlens must be a non-empty 1-D tensor", tuple(cu_seqlens.shape),
                            "pass dispatch's cu_seqlens [E+B]")
+    assert_segments_aligned(cu_seqlens, block_m)
     device = cu_seqlens.device
     blocks = max(1, -(-num_rows // block_m))
     starts = torch.arange(blocks, device=device, dtype=torch.int64) * block_m
@@ -90,8 +117,9 @@ def skip_zero_weight_blocks(blocks: GroupedBlocks, route_weights_nvs: torch.Tens
 
 
 def check_segments_aligned(cu_seqlens: torch.Tensor, block_m: int) -> None:
-    """Host-side check (one sync) that every group starts on a block boundary: what MoonEP's padding
-    guarantees when ``BLOCK_SIZE_M`` divides ``token_padding``."""
+    """Host-side check (one sync; for tests and tools, which may name the values) that every group starts
+    on a block boundary: what MoonEP's padding guarantees when ``BLOCK_SIZE_M`` divides ``token_padding``.
+    The library path checks on the device instead (:func:`assert_segments_aligned`)."""
     ends = cu_seqlens.to("cpu", torch.int64)
     bad = [(g, int(e)) for g, e in enumerate(ends.tolist()) if e % block_m]
     if bad:

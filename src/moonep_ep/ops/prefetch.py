@@ -27,17 +27,115 @@ slots (the caller runs it: :meth:`ReferenceBuffer.prefetch_weight` does).
 On CUDA every copy is one ``cudaMemcpyAsync`` (device to device, run by a
 copy engine) issued on a side stream that first waits for the current
 stream, so prefetch overlaps compute queued after it; the function returns an
-event recorded after the last copy. On CPU the copies are plain ``memcpy``
-and run immediately (``None`` is returned).
+event recorded after the last copy (``cudaEventRecord``). A slot may be read
+only after the reading stream waited on that event (``cudaStreamWaitEvent``):
+:func:`wait_for_slots` is that wait, for every kind of event the library
+hands out.
+
+**CPU tensors** (the host driver, the CUDA emulator) get the same contract,
+not a more lenient one: with ``MOONEP_EP_CPU_DEFERRED_COPIES`` (default on)
+the copies are queued on the side stream's host queue and land, in issue
+order, only when an event of that queue is waited on or synchronized (which
+lands everything queued before it, as on a stream), or at teardown
+(:meth:`SideStreams.close`, :func:`land_all`). A copy reads its source when
+it lands, as a copy engine does. A reader that did not wait sees the old
+bytes: on a GPU that is the previous layer's expert or the reload poison.
+Off: the copies run at issue and a completed event is returned.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import collections
+import threading
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["pull_slots", "push_slots", "slot_copies", "SideStreams"]
+from .. import envs
+
+__all__ = ["pull_slots", "push_slots", "slot_copies", "SideStreams", "wait_for_slots", "land_all", "DoneEvent",
+           "PendingCopies"]
+
+
+class DoneEvent:
+    """Event of work that already completed: ``wait``/``synchronize`` return at once."""
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostCopyQueue:
+    """A CPU side stream: copies issued, not yet landed, run in issue order when waited for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque()
+        self.issued = 0
+        self.landed = 0
+
+    def issue(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "PendingCopies":
+        with self._lock:
+            self._pending.extend(pairs)
+            self.issued += len(pairs)
+            return PendingCopies(self, self.issued)
+
+    def land_through(self, ticket: int) -> None:
+        """Land every copy issued up to ``ticket`` (and so everything queued before it)."""
+        with self._lock:
+            while self.landed < ticket:
+                dst, src = self._pending.popleft()
+                self.landed += 1
+                dst.copy_(src)  # the source is read now, at landing, as a copy engine reads it
+
+
+class PendingCopies:
+    """Event of copies queued on a CPU side stream (``MOONEP_EP_CPU_DEFERRED_COPIES``): they land when this
+    event, or a later one of the same stream, is waited on or synchronized."""
+
+    def __init__(self, queue: _HostCopyQueue, ticket: int):
+        self._queue, self._ticket = queue, ticket
+
+    def wait(self, stream: Any = None) -> None:
+        self._queue.land_through(self._ticket)
+
+    def synchronize(self) -> None:
+        self._queue.land_through(self._ticket)
+
+    def query(self) -> bool:
+        return self._queue.landed >= self._ticket
+
+
+def wait_for_slots(event: Any) -> None:
+    """Make the stream that reads the slots wait for the fills behind ``event`` (every path's one wait).
+
+    ``torch.cuda.Event``: the current stream waits (``cudaStreamWaitEvent``; the host does not block).
+    MoonEP / DeepEP event handles: their ``current_stream_wait()``. This module's events (and any other
+    ``wait()``-able): ``wait()`` (CPU: the copies land). ``None``: nothing. A tuple or list: each.
+    """
+    if event is None:
+        return
+    if isinstance(event, (tuple, list)):
+        for one in event:
+            wait_for_slots(one)
+        return
+    waiter = getattr(event, "current_stream_wait", None)
+    if waiter is not None:
+        waiter()
+    elif isinstance(event, torch.cuda.Event):
+        # the current stream of the event's device (None until recorded: the current device's)
+        torch.cuda.current_stream(getattr(event, "device", None)).wait_event(event)
+    elif callable(getattr(event, "wait", None)):
+        event.wait()
+    else:
+        raise TypeError(f"moonep_ep: cannot wait for slot fills on a {type(event).__name__} "
+                        "(expected a torch.cuda.Event, an event handle with current_stream_wait(), one with "
+                        "wait(), None, or a tuple of these). Fix: pass the event the prefetch returned")
 
 
 class SideStreams:
@@ -54,8 +152,27 @@ class SideStreams:
             self._streams[index] = stream
         return stream
 
+    def host_queue(self) -> _HostCopyQueue:
+        """The CPU side stream (one per cache): deferred copies of CPU tensors, landed in issue order."""
+        queue = getattr(self, "_host", None)
+        if queue is None:
+            queue = self._host = _HostCopyQueue()
+        return queue
+
+    def close(self) -> None:
+        """Teardown: every copy still queued on the CPU side stream lands (as a CUDA stream finishes its
+        queued copies before its memory goes); the cache stays usable."""
+        queue = getattr(self, "_host", None)
+        if queue is not None:
+            queue.land_through(queue.issued)
+
 
 _DEFAULT_STREAMS = SideStreams()
+
+
+def land_all(streams: Optional[SideStreams] = None) -> None:
+    """Teardown of ``streams`` (default: the module's cache, which callers without their own use)."""
+    (streams or _DEFAULT_STREAMS).close()
 
 
 def slot_copies(experts_to_copy_row: Sequence[int], num_experts: int) -> list[tuple[int, int]]:
@@ -64,12 +181,14 @@ def slot_copies(experts_to_copy_row: Sequence[int], num_experts: int) -> list[tu
 
 
 def _run_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                streams: Optional[SideStreams]) -> Optional["torch.cuda.Event"]:
-    """Issue ``dst.copy_(src)`` for every pair; on CUDA on a side stream, returning its event."""
+                streams: Optional[SideStreams]) -> Any:
+    """Issue ``dst.copy_(src)`` for every pair on a side stream; return the event after the last copy."""
     if device.type != "cuda":
+        if envs.MOONEP_EP_CPU_DEFERRED_COPIES:
+            return (streams or _DEFAULT_STREAMS).host_queue().issue(pairs)
         for dst, src in pairs:
             dst.copy_(src)
-        return None
+        return DoneEvent()
     stream = (streams or _DEFAULT_STREAMS).get(device)
     current = torch.cuda.current_stream(device)
     # The slots may still be read by compute queued earlier, and the sources
@@ -88,7 +207,7 @@ def _run_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torc
 
 def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Sequence[int], num_experts: int, *,
                streams: Optional[SideStreams] = None,
-               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, int, Optional["torch.cuda.Event"]]:
+               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, dict[int, int], Any]:
     """Gen A pull: ``full[E + b] <- full[experts_to_copy_row[b]]`` for every used slot.
 
     Args:
@@ -105,8 +224,8 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
     Returns:
         ``(copies, bytes_by_expert, event)``: copies issued (used slots ×
         tensors), the bytes each copy read, summed per source expert (counted
-        at the copy, from the source tensors' sizes), and the CUDA event after
-        the last copy (``None`` on CPU, where the copies are complete on return).
+        at the copy, from the source tensors' sizes), and the event after the
+        last copy: nothing may read a slot before :func:`wait_for_slots` of it.
     """
     pairs = []
     bytes_by_expert: dict[int, int] = {}
@@ -127,7 +246,7 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
 
 def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
                experts_to_copy: torch.Tensor, rank: int, experts_per_rank: int, *,
-               streams: Optional[SideStreams] = None) -> tuple[int, int, Optional["torch.cuda.Event"]]:
+               streams: Optional[SideStreams] = None) -> tuple[int, int, Any]:
     """Gen B push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
 
     Args:
@@ -141,7 +260,8 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
 
     Returns:
         ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must
-        barrier after every rank pushed and before any slot is read.
+        synchronize the event (the pushes landed), then barrier, before any
+        rank reads a slot.
     """
     table = experts_to_copy.to("cpu", torch.int64).tolist()
     lo, hi = rank * experts_per_rank, (rank + 1) * experts_per_rank

@@ -25,6 +25,25 @@ per expert; ``w13 = [gate; up]``):
 
 The tests compare these against compressed-tensors' own decompressor, not
 against this file.
+
+**Memory.** The used rows are dequantized a chunk at a time
+(:func:`rows_per_chunk`: ``c = max(1, floor(2^27 / (3·I·H)))`` rows, 3 at K2's
+H 7168, I 2048), each chunk's dense weights freed before the next chunk's
+exist. With ``n = 3·I·H`` weight values a row, ``M`` rows of ``hidden_nvsh``
+and ``β`` the format's bytes per value at the widest moment of its
+dequantization, one call's transient peak is at most::
+
+    2·M·H  +  2·M·(3·I + 2·H)  +  β·c·n      bytes
+
+(the bf16 output; the chunk's bf16 activations; the chunk's rows copied out
+of the view, their 16/32-bit temporaries and the gate-up rows kept while the
+down rows are built). ``β``: FP8 block 9 (the e4m3 copy, fp32 values, fp32
+product), INT4 8.56 (the words' copy, shifted and masked int32 nibbles),
+MXFP4 4.72 (the bytes' copy, their int32 indices, the bf16 pairs), each
+worked out and measured in ``tests/ops/test_quantized_experts.py``; more
+with fp32 INT4 scales or a partial FP8 128-block (its repeated fp32 scales).
+Measured there at K2's FP8 shape with 96 used rows of 16 rows each: 0.815 GB
+in chunks of 3 rows, under the bound's 1.275 GB; all rows at once, 25.39 GB.
 """
 
 from __future__ import annotations
@@ -36,12 +55,15 @@ import torch
 from ..errors import config_error
 from .experts import grouped_ffn
 
-__all__ = ["dequantize_rows", "quantized_grouped_ffn", "used_groups", "E2M1_VALUES"]
+__all__ = ["dequantize_rows", "quantized_grouped_ffn", "rows_per_chunk", "used_groups", "DEQUANT_CHUNK_ELEMENTS",
+           "E2M1_VALUES"]
 
 #: E2M1 code -> value (codes 8..15 are the negatives)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32
 FP8_BLOCK = 128
+#: dequantized weight values per chunk of used rows (2^27: 3 rows of a K2 expert, 3·2048·7168 values each)
+DEQUANT_CHUNK_ELEMENTS = 1 << 27
 #: byte -> its two E2M1 values, low nibble first (bf16 holds every E2M1 value exactly)
 _E2M1_PAIRS = torch.tensor([(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.bfloat16)
 
@@ -111,34 +133,58 @@ def dequantize_rows(fmt: str, weight: torch.Tensor, scale: torch.Tensor, out_dty
     return w.to(out_dtype)
 
 
-def used_groups(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """The non-empty groups and their compacted inclusive ends (int32, one host sync)."""
+def _group_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(group, start, end)`` of every non-empty group (one host sync)."""
     ends = cu_seqlens.to("cpu", torch.int64).tolist()
-    groups, compact, start = [], [], 0
+    out, start = [], 0
     for g, end in enumerate(ends):
         if end > start:
-            groups.append(g)
-            compact.append(end)
+            out.append((g, start, end))
         start = max(start, end)
-    return groups, torch.tensor(compact, dtype=torch.int32, device=cu_seqlens.device)
+    return out
+
+
+def used_groups(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """The non-empty groups and their compacted inclusive ends (int32, one host sync)."""
+    bounds = _group_bounds(cu_seqlens)
+    return [g for g, _, _ in bounds], torch.tensor([e for _, _, e in bounds], dtype=torch.int32,
+                                                   device=cu_seqlens.device)
+
+
+def rows_per_chunk(hidden: int, intermediate: int, chunk_elements: int = DEQUANT_CHUNK_ELEMENTS) -> int:
+    """Used ``[E+B]`` rows dequantized at once: as many whole rows (``3·I·H`` weight values: gate, up, down) as
+    fit ``chunk_elements``, at least one."""
+    return max(1, chunk_elements // (3 * intermediate * hidden))
 
 
 def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor, w13_scale: torch.Tensor,
                           w2: torch.Tensor, w2_scale: torch.Tensor, cu_seqlens: torch.Tensor,
-                          route_weights_nvs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`grouped_ffn` over quantized ``[E+B]`` views: only the used rows are dequantized.
+                          route_weights_nvs: Optional[torch.Tensor] = None, *,
+                          chunk_elements: int = DEQUANT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """:func:`grouped_ffn` over quantized ``[E+B]`` views: only the used rows are dequantized, a chunk at a time.
 
     ``w13`` / ``w13_scale`` / ``w2`` / ``w2_scale``: the Gen A views (``[E+B, ...]``) of the fused gate-up
-    and down weights and their scales; ``cu_seqlens`` ``[E+B]`` int32 inclusive ends."""
-    M = hidden_nvsh.shape[0]
-    groups, compact = used_groups(cu_seqlens)
-    if not groups:
-        return torch.zeros(M, w2.shape[1], dtype=hidden_nvsh.dtype, device=hidden_nvsh.device)
-    rows = torch.tensor(groups, dtype=torch.int64, device=w13.device)
-    gate_up = dequantize_rows(fmt, w13.index_select(0, rows), w13_scale.index_select(0, rows))
-    down = dequantize_rows(fmt, w2.index_select(0, rows), w2_scale.index_select(0, rows))
-    inter = gate_up.shape[1] // 2
-    return grouped_ffn(hidden_nvsh, gate_up[:, :inter], gate_up[:, inter:], down, compact, route_weights_nvs)
+    and down weights and their scales; ``cu_seqlens`` ``[E+B]`` int32 inclusive ends. The used rows go in
+    chunks of :func:`rows_per_chunk` (consecutive groups, so a chunk's rows of ``hidden_nvsh`` are one
+    slice); a chunk's dense weights and temporaries are freed before the next chunk's are built, which bounds
+    the call's transient memory by the chunk, not by the number of used rows (the module docstring's bound).
+    The result is the same, bit for bit, whatever the chunk."""
+    M, H = hidden_nvsh.shape
+    out = torch.zeros(M, w2.shape[1], dtype=hidden_nvsh.dtype, device=hidden_nvsh.device)
+    bounds = _group_bounds(cu_seqlens)
+    inter = w13.shape[1] // 2
+    step = rows_per_chunk(H, inter, chunk_elements)
+    for i in range(0, len(bounds), step):
+        part = bounds[i:i + step]
+        lo, hi = part[0][1], part[-1][2]
+        rows = torch.tensor([g for g, _, _ in part], dtype=torch.int64, device=w13.device)
+        gate_up = dequantize_rows(fmt, w13.index_select(0, rows), w13_scale.index_select(0, rows))
+        down = dequantize_rows(fmt, w2.index_select(0, rows), w2_scale.index_select(0, rows))
+        ends = torch.tensor([e - lo for _, _, e in part], dtype=torch.int32, device=cu_seqlens.device)
+        route = None if route_weights_nvs is None else route_weights_nvs[lo:hi]
+        out[lo:hi] = grouped_ffn(hidden_nvsh[lo:hi], gate_up[:, :inter], gate_up[:, inter:], down, ends, route)
+        del gate_up, down  # before the next chunk's rows exist: one chunk alive at a time
+    return out
 
 
 def views_of(fmt: str, views: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

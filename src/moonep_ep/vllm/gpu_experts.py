@@ -34,8 +34,11 @@ copies converted bytes, as it does here.
 
 Block sizes: ``BLOCK_SIZE_M`` must divide MoonEP's ``token_padding``
 (:func:`~moonep_ep.ops.grouped_blocks.check_block_size` refuses otherwise,
-naming both). :data:`INTERPRETER_CONFIG` is what the CPU runs under the
-Triton interpreter use.
+naming both), and every group must start on a block boundary (checked on the
+device, no host sync: :func:`~moonep_ep.ops.grouped_blocks.assert_segments_aligned`).
+:func:`kernel_config` picks them on GPUs from the step's tokens and the local
+expert count, as vLLM does; :data:`INTERPRETER_CONFIG` is what the CPU runs
+under the Triton interpreter use.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import config_error
-from ..ops.grouped_blocks import GroupedBlocks, check_block_size, grouped_blocks, skip_zero_weight_blocks
+from ..ops.grouped_blocks import (GroupedBlocks, assert_segments_aligned, check_block_size, grouped_blocks,
+                                  skip_zero_weight_blocks)
 from ..ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
 
 __all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "fit_block_m", "gpu_grouped_ffn", "gpu_grouped_gemm",
@@ -82,14 +86,19 @@ def fit_block_m(block_m: int, token_padding: int) -> int:
     return int(block_m)
 
 
-def kernel_config(fmt: str, *, experts: int, hidden: int, intermediate: int, tokens: int, top_k: int,
+def kernel_config(fmt: str, *, local_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int,
                   token_padding: int, interpreter: bool) -> dict[str, int]:
-    """Block sizes of one layer's GPU experts.
+    """Block sizes of one layer's GPU experts for a step of ``tokens`` tokens.
 
-    Under Triton's interpreter: :data:`ENGINE_INTERPRETER_CONFIG`. On GPUs: vLLM's tuned config for the layer's
-    ``(E, N, device, dtype)`` where its ``configs/`` has one (else vLLM's default for the shape), picked for
-    ``tokens`` as vLLM picks it, with ``BLOCK_SIZE_M`` brought down to divide MoonEP's ``token_padding``
-    (every expert group starts on a block boundary; vLLM's own alignment pads per block instead)."""
+    Under Triton's interpreter: :data:`ENGINE_INTERPRETER_CONFIG`. On GPUs: what vLLM 0.33.0's
+    ``TritonExperts.apply`` asks ``try_get_optimal_moe_config`` for — ``w1``/``w2`` shapes whose ``E`` is the
+    layer's **local** expert count (``w1.size(0)``: ``num_local_experts``, ``E / EP`` under expert
+    parallelism; the tuned file's name is ``E={local},N={intermediate},device_name=...``) and ``M`` = the step's
+    tokens (``hidden_states.size(0)``, rows before the top-k expansion) — its tuned ``configs/`` entry nearest
+    ``M`` where a file exists, else its default for the shape; then ``BLOCK_SIZE_M`` brought down to divide
+    MoonEP's ``token_padding`` (every group starts on a block boundary; vLLM's own alignment pads per block
+    instead). ``tokens`` must be real tokens, not MoonEP's ``NvS`` rows (capacity and group padding: a decode
+    step's ``NvS // top_k`` is over a thousand)."""
     if interpreter:
         cfg = dict(ENGINE_INTERPRETER_CONFIG)
     else:
@@ -98,8 +107,9 @@ def kernel_config(fmt: str, *, experts: int, hidden: int, intermediate: int, tok
         dtype, block = VLLM_CONFIG_KEYS[fmt]
         # vLLM's lookup reads N from w2's last dim and doubles it for INT4, whose w2 is packed two to a byte
         w2_last = intermediate // 2 if dtype == "int4_w4a16" else intermediate
-        cfg = dict(try_get_optimal_moe_config((experts, 2 * intermediate, hidden), (experts, hidden, w2_last),
-                                              top_k, dtype, max(int(tokens), 1), block))
+        cfg = dict(try_get_optimal_moe_config((local_experts, 2 * intermediate, hidden),
+                                              (local_experts, hidden, w2_last), top_k, dtype, max(int(tokens), 1),
+                                              block))
     cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], token_padding)
     return cfg
 
@@ -164,7 +174,7 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
     # the whole config (a tuned one's num_warps / num_stages too), with the block rows the metadata was built for
     cfg = {**config, "BLOCK_SIZE_M": blocks.block_m, "GROUP_SIZE_M": config.get("GROUP_SIZE_M", 1)}
     if fmt == "mxfp4":
-        return mxfp4_grouped_gemm(a, weight, scale, out, blocks, block_n=cfg["BLOCK_SIZE_N"])
+        return mxfp4_grouped_gemm(a, weight, scale, out, blocks, config=cfg)
     from vllm.model_executor.layers.fused_moe import fused_moe
 
     common = dict(topk_weights=None, sorted_token_ids=blocks.sorted_token_ids, expert_ids=blocks.expert_ids,
@@ -200,9 +210,11 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
     check_block_size(block_m, token_padding)
     M = hidden_nvsh.shape[0]
     if blocks is None:
-        blocks = grouped_blocks(cu_seqlens, M, block_m)
+        blocks = grouped_blocks(cu_seqlens, M, block_m)  # refuses misaligned groups on the device
         if route_weights_nvs is not None:
             blocks = skip_zero_weight_blocks(blocks, route_weights_nvs)
+    else:
+        assert_segments_aligned(cu_seqlens, blocks.block_m)
     w13, s13, w2, s2 = kernel_views(fmt, views)
     if cu_seqlens.numel() != w13.shape[0]:
         raise config_error(None, "cu_seqlens must have one entry per [E+B] weight row",

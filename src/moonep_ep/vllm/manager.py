@@ -82,12 +82,15 @@ class InstrumentedBuffer:
         if quantized is not None and plan is not None:
             # Quantized views: each slot's weights and scales pulled through the mapped rows (the
             # reference/real buffer's prefetch moves bf16/int8/uint8 weights with 16 KiB-multiple scales only).
+            from .overlap import deliver
+
             _, views, num_experts = quantized
             rank = self._manager.rank
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
-            copied = types.SimpleNamespace(**prefetch_quantized(views, row, num_experts, rank,
-                                                                self._manager.experts_per_rank()))
-            out = None
+            filled = prefetch_quantized(views, row, num_experts, rank, self._manager.experts_per_rank())
+            # The weight and scale events go to the experts' apply, which waits before reading a slot row.
+            out = deliver(filled.pop("event"), async_finish)
+            copied = types.SimpleNamespace(**filled)
         else:
             from .overlap import prefetch
 
@@ -236,8 +239,10 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def destroy(self) -> None:
         super().destroy()  # the buffer pools first: they may still reference the views
+        from ..ops.prefetch import land_all
         from .quantized_engine import forget_layouts
 
+        land_all()  # slot fills still queued on the default side stream (CPU) land before the stores close
         forget_layouts()
         stores, self.expert_stores = self.expert_stores, []
         for store in stores:

@@ -15,12 +15,18 @@ the other. Here:
   groups ``[E, E + B)``. Same arithmetic per row as vLLM's single grouped
   GEMM (every group is an independent ``a[seg] @ w[g].T``).
 
-On a GPU the wait is ``Event.wait`` on the current stream: the own groups'
-kernels are queued before it, the copies run on the buffer's copy stream
-meanwhile. On CPU the reference buffer's copies complete inside the call and
-the order is the same; :data:`TRACE` records it (``own``, ``waited``,
-``slots``) for the tests. Splitting needs the row where the slot groups start
-on the host (one ``int`` read per layer): vLLM's MoonEP path is eager-only.
+On a GPU the wait (``ops.prefetch.wait_for_slots``, the one wait of every
+path) makes the current stream wait on the event: the own groups' kernels are
+queued before it, the copies run on the buffer's copy stream meanwhile. On
+CPU the slot copies are deferred (``MOONEP_EP_CPU_DEFERRED_COPIES``) and land
+at that wait, so a missing wait reads stale slots there too; :data:`TRACE`
+records the order (``own``, ``waited``, ``slots``) for the tests. Splitting
+needs the row where the slot groups start on the host (one ``int`` read per
+layer): vLLM's MoonEP path is eager-only.
+
+The quantized layers' prefetch (``quantized_engine.prefetch_quantized``)
+hands its weight and scale events over with :func:`deliver`; their experts
+take them with :func:`take_event` and wait before any slot row is read.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from typing import Any
 
 import torch
 
+from ..ops.prefetch import wait_for_slots
 from .hooks import install, is_wrapped
 
-__all__ = ["arm", "prefetch", "apply", "patch_experts", "TRACE"]
+__all__ = ["arm", "prefetch", "deliver", "take_event", "apply", "patch_experts", "TRACE"]
+#: Set on an experts class whose ``apply`` takes this thread's pending event (:func:`take_event`) and waits.
+WAITS_ATTR = "_moonep_ep_waits_for_slot_fills"
 
 _pending = threading.local()
 #: Per thread, when ``TRACE.events`` is a list: the order of the steps of :func:`apply`.
@@ -49,29 +58,41 @@ def arm(prepare: Any) -> None:
     """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
     layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
     experts = getattr(prepare, "_fused_experts", None)
-    _pending.armed = is_wrapped(getattr(type(experts), "apply", None))
+    _pending.armed = is_wrapped(getattr(type(experts), "apply", None)) or getattr(type(experts), WAITS_ATTR, False)
+
+
+def _take_armed() -> bool:
+    armed, _pending.armed = getattr(_pending, "armed", False), False
+    return armed
 
 
 def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
     """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked."""
-    armed, _pending.armed = getattr(_pending, "armed", False), False
-    if not armed or async_finish:
+    if not getattr(_pending, "armed", False) or async_finish:
+        _pending.armed = False
         return buffer.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
-    _pending.event = buffer.prefetch_weight(plan=plan, async_finish=True, **weights)
-    _trace("prefetch issued")
+    return deliver(buffer.prefetch_weight(plan=plan, async_finish=True, **weights), async_finish=False)
+
+
+def deliver(event: Any, async_finish: bool) -> Any:
+    """An issued slot fill's event, to whoever reads the slots first: the caller when it asked for
+    ``async_finish``; else this thread's next experts ``apply`` in an armed step; else the current stream, now."""
+    armed = _take_armed()
+    if async_finish:
+        return event
+    if armed:
+        _pending.event = event
+        _trace("prefetch issued")
+    else:
+        wait_for_slots(event)
     return None
 
 
-def _wait(event: Any) -> None:
-    if event is None:
-        return
-    waiter = getattr(event, "current_stream_wait", None)  # MoonEP / DeepEP-style event handles
-    if waiter is not None:
-        waiter()
-    elif isinstance(event, torch.cuda.Event):
-        event.wait(torch.cuda.current_stream())
-    else:
-        event.wait()
+def take_event() -> Any:
+    """The slot-fill event this thread's last armed prefetch left for the experts (None if none); taken once."""
+    event = getattr(_pending, "event", None)
+    _pending.event = None
+    return event
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -92,12 +113,11 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
           a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any, expert_tokens_meta: Any,
           apply_router_weight_on_input: bool, *, original: Any = None) -> None:
     """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after."""
-    event = getattr(_pending, "event", None)
-    _pending.event = None
+    event = take_event()
     layout = getattr(self, "_weight_layout", None)
     E = int(global_num_experts)
     if original is not None and (layout is None or expert_tokens_meta is None or w1.size(0) <= E):
-        _wait(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
+        wait_for_slots(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
         return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                         global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                         expert_tokens_meta, apply_router_weight_on_input)
@@ -114,7 +134,7 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
         output[:own_end].copy_(own)
     _trace("own")
     if event is not None:
-        _wait(event)
+        wait_for_slots(event)
         _trace("waited")
     if end > own_end:
         offs = (cu[E:] - own_end).to(torch.int32)

@@ -32,7 +32,9 @@ method, piece by piece:
    prepare/finalize with :func:`experts_class`.
 5. **Prefetch** (:func:`prefetch_quantized`, called by the manager's
    buffer): weights and scales of each planned slot pulled through the
-   mapped rows, their bytes counted apart at the copy.
+   mapped rows, their bytes counted apart at the copy; both copies' events
+   go to the experts (``overlap.deliver``), whose ``apply`` waits on them
+   (``ops.prefetch.wait_for_slots``) before any slot row is read.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 
 from .. import envs
 from ..errors import ConfigError
+from ..ops.prefetch import wait_for_slots
 
 FORMAT_ATTR = "_moonep_ep_format"
 #: w1/w3 -> the half of the fused w13 row; w2 -> the whole w2 row
@@ -274,6 +277,8 @@ def _build_experts_class(kind: str) -> Any:
         raise ConfigError(f"moonep_ep: no quantized experts of kind {kind!r}. Fix: triton or dequant")
     base = moonep_experts.MoonEPExperts
 
+    from .overlap import WAITS_ATTR, take_event
+
     class _QuantizedExperts(base):  # type: ignore[misc, valid-type]
         experts_kind = kind
 
@@ -303,8 +308,12 @@ def _build_experts_class(kind: str) -> Any:
             start = time.perf_counter()
             cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
             route = None if apply_router_weight_on_input else topk_weights
+            # Slot rows [E, E+B) are read below: the fills' weight and scale copies must have landed.
+            wait_for_slots(take_event())
             output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids))
             STATS.record_experts_call(time.perf_counter() - start, hidden_states.shape[0])
+
+    setattr(_QuantizedExperts, WAITS_ATTR, True)  # apply takes the prefetch's events and waits (overlap.arm)
 
     class MoonEPQuantizedExperts(_QuantizedExperts):
         """Dequantize the used ``[E+B]`` rows, then a bf16 grouped GEMM (``ops.quantized_experts``; the CPU
@@ -331,13 +340,17 @@ def _build_experts_class(kind: str) -> Any:
                         topk_ids: torch.Tensor) -> torch.Tensor:
             from .gpu_experts import gpu_grouped_ffn, kernel_config
 
-            top_k = max(int(topk_ids.size(1)), 1)
-            key = (layout.format, hidden.shape[0], top_k)
+            # Tiles follow the step's real tokens: topk_ids holds the tokens vLLM routed this step (MoonEP's prepare
+            # pads its own copy to the buffer's capacity; this one is not), a shape, no host sync. MoonEP's planner
+            # spreads the rows evenly over the ranks, so this rank computes about tokens x top_k rows. Not NvS:
+            # it counts the capacity and every group's padding (K2 at EP 12: a 32-token decode step has 9152).
+            tokens, top_k = int(topk_ids.size(0)), max(int(topk_ids.size(1)), 1)
+            key = (layout.format, tokens, top_k)
             if key not in self._configs:
                 self._configs[key] = kernel_config(
-                    layout.format, experts=cu_seqlens.numel() - layout.num_prefetch_slots, hidden=hidden.shape[1],
-                    intermediate=self.moe_config.intermediate_size_per_partition, tokens=hidden.shape[0] // top_k,
-                    top_k=top_k, token_padding=self.token_padding, interpreter=self.interpreter)
+                    layout.format, local_experts=self.moe_config.num_local_experts, hidden=hidden.shape[1],
+                    intermediate=self.moe_config.intermediate_size_per_partition, tokens=tokens, top_k=top_k,
+                    token_padding=self.token_padding, interpreter=self.interpreter)
             return gpu_grouped_ffn(layout.format, hidden, layout.views, cu_seqlens, route,
                                    token_padding=self.token_padding, config=self._configs[key],
                                    native_act_quant=self.interpreter)
@@ -366,15 +379,17 @@ def forget_layouts() -> None:
 
 def prefetch_quantized(views: dict[str, torch.Tensor], row: list[int], num_experts: int, rank: int, epn: int
                        ) -> dict[str, Any]:
-    """Pull each used slot's weights, then its scales, through the mapped rows; bytes counted at the copy."""
+    """Pull each used slot's weights, then its scales, through the mapped rows; bytes counted at the copy.
+    ``event``: both pulls' events, to wait on (``ops.prefetch.wait_for_slots``) before a slot row is read."""
     from ..ops.prefetch import pull_slots
 
     weights = {n: v for n, v in views.items() if not n.endswith(("_scale", "_scale_inv"))}
     scales = {n: v for n, v in views.items() if n not in weights}
-    _, w_bytes, _ = pull_slots(weights, row, num_experts)
-    _, s_bytes, _ = pull_slots(scales, row, num_experts)
+    _, w_bytes, w_event = pull_slots(weights, row, num_experts)
+    _, s_bytes, s_event = pull_slots(scales, row, num_experts)
     remote = [e for e in set(w_bytes) | set(s_bytes) if e // epn != rank]
-    return {"bytes_by_expert": {e: w_bytes.get(e, 0) + s_bytes.get(e, 0) for e in set(w_bytes) | set(s_bytes)},
+    return {"event": (w_event, s_event),
+            "bytes_by_expert": {e: w_bytes.get(e, 0) + s_bytes.get(e, 0) for e in set(w_bytes) | set(s_bytes)},
             "weight_bytes": sum(w_bytes.values()), "scale_bytes": sum(s_bytes.values()),
             "remote_weight_bytes": sum(w_bytes.get(e, 0) for e in remote),
             "remote_scale_bytes": sum(s_bytes.get(e, 0) for e in remote)}

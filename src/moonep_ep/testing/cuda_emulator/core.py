@@ -100,7 +100,11 @@ class EmulatorCore:
             node = envs.MOONEP_EP_CUDA_EMULATOR_NODE
         self.node = node if isinstance(node, NodeSpec) else NodeSpec.parse(node)
         self.host = host_of_process(self.node, None if host is None else str(host))
-        self._node_tag = zlib.crc32(self.node.node.encode())  # names this node's memfds (cuMemGetInfo)
+        # names this node's memfds (cuMemGetInfo's device-wide figure counts them over every process); the
+        # machine keeps two unrelated runs (two pytest workers) off each other's device
+        from ... import envs
+        machine = envs.MOONEP_EP_CUDA_EMULATOR_MACHINE or ""
+        self._node_tag = zlib.crc32(f"{self.node.node}|{machine}".encode() if machine else self.node.node.encode())
         self._visible_override = visible
         self.visible: list[int] = []
         self.bindings_major = int(self._real.CUDA_VERSION) // 1000

@@ -15,9 +15,10 @@
   (inverted: throughput ratio). The views are VMM-mapped, possibly
   multi-owner; a ratio far from 1.0 means the kernels run slower on them.
 
-Trials alternate which side runs first; the slot fill reports each side's
-fastest trial (``prefetch.measure_pull``: a busy machine only slows a trial),
-the grouped FFN medians. On the host
+Trials alternate which side runs first, and both ratios compare each side's
+fastest trial (``prefetch.measure_pull``, :mod:`.timing`): another process only
+ever slows a trial, so the ratio holds on a busy machine, where a median ratio
+does not (medians are reported beside). On the host
 driver or the emulator the figures are CPU memcpy / matmul times: they show
 the tool works, not GPU facts (``"device"`` says which).
 """
@@ -26,31 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..args import add_moe_shape_arguments, add_run_arguments
+from .timing import fastest_ratio, interleaved_trials, timer_for
 
 
-def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int) -> dict[str, Any]:
-    """Grouped FFN over the store's ``[E+B]`` views vs over ``torch.empty`` copies of the same shapes."""
+def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int,
+                       timer: Optional[Callable[[Callable[[], Any]], float]] = None) -> dict[str, Any]:
+    """Grouped FFN over the store's ``[E+B]`` views vs over ``torch.empty`` copies of the same shapes:
+    throughput ratio ``views / plain`` from each side's fastest of ``reps`` interleaved trials
+    (``timer``: seconds of one call; default CUDA events on a GPU, the wall clock on CPU)."""
     from ...ops.experts import grouped_ffn
 
     views = {p.name: store.gen_a(layer, p.name) for p in store.projections}
@@ -67,14 +57,15 @@ def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int) -> dict[s
         return grouped_ffn(x, w["gate"], w["up"], w["down"], cu)
 
     same = torch.equal(run(views), run(plain))  # warm-up, and the two sides compute the same thing
-    view_t, plain_t = [], []
-    for rep in range(max(1, reps)):
-        order = ((views, view_t), (plain, plain_t))
-        for w, sink in (order if rep % 2 == 0 else order[::-1]):
-            sink.append(_timed(lambda: run(w), device))
-    view_s, plain_s = statistics.median(view_t), statistics.median(plain_t)
-    return {"tokens": tokens, "groups": groups, "views_seconds": view_s, "plain_seconds": plain_s,
-            "views_over_plain_throughput": plain_s / view_s, "outputs_equal": same}
+    seconds = interleaved_trials({"views": lambda: run(views), "plain": lambda: run(plain)}, reps,
+                                 timer or timer_for(device))
+    # plain seconds over views seconds: the views' throughput over the plain tensors'
+    rates = fastest_ratio(seconds["plain"], seconds["views"])
+    return {"tokens": tokens, "groups": groups, "views_seconds": rates["denominator_fastest_s"],
+            "plain_seconds": rates["numerator_fastest_s"], "views_over_plain_throughput": rates["ratio"],
+            "views_median_seconds": rates["denominator_median_s"], "plain_median_seconds": rates["numerator_median_s"],
+            "views_over_plain_throughput_of_medians": rates["ratio_of_medians"], "trials": rates["trials"],
+            "outputs_equal": same}
 
 
 def perf_rank(ctx: Any, driver_name: str, hidden: int, inter: int, experts_per_rank: int, tokens: int,
@@ -129,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "ok": all(f is not None and f > 0 for f in fills) and all(r["ffn"]["outputs_equal"] for r in per_rank),
         "driver": plan.driver, "emulated": per_rank[0]["emulated"], "device": per_rank[0]["device"],
-        "measure": "interleaved trials, slot fill the fastest a side, FFN medians; CUDA events on a GPU, "
-                   "wall clock on CPU",
+        "measure": "interleaved trials, each ratio from the fastest trial a side (medians in per_rank); CUDA "
+                   "events on a GPU, wall clock on CPU",
         "slot_fill_imported_over_local": fills,
         "slot_fill_gbps": [(r["slot_fill"]["remote_gbps"], r["slot_fill"]["local_gbps"]) for r in per_rank],
         "ffn_views_over_plain": ffns,
