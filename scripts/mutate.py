@@ -39,6 +39,8 @@ SCRATCH = ROOT / "build" / "mutate"
 
 # key -> (module path under src/moonep_ep, fast test files, mutant name patterns or None for all,
 #         a function of the module the canary calls with no arguments' worth of work).
+# "functions" restricts the run to those functions' mutants: "func" for a module-level function,
+# "Class.method" for a method.
 MODULES: dict[str, dict] = {
     "ops/decode_padding": {
         "tests": ["tests/vllm/test_padding_decisions.py"],
@@ -92,6 +94,50 @@ MODULES: dict[str, dict] = {
         "functions": ["local_vote", "vote"],
         "canary": None,
     },
+    "ops/grouped_blocks": {
+        "tests": ["tests/ops/test_grouped_blocks.py"],
+        "canary": None,
+    },
+    "ops/mxfp4_moe_kernel": {   # the host side: launch parameters and the shape checks (the jitted kernel body
+        # inside _kernel is Triton source, compiled or interpreted, which a Python mutation does not reach)
+        "tests": ["tests/ops/test_mxfp4_launch.py"],
+        "functions": ["mxfp4_launch_config", "mxfp4_grouped_gemm"],
+        "canary": None,
+    },
+    "vllm/gpu_experts": {   # in this process, with vLLM's kernels and lookups recorded (the interpreter tier
+        # runs them for real in the vLLM environment, where mutmut's stats pass cannot see it)
+        "tests": ["tests/vllm/test_gpu_experts_decisions.py", "tests/ops/test_grouped_blocks.py"],
+        "canary": None,
+    },
+    "vllm/quantized_engine": {
+        "tests": ["tests/vllm/test_quantized_engine_decisions.py"],
+        "canary": None,
+    },
+    "vllm/quantized_hooks": {
+        "tests": ["tests/vllm/test_quantized_hooks.py"],
+        "canary": None,
+    },
+    "ops/instrument": {   # a one-rank gloo group in this process (tests/ops/test_instrument.py spawns two ranks)
+        "tests": ["tests/ops/test_instrument_decisions.py"],
+        "canary": None,
+    },
+    "memory/cuda_probe": {   # the NVLink clique: trusted, or unknown with the reason
+        "tests": ["tests/memory/test_multicast_decisions.py", "tests/memory/test_cuda_domain.py"],
+        "select": ["-m", "not slow"],
+        "functions": ["fabric_clique"],
+        "canary": None,
+    },
+    "memory/symmetric": {   # whether multicast is used: its size, the lockstep bind, going on without it
+        "tests": ["tests/memory/test_multicast_decisions.py"],
+        "functions": ["_driver_failure", "SymmetricMemory._setup_multicast_or_go_without",
+                      "SymmetricMemory._setup_multicast", "SymmetricMemory._bind_multicast_in_lockstep",
+                      "SymmetricMemory.has_multicast", "SymmetricMemory.multicast_write"],
+        "canary": None,
+    },
+    "memory/multimem": {   # the multicast store's launch and its refusal of a misaligned write
+        "tests": ["tests/memory/test_multicast_decisions.py", "tests/memory/test_cuda_emulator.py"],
+        "canary": None,
+    },
     "vllm/peer_naming": {
         "tests": ["tests/vllm/test_plugin.py"],
         # it reads the repository's pyproject.toml and the installed distribution's entry points: the scratch
@@ -100,6 +146,9 @@ MODULES: dict[str, dict] = {
         "canary": None,
     },
 }
+
+_SAME_FILL_KEYS = ("w_bytes and s_bytes have the same keys: pull_slots counts every tensor of each used slot for "
+                   "the same experts, and every quantized format's views hold scale tensors beside the weights")
 
 # mutant name -> why it cannot change anything observable. Excluded from the score.
 EQUIVALENT: dict[str, str] = {
@@ -275,6 +324,113 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",
+    # ops/grouped_blocks.py
+    "moonep_ep.ops.grouped_blocks.x_check_block_size__mutmut_8":
+        "block_m & (block_m - 2) for & (block_m - 1): for an int m >= 16 both are 0 exactly when m is a power of two "
+        "(m = 2^h + 1 leaves bit 0; m >= 2^h + 2 makes m - 2 keep bit h), and m < 16 is refused before",
+    "moonep_ep.ops.grouped_blocks.x_check_block_size__mutmut_26":
+        "token_padding <= 1 for <= 0: a padding of 1 is refused either way (1 % block_m is 1, block_m >= 16)",
+    "moonep_ep.ops.grouped_blocks.x_check_segments_aligned__mutmut_3":
+        "cu_seqlens.to('cpu', None) for .to('cpu', torch.int64): cu_seqlens is an integer tensor (dispatch's int32); "
+        "tolist gives the same Python ints in either dtype",
+    "moonep_ep.ops.grouped_blocks.x_check_segments_aligned__mutmut_5": "the dtype dropped: as mutmut_3",
+    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_38": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_41": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_43":
+        "ends kept int32 (.to(None)): searchsorted of int64 starts in int32 ends and starts < ends[-1] compare "
+        "values, and both results are converted to int32 after",
+    "moonep_ep.ops.grouped_blocks.x_skip_zero_weight_blocks__mutmut_23":
+        "pad by max(1, ...) for max(0, ...): the extra trailing False is cut by [: n * m] (the route weights have at "
+        "most n * m = blocks * block_m rows)",
+    "moonep_ep.ops.grouped_blocks.x_skip_zero_weight_blocks__mutmut_24":
+        "pad by n * m + numel for n * m - numel: more trailing False, all cut by [: n * m]",
+    # ops/mxfp4_moe_kernel.py (host side)
+    "moonep_ep.ops.mxfp4_moe_kernel.x_mxfp4_grouped_gemm__mutmut_36":
+        "K / 32 for K // 32 in the scale shape compared: K % 32 is refused just before, so the quotient is a whole "
+        "float and the tuples compare equal (2 == 2.0)",
+    # vllm/gpu_experts.py
+    "moonep_ep.vllm.gpu_experts.x_fit_block_m__mutmut_10":
+        "max(block_m, 17) for max(block_m, 16): 16 and 17 have the same bit length (5), so the first power of two "
+        "tried is the same for every block_m",
+    "moonep_ep.vllm.gpu_experts.x_gpu_grouped_ffn__mutmut_104":
+        "cu_seqlens[-1] kept int32 (.to(None)): compared with an int64 arange, which compares the values",
+    "moonep_ep.vllm.gpu_experts.x_gpu_grouped_ffn__mutmut_81":
+        "unsqueeze(+1) for unsqueeze(-1) of the 1-D route weights: both give [M, 1]",
+    # vllm/quantized_engine.py
+    "moonep_ep.vllm.quantized_engine.x_method_format__mutmut_37":
+        "getattr(quant, 'symmetric', None) for False: only its truth is read, and None is false too",
+    "moonep_ep.vllm.quantized_engine.x_method_format__mutmut_70":
+        "getattr(method, 'block_quant', None) for False: only its truth is read, and None is false too",
+    "moonep_ep.vllm.quantized_engine.x_create_quantized_placeholders__mutmut_16":
+        "named_parameters(recurse=None) for recurse=False: torch reads only its truth (named_members)",
+    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_1":
+        "named_parameters(recurse=None) for recurse=False: torch reads only its truth (named_members)",
+    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_7":
+        "rsplit('.') for rsplit('.', 1): the last part is the same whatever the number of splits",
+    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_10":
+        "rsplit('.', 2) for rsplit('.', 1): the last part is the same whatever the number of splits",
+    "moonep_ep.vllm.quantized_engine.x_load_quantized_expert__mutmut_50":
+        "proj 'XXw2XX' for 'w2': proj is only compared with 'w13' (any other value means w2)",
+    "moonep_ep.vllm.quantized_engine.x_load_quantized_expert__mutmut_51":
+        "proj 'W2' for 'w2': proj is only compared with 'w13' (any other value means w2)",
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_25":
+        "set(w_bytes) & set(s_bytes) for | in the remote experts: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_45":
+        "set(w_bytes) & set(s_bytes) for | in bytes_by_expert: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_36":
+        "w_bytes.get(e, None) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_38":
+        "w_bytes.get(e) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_39":
+        "w_bytes.get(e, 1) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_41":
+        "s_bytes.get(e, None) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_43":
+        "s_bytes.get(e) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_44":
+        "s_bytes.get(e, 1) for get(e, 0): " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_58":
+        "w_bytes.get(e, None) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_60":
+        "w_bytes.get(e) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_61":
+        "w_bytes.get(e, 1) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_66":
+        "s_bytes.get(e, None) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_68":
+        "s_bytes.get(e) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
+    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_69":
+        "s_bytes.get(e, 1) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
+    # vllm/quantized_hooks.py
+    "moonep_ep.vllm.quantized_hooks.x__fp8_block_128__mutmut_13":
+        "getattr(scale, 'static', None) for False: only its truth is read (bool()), and None is false too",
+    "moonep_ep.vllm.quantized_hooks.x__fp8_block_128__mutmut_24":
+        "getattr(scale, 'group_shape', None) for (): both are false, so 'or ()' gives () either way",
+    # ops/instrument.py
+    "moonep_ep.ops.instrument.x__is_irecv__mutmut_3":
+        "getattr(op.op, '__name__', None) for '': only compared with 'irecv', which neither default is",
+    "moonep_ep.ops.instrument.x__is_irecv__mutmut_16":
+        "getattr(op.op, '__name__', 'XXXX') for '': only compared with 'irecv', which neither default is",
+    "moonep_ep.ops.instrument.xǁCollectiveRecorderǁ__enter____mutmut_8":
+        "break for continue when a module lacks the op: c10d is the inner loop's last module, and the one name "
+        "torch.distributed has and c10d lacks (_broadcast_coalesced) is missing there, so both end the loop",
+    "moonep_ep.ops.instrument.xǁCollectiveRecorderǁ_aliases__mutmut_3":
+        "True for an empty tensor in _aliases: its one caller, weight_bytes_in, returns 0 for an empty tensor first",
+    "moonep_ep.ops.instrument.xǁ_Phaseǁ__init____mutmut_2":
+        "prev 'XXXX' for '' at construction: __enter__ sets prev before __exit__ reads it",
+    # memory/symmetric.py (the multicast decisions)
+    "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_5":
+        "range(retries + 2) for range(retries + 1): every attempt returns or raises by attempt == retries, so the "
+        "extra attempt is never reached",
+    "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_35":
+        "the retryable code looked for in the error's text (s[1]) instead of its code (s[0]): a driver's DriverError "
+        "text names its code (MemoryDriver.error: '<call> -> <code>: <detail>'), so both hold SYSTEM_NOT_READY or "
+        "neither does",
+    "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_41":
+        "rank=None on the bind's CollectiveError: its one reader, _setup_multicast_or_go_without, reads its step and "
+        "failures only and builds the MOONEP_EP_MULTICAST=on error with this rank itself",
+    "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_44":
+        "rank dropped from the bind's CollectiveError: as mutmut_41",
 }
 
 _STATUS = {0: "survived", 1: "killed", 3: "killed", -24: "timeout", 24: "timeout", 152: "timeout",
@@ -366,7 +522,9 @@ def _canary(key: str, work: Path, spec: dict) -> None:
                 "and getattr(v, '__module__', '') == m.__name__ and hasattr(m, 'x_' + n + '__mutmut_orig')]; "
                 "assert names, 'no trampolined function'; "
                 "fn = getattr(m, names[0]);\n"
-                "try:\n    fn()\nexcept BaseException as e:\n"
+                # a generator function's body (and its forced failure) runs when the generator is iterated
+                "try:\n    result = fn()\n    if hasattr(result, '__next__'):\n        next(result)\n"
+                "except BaseException as e:\n"
                 "    sys.exit(0 if type(e).__name__ == 'MutmutProgrammaticFailException' else "
                 "f'{type(e).__name__}: {e}')\n"
                 "sys.exit('the fail mutant did not fail')")
@@ -377,6 +535,22 @@ def _canary(key: str, work: Path, spec: dict) -> None:
                              f"{proc.stdout}{proc.stderr}")
 
 
+def _function_of(mutant: str) -> str:
+    """``func`` or ``Class.method`` of a mutant name: mutmut 3 names a function's mutants
+    ``<module>.x_<func>__mutmut_<n>`` and a method's ``<module>.xǁ<Class>ǁ<method>__mutmut_<n>``."""
+    match = re.fullmatch(r"x(?:ǁ(\w+)ǁ|_)(\w+?)__mutmut_\d+", mutant.rsplit(".", 1)[-1])
+    if match is None:
+        raise SystemExit(f"not a mutmut 3 mutant name: {mutant}")
+    cls, fn = match.groups()
+    return f"{cls}.{fn}" if cls else fn
+
+
+def _mutant_pattern(module: str, function: str) -> str:
+    """mutmut's name pattern for the mutants of one ``func`` or ``Class.method`` (see :func:`_function_of`)."""
+    cls, _, fn = function.rpartition(".")
+    return f"{module}.xǁ{cls}ǁ{fn}__mutmut_*" if cls else f"{module}.x_{fn}__mutmut_*"
+
+
 def _results(work: Path, key: str, spec: dict) -> dict:
     meta = work / "mutants" / "src" / "moonep_ep" / f"{key}.py.meta"
     codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -384,9 +558,7 @@ def _results(work: Path, key: str, spec: dict) -> dict:
     counts: dict[str, int] = {}
     survivors, equivalent = [], []
     for name, code in sorted(codes.items()):
-        fn = re.sub(r"__mutmut_\d+$", "", name.rsplit(".", 1)[-1])
-        fn = re.sub(r"^x(ǁ\w+ǁ)?_", "", fn)
-        if patterns and fn not in patterns:
+        if patterns and _function_of(name) not in patterns:
             continue
         if code is None:
             status = "not run"
@@ -412,7 +584,7 @@ def run_module(key: str, timeout_s: int) -> dict:
     args = [sys.executable, "-c", "from mutmut.__main__ import cli; cli()", "run", "--max-children", "2"]
     if spec.get("functions"):
         module = "moonep_ep." + key.replace("/", ".")
-        args += [f"{module}.x_{fn}__mutmut_*" for fn in spec["functions"]]
+        args += [_mutant_pattern(module, fn) for fn in spec["functions"]]
     with open(work / "mutmut.log", "w") as log:
         try:
             subprocess.run(args, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)

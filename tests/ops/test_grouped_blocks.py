@@ -116,3 +116,68 @@ def test_a_misaligned_group_is_refused_in_the_library_path_without_a_host_read()
     assert blocks.expert_ids.device.type == "meta" and blocks.num_blocks == 6
     with pytest.raises(NotImplementedError, match="meta tensor"):
         check_segments_aligned(meta, 16)
+
+
+# -- the exact texts and edges (what mutation testing of ops/grouped_blocks.py asks for) ----------------------------
+
+def _refusal(call) -> str:
+    with pytest.raises(ConfigError) as e:
+        call()
+    return str(e.value)
+
+
+def test_every_refusal_of_the_block_rules_is_written_out_whole():
+    """Typed from the wording the module means to print (rank, value and fix), not read from it."""
+    assert _refusal(lambda: check_block_size(24, 96, rank=3)) == (
+        "[rank 3] BLOCK_SIZE_M must be a power of two >= 16 (tl.dot's smallest tile): got 24. Fix: use 16, 32, 64 "
+        "or 128")
+    assert _refusal(lambda: check_block_size(64, 96, rank=5)) == (
+        "[rank 5] BLOCK_SIZE_M 64 does not divide MoonEP's token_padding 96: a kernel block would hold rows of two "
+        "experts: got (64, 96). Fix: use a BLOCK_SIZE_M that divides 96, or a token_padding that is a multiple of 64")
+    bad = torch.tensor([8, 16, 24, 40, 56, 72, 80], dtype=torch.int32)   # ends 0, 2, 3, 4, 5 are off a 16-row block
+    assert _refusal(lambda: check_segments_aligned(bad, 16)) == (
+        "cu_seqlens ends are not multiples of BLOCK_SIZE_M 16: got [(0, 8), (2, 24), (3, 40), (4, 56)]. Fix: pad "
+        "every group to a multiple of BLOCK_SIZE_M (MoonEP's token_padding)")
+    two_d = torch.tensor([[16, 32]], dtype=torch.int32)
+    assert _refusal(lambda: grouped_blocks(two_d, 32, 16)) == (
+        "cu_seqlens must be a non-empty 1-D tensor: got (1, 2). Fix: pass dispatch's cu_seqlens [E+B]")
+    assert _refusal(lambda: grouped_blocks(torch.zeros(0, dtype=torch.int32), 32, 16)) == (
+        "cu_seqlens must be a non-empty 1-D tensor: got (0,). Fix: pass dispatch's cu_seqlens [E+B]")
+    from moonep_ep.ops.grouped_blocks import misaligned_message
+
+    assert misaligned_message(32) == (
+        "cu_seqlens holds a group end that is not a multiple of BLOCK_SIZE_M 32, so a kernel block would hold rows "
+        "of two weight rows: got 'cu_seqlens % 32 != 0 (values on the device)'. Fix: pad every group to a multiple "
+        "of 32 (MoonEP's token_padding), or use a BLOCK_SIZE_M that divides the token padding")
+
+
+def test_a_token_padding_that_is_not_a_positive_int_is_refused_even_when_the_remainder_is_zero():
+    # 0 % 16 == 0 and 128.0 % 16 == 0.0: only the type and sign rules refuse these
+    for padding in (0, -32, 128.0):
+        assert "does not divide MoonEP's token_padding" in _refusal(lambda: check_block_size(16, padding))
+    check_block_size(16, 16)   # the control: the smallest padding a 16-row block divides
+    check_block_size(128, 128)
+
+
+def test_one_group_of_one_block_is_one_block_and_the_metadata_is_int32_on_the_input_device():
+    one = grouped_blocks(torch.tensor([16], dtype=torch.int64), 16, 16)   # int64 ends in: int32 metadata out
+    assert one.num_blocks == 1 and one.expert_ids.tolist() == [0] and one.sorted_token_ids.tolist() == list(range(16))
+    assert (one.expert_ids.dtype, one.sorted_token_ids.dtype, one.num_tokens_post_padded.dtype) == (torch.int32,) * 3
+    assert one.num_tokens_post_padded.tolist() == [16]
+    # no rows at all: still one block, not computed (the kernels need a grid of at least one program)
+    empty = grouped_blocks(torch.tensor([0, 0], dtype=torch.int32), 0, 16)
+    assert empty.expert_ids.tolist() == [-1] and empty.num_tokens_post_padded.tolist() == [0]
+    meta = grouped_blocks(torch.empty(3, dtype=torch.int32, device="meta"), 40, 16)
+    made = (meta.expert_ids, meta.sorted_token_ids, meta.num_tokens_post_padded)
+    assert [t.device.type for t in made] == ["meta"] * 3
+    assert tuple(meta.sorted_token_ids.shape) == (48,)   # 3 blocks of 16 rows for 40 rows
+
+
+def test_a_live_row_at_a_block_edge_keeps_its_own_block_only():
+    from moonep_ep.ops.grouped_blocks import skip_zero_weight_blocks
+
+    blocks = grouped_blocks(torch.tensor([64], dtype=torch.int32), 64, 16)   # one group, 4 blocks
+    w = torch.zeros(64)
+    w[15] = 1.0    # the last row of block 0
+    w[48] = 1.0    # the first row of block 3
+    assert skip_zero_weight_blocks(blocks, w).expert_ids.tolist() == [0, -1, -1, 0]
