@@ -150,6 +150,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_VLLM_STATS_DIR", "str", None,
              "directory for per-rank instrumentation (store bytes, load collectives, remote prefetches)",
              scope="vLLM plugin"),
+    Variable("MOONEP_EP_ROUTING_RECORD_DIR", "str", None,
+             "directory where every engine process records the experts its MoE routers chose, per request, "
+             "position and layer (the oracle's near-tie evidence: vllm-demo sets it per run)", scope="vLLM plugin"),
     Variable("MOONEP_EP_VLLM_FORCE", "bool", False,
              "activate the plugin on a vLLM build whose MoonEP files differ from 0.33.0's", scope="vLLM plugin"),
     # -- tools and tests ---------------------------------------------------------------------
@@ -158,6 +161,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "(vLLM's in-process client and uni executor: one process per DP rank instead of three, each of which "
              "spends about 13 s of CPU importing vLLM); 0 = vLLM's default processes. GPU engines always "
              "keep vLLM's default", scope="tools"),
+    Variable("MOONEP_EP_TINY_ROUTER", "choice", "clustered",
+             "the router of the tiny DeepSeek-V3 checkpoints (and their quantized copies): clustered = word "
+             "clusters with preferred experts, few routing near-ties; random = the first tiny models' random "
+             "router, near-ties common (the false-failure script runs both)", ("clustered", "random"),
+             scope="tools"),
     Variable("MOONEP_EP_VLLM_PYTHON", "str", None,
              "python of an environment with vLLM and moonep_ep (vllm-demo re-runs itself with it; "
              "the vLLM 0.33.0 tests use it)", scope="tools"),

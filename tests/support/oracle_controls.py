@@ -55,15 +55,50 @@ def _perturb(model: Any, bug: str) -> None:
                 raise ValueError(f"unknown bug {bug!r}; known: {BUGS}")
 
 
+class EngineRouting:
+    """What an HF "engine"'s routers chose, row by row as it decodes (the prompt's rows, then one a step): the
+    ``routing`` a vLLM engine records (``vllm/routing_record.py``), for the oracle's near-tie evidence."""
+
+    ROUTERS = ("DeepseekV3TopkRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
+
+    def __init__(self, model: Any) -> None:
+        from moonep_ep.tools.engine.near_ties import _layer_of
+
+        self.rows: dict[int, list[list[int]]] = {}
+        for name, module in model.named_modules():
+            if type(module).__name__ in self.ROUTERS and _layer_of(name) is not None:
+                self._wrap(module, _layer_of(name))
+
+    def _wrap(self, module: Any, layer: int) -> None:
+        original = module.forward
+
+        def forward(hidden_states: Any) -> Any:
+            out = original(hidden_states)
+            self.rows.setdefault(layer, []).extend(out[2].tolist())
+            return out
+
+        module.forward = forward
+
+    def take(self) -> dict[str, Any]:
+        layers = sorted(self.rows)
+        n = min((len(v) for v in self.rows.values()), default=0)
+        routing = {"layers": layers, "topk": [[self.rows[lid][r] for lid in layers] for r in range(n)]}
+        self.rows = {}
+        return routing
+
+
 def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     """Greedy tokens and each token's log-prob from an HF model (the "engine" under test): the prompt once,
     then one token a step over the model's KV cache, as an engine decodes (a full forward per token cost
-    ten times the compute on the 250-token prompts)."""
+    ten times the compute on the 250-token prompts). Each sequence carries the experts the engine's routers
+    chose (``routing``), as the vLLM runs' do."""
     import torch
 
+    recorder = EngineRouting(model)
     out = []
     for prompt in prompts:
         tokens, logprobs = [], []
+        recorder.take()
         with torch.no_grad():
             step = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
             for i in range(max_tokens):
@@ -74,7 +109,8 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
                 if i + 1 < max_tokens:
                     step = model(input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values,
                                  use_cache=True)
-        out.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": logprobs})
+        out.append({"prompt_token_ids": list(prompt), "token_ids": tokens, "logprobs": logprobs,
+                    "routing": recorder.take()})
     return out
 
 
@@ -84,7 +120,9 @@ def verdicts(oracle_dir: str, runs: dict[str, Any], expert_activation_quant: Any
     judged = judge_runs(oracle_dir, runs, dtypes=(RULE.reference_dtype,),
                         expert_activation_quant=expert_activation_quant)
     return {run: {k: v[RULE.reference_dtype][k] for k in ("ok", "failed", "positions", "divergences",
-                                                          "max_gap_at_divergence", "abs_logprob_diff")}
+                                                          "max_gap_at_divergence", "max_gap_not_near_tie",
+                                                          "max_abs_not_near_tie", "abs_logprob_diff", "near_ties",
+                                                          "unexplained", "explained_positions")}
             for run, v in judged.items()}
 
 

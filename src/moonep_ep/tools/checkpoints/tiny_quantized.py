@@ -76,15 +76,19 @@ _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def _tiny_config(seed: int = 0, moe_intermediate: Optional[int] = None) -> Any:
-    from .tiny_deepseek_v3 import TinyDeepseekV3Config
+    from .tiny_deepseek_v3 import tiny_config
 
-    c = TinyDeepseekV3Config(seed=seed)
+    c = tiny_config(seed=seed)
     return c if moe_intermediate is None else dataclasses.replace(c, moe_intermediate=moe_intermediate)
 
 
 def default_dir(name: str, seed: int = 0, moe_intermediate: Optional[int] = None) -> str:
+    from ... import envs
+
+    router = envs.MOONEP_EP_TINY_ROUTER
     return os.path.join(tempfile.gettempdir(), f"moonep-ep-{name}" + (f"-s{seed}" if seed else "")
-                        + (f"-i{moe_intermediate}" if moe_intermediate else ""))
+                        + (f"-i{moe_intermediate}" if moe_intermediate else "")
+                        + (f"-{router}-router" if router != "clustered" else ""))
 
 
 def expert_weight_names(weights: dict[str, Any]) -> list[str]:

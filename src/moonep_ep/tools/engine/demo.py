@@ -107,9 +107,9 @@ def _reload_checkpoints(spec: str) -> tuple[str, str]:
     if spec in QUANTIZED_MODELS:  # same format; B's weights and scales both differ from A's
         return build_tiny_quantized(spec, seed=1), build_tiny_quantized(spec, seed=2, moe_intermediate=128)
     if spec == "tiny-deepseek-v3":
-        from ..checkpoints.tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3, default_model_dir
+        from ..checkpoints.tiny_deepseek_v3 import build_tiny_deepseek_v3, default_model_dir, tiny_config
 
-        b, wrong = TinyDeepseekV3Config(seed=1), TinyDeepseekV3Config(moe_intermediate=128, seed=2)
+        b, wrong = tiny_config(seed=1), tiny_config(moe_intermediate=128, seed=2)
         return (build_tiny_deepseek_v3(default_model_dir(b), b),
                 build_tiny_deepseek_v3(default_model_dir(wrong), wrong))
     from ..checkpoints.tiny_model import TinyMoEConfig, build_tiny_qwen3_moe, default_model_dir as qwen_dir

@@ -126,7 +126,7 @@ def generate(llm: Any, prompts: list[Any], max_tokens: int) -> list[dict[str, An
         logprobs = [float(step[tok].logprob) if step and tok in step else None
                     for tok, step in zip(o.token_ids, o.logprobs or [])]
         out.append({"prompt_token_ids": list(result.prompt_token_ids), "token_ids": list(o.token_ids),
-                    "text": o.text, "logprobs": logprobs})
+                    "text": o.text, "logprobs": logprobs, "request_id": result.request_id})
     return out
 
 
@@ -176,6 +176,8 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
         if dp is not None:
             # The prefetch counts of this generation alone (a reload sequence generates again).
             payload["forward_stats"] = llm.collective_rpc("moonep_ep_forward_stats")[0]
+            if cfg.device == "cpu":
+                payload["cpu_code_path"] = llm.collective_rpc("moonep_ep_code_path")[0]
             if cfg.reload_model_dir:
                 payload["reload"] = run_reload_sequence(llm, cfg, generate_phases)
             if cfg.probe_calls:
@@ -265,10 +267,28 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
     return env
 
 
+def _with_routing(run: Callable[[dict[str, str]], Any], progress: Progress) -> Any:
+    """``run(env)`` with every engine process recording its routers' choices, then each generated sequence of the
+    result given its own (``routing``: the oracle's near-tie evidence, ``tools/engine/near_ties.py``)."""
+    from ...vllm.routing_record import read_records
+    from .near_ties import attach_routing
+
+    directory = tempfile.mkdtemp(prefix="moonep-ep-routing-")
+    try:
+        out = run({"MOONEP_EP_ROUTING_RECORD_DIR": directory})
+        given = attach_routing(out, read_records(directory))
+        progress(f"routing recorded for {given} generated sequence(s)")
+        return out
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run_single(cfg: EngineConfig, progress: Progress = lambda m: None) -> dict[str, Any]:
     """Every prompt in one single-process engine (vLLM's default MoE path)."""
     single = dataclasses.replace(cfg, phases=None)  # one engine: the phases would only add steps
-    return _run_processes(single, [(list(range(len(cfg.prompts))), None)], base_env(cfg), progress, "single")[None]
+    return _with_routing(lambda extra: _run_processes(
+        single, [(list(range(len(cfg.prompts))), None)], dict(base_env(cfg), **extra), progress, "single")[None],
+        progress)
 
 
 def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str = "sharded"
@@ -286,7 +306,8 @@ def run_dp(cfg: EngineConfig, progress: Progress = lambda m: None, layout: str =
         jobs = [([i for i in range(len(cfg.prompts)) if cfg.rank_of(i) == r], {"rank": r, "size": R, "port": port})
                 for r in range(R)]
         progress(f"DP={R} expert-parallel run, all2all_backend=moonep, {layout} expert layout")
-        dp = _run_processes(cfg, jobs, env, progress, f"dp{R}-{layout}")
+        dp = _with_routing(lambda extra: _run_processes(cfg, jobs, dict(env, **extra), progress, f"dp{R}-{layout}"),
+                           progress)
         return dp, read_stats(stats_dir)
     finally:
         shutil.rmtree(stats_dir, ignore_errors=True)

