@@ -63,12 +63,14 @@ SCENARIOS = ("serve", "sigkill", "wrong-clique")
 
 
 def memfd_prefix(spec: str) -> str:
-    """The name prefix of the emulated GPUs' memfds of the node ``spec`` (objects.Allocation.name)."""
-    import zlib
-
+    """The name prefix of the emulated GPUs' memfds of the node ``spec`` on this process's emulated machine
+    (objects.Allocation.name; the hosts inherit the machine from this process's environment)."""
+    from moonep_ep import envs
     from moonep_ep.testing.cuda_emulator.node import NodeSpec
+    from moonep_ep.testing.cuda_emulator.objects import node_tag
 
-    return f"/memfd:{MEM_PREFIX}.n{zlib.crc32(NodeSpec.parse(spec).node.encode())}."
+    machine = envs.MOONEP_EP_CUDA_EMULATOR_MACHINE or ""
+    return f"/memfd:{MEM_PREFIX}.n{node_tag(NodeSpec.parse(spec).node, machine)}."
 
 
 def leak_scan(prefix: str) -> dict[str, Any]:

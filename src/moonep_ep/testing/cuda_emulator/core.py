@@ -18,12 +18,11 @@ import importlib
 import os
 import threading
 import weakref
-import zlib
 from typing import Any, Callable
 
 from . import kernels
 from .node import NodeSpec, host_of_process
-from .objects import MEM_PREFIX, Allocation, Mapping, MulticastRef
+from .objects import MEM_PREFIX, Allocation, Mapping, MulticastRef, node_tag
 
 
 class UnknownCall(AttributeError):
@@ -104,7 +103,7 @@ class EmulatorCore:
         # machine keeps two unrelated runs (two pytest workers) off each other's device
         from ... import envs
         machine = envs.MOONEP_EP_CUDA_EMULATOR_MACHINE or ""
-        self._node_tag = zlib.crc32(f"{self.node.node}|{machine}".encode() if machine else self.node.node.encode())
+        self._node_tag = node_tag(self.node.node, machine)
         self._visible_override = visible
         self.visible: list[int] = []
         self.bindings_major = int(self._real.CUDA_VERSION) // 1000

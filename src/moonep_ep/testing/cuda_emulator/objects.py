@@ -23,6 +23,7 @@ import fcntl
 import mmap
 import os
 import struct
+import zlib
 from typing import Any
 
 MEM_PREFIX = "cudaemu.mem"
@@ -79,6 +80,12 @@ class Allocation:
         parts = dict((p[0], int(p[1:])) for p in name[len(MEM_PREFIX) + 1:].split("."))
         st = os.fstat(fd)
         return cls(fd, st.st_size, parts["g"], parts["t"], parts["m"], st.st_ino, created_here=False)
+
+
+def node_tag(node: str, machine: str = "") -> int:
+    """The tag in the names of node ``node``'s memfds on emulated machine ``machine``: processes with
+    other machines (two pytest workers) never see each other's device memory."""
+    return zlib.crc32(f"{node}|{machine}".encode() if machine else node.encode())
 
 
 def node_bytes_in_use(node_tag: int, gpu: int) -> int:
