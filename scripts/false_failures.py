@@ -6,7 +6,7 @@ machine can select and each scheduling, it runs the engine verdicts ``make test`
 
 * ``make demo`` (``vllm-demo --reload``: single process, DP=2 sharded, DP=2 replicated, the in-place update to B
   and back, each judged by the oracle);
-* ``vllm-demo --model tiny-kimi-k2-thinking-int4 | tiny-kimi-k3-mxfp4 | tiny-deepseek-v3-fp8 --reload`` (the
+* ``vllm-demo --model tiny-kimi-k2-thinking-int4 | tiny-deepseek-v3-mxfp4 | tiny-deepseek-v3-fp8 --reload`` (the
   INT4 run with ``--reload-control``: an update to a copy with doubled scales, which must fail);
 
 and, per code path, the planted-bug controls (``tests/support/oracle_controls.py``: swapped experts, zeroed
@@ -61,7 +61,7 @@ SCHEDULINGS = ("alone", "busy")
 ENGINE_RUNS: dict[str, list[str]] = {
     "make_demo": ["--reload", "--json"],
     "int4": ["--model", "tiny-kimi-k2-thinking-int4", "--reload", "--json"],
-    "mxfp4": ["--model", "tiny-kimi-k3-mxfp4", "--reload", "--json"],
+    "mxfp4": ["--model", "tiny-deepseek-v3-mxfp4", "--reload", "--json"],
     "fp8": ["--model", "tiny-deepseek-v3-fp8", "--reload", "--json"],
 }
 

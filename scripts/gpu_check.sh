@@ -8,7 +8,8 @@
 # Runs as the lent machine is: `python3` (override: PYTHON=...) with PYTHONPATH=src -- no venv, no
 # install, nothing fetched. Part 1 alone answers the first question: does the CUDA path allocate,
 # export, import, map, verify and tear down with 0 leaks on the real driver? Part 6 (one GPU, torch and
-# Triton) runs the project's MXFP4 experts at Kimi K2/K3 shapes and the slot-fill race. Parts 3-5 need >= 2 GPUs
+# Triton) runs the project's MXFP4 experts at Kimi K2/K3 shapes and the slot-fill race; part 7 (the same) one
+# Kimi K3 MoE layer with SiTU through them against a dense reference. Parts 3-5 need >= 2 GPUs
 # and an installed vLLM 0.33.0 environment (.venv-vllm, up to date); elsewhere they report
 # "not_applicable" with the reason and "ok": null (nothing ran, nothing passed).
 # MOONEP_EP_CUDA_EMULATOR=1 (set by the CPU test of this script, never on a GPU) runs every step over
@@ -43,6 +44,7 @@ PLAN=$(cat <<'EOF'
 6|mxfp4_experts|180|gpu|torch,triton|out["ok"]|the MXFP4 experts at K2 and K3 shapes, bf16 and fp16: an expert past 2^31 bytes, a slot row, against a reference decoded here; one scale off by one must fail
 6|mxfp4_kernel|150|gpu|torch,triton|out["ok"]|the MXFP4 grouped GEMM's registers, spills and time over a dense bf16 grouped GEMM (decode and prefill, fastest trials)
 6|mxfp4_race|120|gpu|torch,triton|out["ok"]|slot fills on a side stream, then the experts: without a wait (reported) and after wait_for_slots (must match)
+7|k3_moe_layer|180|gpu|torch,triton|out["ok"]|one Kimi K3 MoE layer at real widths (latent 3584, I 3072) through the MXFP4 experts with SiTU against a dense fp32 reference; SiLU, no linear_beta, the bias in the weights, the norm skipped must each fail
 EOF
 )
 # What the lent GPU machine's python3 (3.12) has, and what it lacks, as its lender states it.
@@ -145,6 +147,7 @@ PYEOF
     mxfp4_experts) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check experts --json ;;
     mxfp4_kernel) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check kernel --json ;;
     mxfp4_race) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
+    k3_moe_layer) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_k3 --json ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac
 }
@@ -232,6 +235,7 @@ keep = {
     "mxfp4_experts": ("device", "triton", "models"),
     "mxfp4_kernel": ("device", "triton", "models", "kernels"),
     "mxfp4_race": ("device", "models"),
+    "k3_moe_layer": ("device", "max_token_rel_err", "bound", "controls", "gate_past_beta", "up_past_linear_beta"),
 }.get(name, ())
 figures = {k: out[k] for k in keep if isinstance(out, dict) and k in out}
 if name == "check" and "cuda" in figures:

@@ -138,6 +138,10 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/memory/test_multicast_decisions.py", "tests/memory/test_cuda_emulator.py"],
         "canary": None,
     },
+    "vllm/model_check": {   # the checkpoint check before any engine starts: shapes, activation, quantization verdict
+        "tests": ["tests/cli/test_model_check.py", "tests/vllm/test_quantized_schemes.py"],
+        "canary": None,
+    },
     "vllm/peer_naming": {
         "tests": ["tests/vllm/test_plugin.py"],
         # it reads the repository's pyproject.toml and the installed distribution's entry points: the scratch

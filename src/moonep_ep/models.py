@@ -375,7 +375,7 @@ def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
       ``moe_intermediate_size``, e.g. Mixtral, OLMoE, gpt-oss, Llama 4). A DeepSeek-style
       config (``n_routed_experts``) must have ``moe_intermediate_size``: its
       ``intermediate_size`` is the dense MLP;
-    * ``K``: ``num_experts_per_tok`` | ``experts_per_token`` | ``moe_topk``;
+    * ``K``: ``num_experts_per_tok`` | ``num_experts_per_token`` (Kimi K3) | ``experts_per_token`` | ``moe_topk``;
     * ``L``: ``num_hidden_layers`` filtered by the dense-layer keys (see
       ``_moe_layer_count``).
 
@@ -421,7 +421,8 @@ def parse_hf_config(cfg: Mapping[str, Any], *, path: str = "<config>",
                        "add moe_intermediate_size (each routed expert's intermediate size)")
     inter = _as_int(path, ikey, merged[ikey])
 
-    kkey, top_k = _first(merged, ("num_experts_per_tok", "experts_per_token", "moe_topk"))
+    # num_experts_per_token: KimiLinearConfig's spelling (Kimi K3, vLLM transformers_utils/configs/kimi_linear.py)
+    kkey, top_k = _first(merged, ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk"))
     if kkey is None:
         raise _missing(path, "num_experts_per_tok", "add num_experts_per_tok (top-k routed experts)")
     top_k = _as_int(path, kkey, top_k)

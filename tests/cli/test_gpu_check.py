@@ -35,7 +35,7 @@ def test_plan_lists_each_parts_steps_and_limits_within_one_command():
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
     parts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6]
+    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6, 7]
     for p in parts:
         assert p["limit_s"] == sum(s["limit_s"] for s in p["steps"]) <= 480, p   # a command gets 600 s at most
         assert f"part {p['part']}: {p['limit_s']} s of limits" in proc.stdout
@@ -67,7 +67,7 @@ def test_the_script_installs_and_fetches_nothing():
 @pytest.mark.slow
 def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_path):
     """Parts 1 and 2 on an emulated one-H200 machine (the loan's): every step that can run passes; the
-    GPU-marked pytest step says why it cannot run here. Parts 3-5 (vLLM's CUDA engine) and 6 (Triton kernels
+    GPU-marked pytest step says why it cannot run here. Parts 3-5 (vLLM's CUDA engine), 6 and 7 (Triton kernels
     on the GPU) report what they need and "ok": null. Negative control: a driver older than the bindings
     fails part 1."""
     env = {"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": "H200x1", "PYTHON": sys.executable,
@@ -85,7 +85,7 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
     # push them out: both sides are CPU memcpy / matmul over the same DRAM here.
     assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["slot_fill_imported_over_local"])
     assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["ffn_views_over_plain"])
-    for part in (3, 4, 5, 6):
+    for part in (3, 4, 5, 6, 7):
         proc = _run("--part", str(part), env=env, timeout=60)
         summary = _last_json(proc.stdout)
         assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == []
@@ -111,8 +111,8 @@ def test_plan_states_each_steps_needs_against_the_lent_machine():
     assert "hypothesis" in steps["gpu_tests"]["modules"]
     assert steps["make_demo"]["lent_machine"] == "cannot run: it has no vllm, compressed_tensors"
     assert all(steps[n]["lent_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))
-    # Part 6 needs nothing the lent machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
-    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race"):
+    # Parts 6 and 7 need nothing the lent machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
+    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer"):
         assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["lent_machine"] == "runs", steps[name]
         assert re.search(rf"^  {name}\s+\d+ s  \[gpu\] ", proc.stdout, re.M), name
 
@@ -131,3 +131,10 @@ def test_a_step_that_finds_a_precondition_missing_itself_is_not_applicable(tmp_p
     # the step ran (its output is kept), unlike a step the script itself found not applicable
     assert json.loads((tmp_path / "mxfp4_race.out").read_text()) == {
         "check": "race", "not_applicable": "torch sees no CUDA GPU", "ok": None}
+    # Part 7 (the K3 layer, gpu_k3.py) answers the same way.
+    proc = _run("--part", "7", env=env, timeout=120)
+    summary = _last_json(proc.stdout)
+    assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == [], proc.stdout[-3000:]
+    assert summary["not_applicable"] == {"k3_moe_layer": "torch sees no CUDA GPU"}
+    assert json.loads((tmp_path / "k3_moe_layer.out").read_text()) == {
+        "check": "k3_moe_layer", "not_applicable": "torch sees no CUDA GPU", "ok": None}

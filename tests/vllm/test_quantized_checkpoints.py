@@ -23,13 +23,13 @@ from tests.support.vllm_envs import run_json
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("tiny-kimi-k2-thinking-int4", "tiny-kimi-k3-mxfp4", "tiny-deepseek-v3-fp8")
+MODELS = ("tiny-kimi-k2-thinking-int4", "tiny-deepseek-v3-mxfp4", "tiny-deepseek-v3-fp8")
 README_COMMAND = "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json"
 #: served on the CPU engine's sharded store -> (format, quant_method, weight bytes per scale byte: INT4 g32 int32
 #: [N, K/8] vs bf16 [N, K/32]: 8; MXFP4 uint8 [N, K/2] vs E8M0 uint8 [N, K/32]: 16; FP8 e4m3 [N, K] vs fp32
 #: [N/128, K/128]: 128*128/4 = 4096)
 SERVED = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "compressed-tensors", 8),
-          "tiny-kimi-k3-mxfp4": ("mxfp4", "compressed-tensors", 16),
+          "tiny-deepseek-v3-mxfp4": ("mxfp4", "compressed-tensors", 16),
           "tiny-deepseek-v3-fp8": ("fp8-block", "fp8", 4096)}
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
+from moonep_ep.ops.activation import SILU, GatedActivation
 from moonep_ep.ops.prefetch import wait_for_slots
 from moonep_ep.vllm import quantized_engine as qe
 from moonep_ep.vllm.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, ZERO_COPY_FLAG
@@ -466,7 +467,7 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
     from moonep_ep.vllm import overlap
 
     order: list[str] = []
-    ffn = Calls(compute=True, result=lambda *a: (order.append("ffn"), torch.full((6, 4), 7.0))[1])
+    ffn = Calls(compute=True, result=lambda *a, **k: (order.append("ffn"), torch.full((6, 4), 7.0))[1])
     monkeypatch.setattr(quantized_experts, "quantized_grouped_ffn", ffn)
     cls = qe.experts_class("dequant")
     assert getattr(cls, overlap.WAITS_ATTR) is True and cls.__module__ == "moonep_ep.vllm.quantized_engine"
@@ -492,6 +493,7 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
     (args, kwargs), = ffn.calls
     assert args[0] is hidden and args[1] == "int4-g32" and [a.numel() for a in args[2:6]] == [1, 2, 3, 4]
     assert args[6].dtype == torch.int32 and args[6].tolist() == [2, 2, 6] and args[7] is topk_weights
+    assert kwargs == {"activation": SILU}                                # vLLM's None: SiLU
     assert overlap.take_event() is None                                  # taken once
     experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
                   _meta([6]), True)                                      # vLLM applied the route weights already
@@ -514,6 +516,16 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
     positional.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
                      _meta([6]), False)
     assert ffn.calls[2][0][1] == "fp8-block" and [a.numel() for a in ffn.calls[2][0][2:6]] == [5, 6, 7, 8]
+    # the layer's activation, with its betas from the experts' moe_config; anything else refused by name
+    positional.moe_config = types.SimpleNamespace(activation_situ_beta=4.0, activation_situ_linear_beta=25.0)
+    positional.apply(output, hidden, None, None, topk_weights, topk_ids, types.SimpleNamespace(value="situ"), 8,
+                     None, None, None, None, None, _meta([6]), False)
+    assert ffn.calls[3][1] == {"activation": GatedActivation("situ", beta=4.0, linear_beta=25.0)}
+    assert cls._supports_activation(types.SimpleNamespace(value="situ")) and cls._supports_activation(None)
+    assert not cls._supports_activation(types.SimpleNamespace(value="gelu"))
+    assert "'gelu'" in _refusal(lambda: positional.apply(output, hidden, None, None, topk_weights, topk_ids, "gelu",
+                                                          8, None, None, None, None, None, _meta([6]), False))
+    assert len(ffn.calls) == 4
     vllm.platform.is_cpu = lambda: False
     assert not cls._supports_current_device()
     vllm.platform.is_cuda = lambda: True
@@ -551,7 +563,7 @@ def test_triton_experts_pick_tiles_from_the_steps_real_tokens_once_per_shape(vll
     assert set(experts._configs) == {("fp8-block", 5, 2), ("fp8-block", 9, 1)}
     args, kwargs = ffn.calls[0]
     assert args[:3] == ("fp8-block", hidden, layout.views) and args[3] is cu and args[4] is route
-    assert kwargs == {"token_padding": 128, "native_act_quant": True,
+    assert kwargs == {"token_padding": 128, "native_act_quant": True, "activation": SILU,
                       "config": {"BLOCK_SIZE_M": 16, "asked": configs.calls[0][1]}}
     assert kwargs["config"] is experts._configs[("fp8-block", 5, 2)] and ffn.calls[1][1]["config"] is kwargs["config"]
     assert ffn.calls[2][0][4] is None

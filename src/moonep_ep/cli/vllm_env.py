@@ -21,11 +21,13 @@ from .. import envs
 
 def add_engine_arguments(parser: Any) -> None:
     """``--model``, ``--dp`` and ``--device``, shared by the commands that start vLLM engines."""
+    from ..tools.checkpoints.tiny_kimi_k3 import K3_MODELS
     from ..tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
     from ..tools.engine.demo import TINY_MODELS
 
     built = [f"{TINY_MODELS[0]} (default)", *TINY_MODELS[1:],
-             *(f"{name} ({fmt} experts)" for name, fmt in QUANTIZED_MODELS.items())]
+             *(f"{name} ({fmt} experts)" for name, fmt in QUANTIZED_MODELS.items()),
+             *(f"{name} (Kimi K3, {fmt} experts)" for name, fmt in K3_MODELS.items())]
     parser.add_argument("--model", default=TINY_MODELS[0], metavar="NAME|PATH",
                         help=f"a tiny model built locally: {', '.join(built)}; or PATH: an HF MoE checkpoint "
                              "directory (checked before any engine starts)")

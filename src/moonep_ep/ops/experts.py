@@ -1,4 +1,4 @@
-"""Grouped SiLU-gated expert FFN over MoonEP's ``[NvS, H]`` layout, and a dense oracle.
+"""Grouped gated expert FFN (SiLU or SiTU) over MoonEP's ``[NvS, H]`` layout, and a dense oracle.
 
 After ``dispatch`` every rank holds ``hidden_nvsh [NvS, H]`` whose rows are
 grouped by ``cu_seqlens`` (inclusive end offsets, the ``offs`` format of
@@ -12,9 +12,13 @@ the same bf16 rounding points as vLLM 0.33.0's ``MoonEPExperts.apply``)::
     gate = bf16(x @ W_gate[g].T)            # [I]
     up   = bf16(x @ W_up[g].T)              # [I]
     act  = bf16(silu(gate))                 # silu in bf16, like F.silu on a bf16 tensor
-    act  = bf16(act * up)
+    act  = bf16(act * up)                   # (SiTU: one rounding of the fp32 act(gate, up), see below)
     act  = bf16(act * bf16(w))              # route weight cast to bf16 first, as vLLM does
     y    = bf16(act @ W_down[g].T)          # [H]
+
+The activation is the layer's (``activation=``, an :class:`~moonep_ep.ops.activation.GatedActivation`):
+SiLU by default, as above; SiTU (Kimi K3) computes ``act(gate, up)`` from the bf16 gate and up in fp32
+and rounds the product once, as vLLM's ``SituAndMul.forward_native`` does.
 
 Route weights are applied *before* the down projection (MoonEP's combine
 sums unweighted rows). Rows at or past ``cu[-1]`` (the stale tail of the
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import config_error
+from .activation import SILU, GatedActivation
 
 __all__ = ["grouped_ffn", "grouped_mm", "grouped_mm_supported", "reference_moe", "reference_moe_bf16",
            "reference_rows_bf16", "token_rel_errors", "TOKEN_REL_TOL", "ENTRY_REL_TOL"]
@@ -137,8 +142,8 @@ def _check_ffn_inputs(hidden: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Te
 
 def grouped_ffn(hidden_nvsh: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                 cu_seqlens: torch.Tensor, route_weights_nvs: Optional[torch.Tensor] = None, *,
-                use_grouped_mm: Optional[bool] = None) -> torch.Tensor:
-    """SiLU-gated expert FFN over ``cu_seqlens`` groups (MoonEPExperts' math).
+                use_grouped_mm: Optional[bool] = None, activation: GatedActivation = SILU) -> torch.Tensor:
+    """Gated expert FFN over ``cu_seqlens`` groups (MoonEPExperts' math, with the layer's activation).
 
     Args:
         hidden_nvsh: ``[NvS, H]`` bf16, dispatch's output (rows in group order).
@@ -149,6 +154,7 @@ def grouped_ffn(hidden_nvsh: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
         route_weights_nvs: ``[NvS]`` fp32 per-row route weights, or ``None``
             to return unweighted rows (vLLM's input-weighted top-1 path).
         use_grouped_mm: see :func:`grouped_mm`.
+        activation: the layer's gated activation (default SiLU).
 
     Returns:
         ``[NvS, H]`` in ``hidden_nvsh``'s dtype; rows at or past
@@ -157,8 +163,7 @@ def grouped_ffn(hidden_nvsh: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
     _check_ffn_inputs(hidden_nvsh, w_gate, w_up, w_down, cu_seqlens, route_weights_nvs)
     gate = grouped_mm(hidden_nvsh, w_gate, cu_seqlens, use_grouped_mm=use_grouped_mm)
     up = grouped_mm(hidden_nvsh, w_up, cu_seqlens, use_grouped_mm=use_grouped_mm)
-    act = F.silu(gate)
-    act.mul_(up)
+    act = activation(gate, up)
     if route_weights_nvs is not None:
         # Tail rows may hold stale (even NaN) weights; their act rows are zero
         # and the down projection below never reads past cu[-1].
@@ -167,10 +172,12 @@ def grouped_ffn(hidden_nvsh: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
 
 
 def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                  w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                  activation: GatedActivation = SILU) -> torch.Tensor:
     """Dense per-token MoE in fp32: the oracle for dispatch → prefetch → FFN → combine.
 
-    ``out[t] = Σ_k topk_weights[t, k] · down_e(silu(gate_e x_t) · up_e x_t)``
+    ``out[t] = Σ_k topk_weights[t, k] · down_e(act(gate_e x_t, up_e x_t))`` (``act``: ``activation``,
+    SiLU by default)
     with ``e = topk_ids[t, k]``, every product in fp32 from the bf16 inputs.
     Tokens are processed expert by expert (all ``(t, k)`` pairs of one expert
     in one matmul), which is the per-token formula evaluated in bulk; a token
@@ -202,20 +209,22 @@ def reference_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         xe = x[tok]
         g = xe @ w_gate[e].float().T
         u = xe @ w_up[e].float().T
-        y = (F.silu(g) * u) @ w_down[e].float().T
+        y = activation(g, u) @ w_down[e].float().T
         out.index_add_(0, tok, y * flat_w[sel][:, None])
     return out
 
 
 def reference_rows_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                        activation: GatedActivation = SILU) -> torch.Tensor:
     """One expert-FFN output row per ``(token, k)`` entry, rounded to bf16 where the MoonEP
     path rounds: the oracle of :data:`ENTRY_REL_TOL`.
 
     ``hidden`` ``[n, H]`` (the entry's token), ``expert_ids`` ``[n]``, ``weights`` ``[n]``.
     Per entry, fp32 products from bf16 inputs, rounded once each: ``g = bf16(x W_g^T)``,
     ``u = bf16(x W_u^T)``, ``a = bf16(bf16(silu(g)) u)``, ``a = bf16(a bf16(w))``,
-    ``y = bf16(a W_d^T)`` (:func:`grouped_ffn`'s steps). Returns ``[n, H]`` bf16.
+    ``y = bf16(a W_d^T)`` (:func:`grouped_ffn`'s steps; SiTU: ``a = bf16(situ_fp32(g, u))``, one rounding).
+    Returns ``[n, H]`` bf16.
     """
     x = hidden.to(torch.bfloat16).float()
     ids = expert_ids.to(torch.int64).reshape(-1)
@@ -226,20 +235,24 @@ def reference_rows_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights:
         sel = ids == e
         g = (x[sel] @ w_gate[e].float().T).to(bf16)
         u = (x[sel] @ w_up[e].float().T).to(bf16)
-        a = (F.silu(g).float() * u.float()).to(bf16)
+        if activation.name == "silu":   # silu rounded in bf16, then the product rounded: two roundings
+            a = (F.silu(g).float() * u.float()).to(bf16)
+        else:                           # SiTU in fp32 from the bf16 halves, rounded once
+            a = activation(g, u)
         a = (a.float() * w[sel][:, None]).to(bf16)
         out[sel] = (a.float() @ w_down[e].float().T).to(bf16)
     return out
 
 
 def reference_moe_bf16(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                       activation: GatedActivation = SILU) -> torch.Tensor:
     """Dense per-token MoE from :func:`reference_rows_bf16`'s rows: ``out[t] = Σ_k fp32(y_tk)``
     in fp32 (MoonEP also rounds each token's same-destination partial sum to bf16 once:
     the only rounding this oracle does not place). Returns ``[T, H]`` fp32."""
     T, K = topk_ids.shape
     rows = reference_rows_bf16(hidden.repeat_interleave(K, dim=0), topk_ids.reshape(-1), topk_weights.reshape(-1),
-                               w_gate, w_up, w_down)
+                               w_gate, w_up, w_down, activation=activation)
     return rows.float().view(T, K, -1).sum(dim=1)
 
 

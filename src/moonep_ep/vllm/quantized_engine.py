@@ -48,6 +48,7 @@ import torch
 
 from .. import envs
 from ..errors import ConfigError
+from ..ops.activation import SILU
 from ..ops.prefetch import wait_for_slots
 
 FORMAT_ATTR = "_moonep_ep_format"
@@ -292,6 +293,12 @@ def _build_experts_class(kind: str) -> Any:
         def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
             return activation_key is None  # weight-only: bf16 activations, as MoonEP dispatches them
 
+        @staticmethod
+        def _supports_activation(activation: Any) -> bool:
+            from .overlap import supports_activation
+
+            return supports_activation(activation)  # SiLU and SiTU (vLLM's MoonEPExperts: SiLU only)
+
         def moe_problem_size(self, a1: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                              topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
             return w1.size(0), a1.size(0), self.moe_config.intermediate_size_per_partition, a1.size(1), \
@@ -303,14 +310,17 @@ def _build_experts_class(kind: str) -> Any:
                   expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> None:
             layout = self._weight_layout
             assert layout is not None and expert_tokens_meta is not None
+            from .activation import activation_of
             from .stats import STATS
+
+            act = activation_of(activation, self.moe_config)  # SiLU or SiTU with the layer's betas; else refused
 
             start = time.perf_counter()
             cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
             route = None if apply_router_weight_on_input else topk_weights
             # Slot rows [E, E+B) are read below: the fills' weight and scale copies must have landed.
             wait_for_slots(take_event())
-            output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids))
+            output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids, activation=act))
             STATS.record_experts_call(time.perf_counter() - start, hidden_states.shape[0])
 
     setattr(_QuantizedExperts, WAITS_ATTR, True)  # apply takes the prefetch's events and waits (overlap.arm)
@@ -320,11 +330,11 @@ def _build_experts_class(kind: str) -> Any:
         engine's path: vLLM's quantized CPU experts need x86 AMX)."""
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, *, activation: Any = SILU) -> torch.Tensor:
             from ..ops.quantized_experts import quantized_grouped_ffn, views_of
 
             return quantized_grouped_ffn(hidden, layout.format, *views_of(layout.format, layout.views), cu_seqlens,
-                                         route)
+                                         route, activation=activation)
 
     class MoonEPTritonQuantizedExperts(_QuantizedExperts):
         """The formats' Triton grouped GEMMs over the ``[E+B]`` views (``gpu_experts.py``: vLLM's INT4 and
@@ -337,7 +347,7 @@ def _build_experts_class(kind: str) -> Any:
             self._configs: dict[tuple[str, int, int], dict[str, int]] = {}
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, *, activation: Any = SILU) -> torch.Tensor:
             from .gpu_experts import gpu_grouped_ffn, kernel_config
 
             # Tiles follow the step's real tokens: topk_ids holds the tokens vLLM routed this step (MoonEP's prepare
@@ -353,7 +363,7 @@ def _build_experts_class(kind: str) -> Any:
                     token_padding=self.token_padding, interpreter=self.interpreter)
             return gpu_grouped_ffn(layout.format, hidden, layout.views, cu_seqlens, route,
                                    token_padding=self.token_padding, config=self._configs[key],
-                                   native_act_quant=self.interpreter)
+                                   native_act_quant=self.interpreter, activation=activation)
 
     cls = MoonEPTritonQuantizedExperts if kind == "triton" else MoonEPQuantizedExperts
     cls.__module__ = __name__

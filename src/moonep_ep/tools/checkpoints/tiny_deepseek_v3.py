@@ -65,14 +65,10 @@ vLLM path drifts from the model (see ``docs/design/vllm.md``); the YaRN path
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import tempfile
 from typing import Any, Optional
 
 from ...errors import ConfigError
-from .tiny_model import COMMON_HF_CONFIG, write_checkpoint
+from .tiny_model import COMMON_HF_CONFIG, WeightDraw, config_cache_dir, write_checkpoint
 
 __all__ = ["KIMI_K2_YARN", "TinyDeepseekV3Config", "build_tiny_deepseek_v3", "default_model_dir", "hf_config",
            "low_prompt_ids", "high_prompt_ids", "preferred_sets", "demoted_experts", "tiny_config", "ROUTERS"]
@@ -135,10 +131,7 @@ def tiny_config(**fields: Any) -> TinyDeepseekV3Config:
 
 def default_model_dir(config: Optional[TinyDeepseekV3Config] = None) -> str:
     """A per-config cache directory under the system temp dir."""
-    c = config or tiny_config()
-    tag = "" if c == TinyDeepseekV3Config() else "-" + hashlib.sha1(
-        json.dumps(dataclasses.asdict(c), sort_keys=True).encode()).hexdigest()[:10]
-    return os.path.join(tempfile.gettempdir(), f"moonep-ep-tiny-deepseek-v3{tag}")
+    return config_cache_dir("tiny-deepseek-v3", config or tiny_config(), TinyDeepseekV3Config())
 
 
 def _validate(c: TinyDeepseekV3Config) -> None:
@@ -209,27 +202,12 @@ def hf_config(c: TinyDeepseekV3Config) -> dict[str, Any]:
 def random_weights(c: TinyDeepseekV3Config) -> dict[str, Any]:
     import torch
 
-    gen = torch.Generator().manual_seed(c.seed)
-
-    def randn(*shape: int, std: float) -> "torch.Tensor":
-        return torch.randn(*shape, generator=gen) * std
-
-    def bf16(t: "torch.Tensor") -> "torch.Tensor":
-        return t.to(torch.bfloat16).contiguous()
-
-    def ones(n: int) -> "torch.Tensor":
-        return torch.ones(n, dtype=torch.bfloat16)
-
+    draw = WeightDraw(c.seed)
+    randn, bf16, ones = draw.randn, draw.bf16, draw.ones
     H, E, I, Im = c.hidden, c.experts, c.intermediate, c.moe_intermediate
     heads, qk_head = c.heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     R, alpha = int(c.owner_split[0]), float(c.owner_split[1])
-    v = randn(H, std=1.0)
-    v = v / v.norm()
-    emb = randn(c.vocab, H, std=1.0)
-    if alpha:
-        # Replace each embedding's component along v by +-0.5*sqrt(H): low words +, high words -.
-        sign = torch.where(torch.arange(c.vocab) < c.vocab // 2, 1.0, -1.0)
-        emb = emb - (emb @ v)[:, None] * v[None, :] + (sign * 0.5 * H ** 0.5)[:, None] * v[None, :]
+    emb, v = draw.owner_skewed_embeddings(c.vocab, H, alpha)
     emb, cluster_dirs, shared_dir = _cluster_embeddings(c, emb, v, randn)
     w: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": bf16(emb),

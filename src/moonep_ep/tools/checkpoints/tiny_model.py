@@ -53,6 +53,58 @@ class TinyMoEConfig:
     seed: int = 0
 
 
+def config_cache_dir(name: str, config: Any, default: Any) -> str:
+    """``moonep-ep-<name>`` under the system temp dir for the default ``config`` (a dataclass), and with a hash of
+    its fields for any other, so two configs never share a cached checkpoint."""
+    import hashlib
+    import tempfile
+
+    tag = "" if config == default else "-" + hashlib.sha1(
+        json.dumps(dataclasses.asdict(config), sort_keys=True).encode()).hexdigest()[:10]
+    return os.path.join(tempfile.gettempdir(), f"moonep-ep-{name}{tag}")
+
+
+class WeightDraw:
+    """Seeded draws of a tiny checkpoint's tensors: every builder draws in a fixed order from one generator, so
+    one seed gives the same bytes on every machine."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, *shape: int, std: float) -> Any:
+        import torch
+
+        return torch.randn(*shape, generator=self.gen) * std
+
+    @staticmethod
+    def bf16(t: Any) -> Any:
+        import torch
+
+        return t.to(torch.bfloat16).contiguous()
+
+    @staticmethod
+    def ones(n: int) -> Any:
+        import torch
+
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    def owner_skewed_embeddings(self, vocab: int, hidden: int, alpha: float) -> tuple[Any, Any]:
+        """``[vocab, hidden]`` embeddings and a unit direction ``v``; with ``alpha``, each embedding's component
+        along ``v`` is replaced by +-0.5*sqrt(hidden) (low words +, high words -), which routers tilted along
+        ``v`` turn into an owner skew."""
+        import torch
+
+        v = self.randn(hidden, std=1.0)
+        v = v / v.norm()
+        emb = self.randn(vocab, hidden, std=1.0)
+        if alpha:
+            sign = torch.where(torch.arange(vocab) < vocab // 2, 1.0, -1.0)
+            emb = emb - (emb @ v)[:, None] * v[None, :] + (sign * 0.5 * hidden ** 0.5)[:, None] * v[None, :]
+        return emb, v
+
+
 #: ``config.json`` keys every tiny model shares (the WordLevel tokenizer's special ids, bf16, no biases).
 COMMON_HF_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,

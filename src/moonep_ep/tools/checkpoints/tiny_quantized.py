@@ -11,7 +11,7 @@ name                            format (as the real model)       written by
 ``tiny-kimi-k2-thinking-int4``  compressed-tensors               compressed-tensors' ``ModelCompressor``
                                 ``pack-quantized`` INT4 W4A16,   (``PackedQuantizationCompressor``)
                                 group 32, symmetric
-``tiny-kimi-k3-mxfp4``          compressed-tensors               ``ModelCompressor``
+``tiny-deepseek-v3-mxfp4``      compressed-tensors               ``ModelCompressor``
                                 ``mxfp4-pack-quantized``         (``MXFP4PackedCompressor``)
 ``tiny-deepseek-v3-fp8``        vLLM's native ``fp8``,           DeepSeek-V3's ``README_WEIGHTS.md``:
                                 ``weight_block_size [128,128]``  ``weight`` e4m3 + fp32
@@ -62,7 +62,7 @@ __all__ = ["QUANTIZED_MODELS", "CONTROLS", "build_tiny_quantized", "dequantized_
            "expert_weight_names", "NON_EXPERT_IGNORE"]
 
 #: tiny model name -> format
-QUANTIZED_MODELS = {"tiny-kimi-k2-thinking-int4": "int4-g32", "tiny-kimi-k3-mxfp4": "mxfp4",
+QUANTIZED_MODELS = {"tiny-kimi-k2-thinking-int4": "int4-g32", "tiny-deepseek-v3-mxfp4": "mxfp4",
                     "tiny-deepseek-v3-fp8": "fp8-block"}
 #: negative controls of the oracle (:func:`corrupt`)
 CONTROLS = ("scale_doubled", "nibble_swapped", "stale_scale")
@@ -120,32 +120,36 @@ def _module_tree(weights: dict[str, Any], names: list[str]) -> Any:
     return root
 
 
-def compress_experts_ct(weights: dict[str, Any], fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def compress_experts_ct(weights: dict[str, Any], fmt: str, names: Optional[list[str]] = None,
+                        ignore: Optional[list[str]] = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Quantize and compress the routed experts with compressed-tensors' ``ModelCompressor``.
 
-    Returns ``(compressed tensors by checkpoint name, quantization_config)``."""
+    ``names``: the experts' module names (default: DeepSeek-V3's, :func:`expert_weight_names`); ``ignore``: the
+    config's ignore list (default :data:`NON_EXPERT_IGNORE`). Returns ``(compressed tensors by checkpoint name,
+    quantization_config)``."""
     import torch
 
     # compressed-tensors' E2M1 rounding (``FP4_E2M1_DATA.cast_to_fp4``) is ``torch.compile``d: on CPU, Inductor
     # compiled it for 30-35 s per process and shape before the first MXFP4 checkpoint, for the same bytes the
     # eager function writes (compared by digest), so it runs eager here.
     with torch._dynamo.config.patch(disable=True):
-        return _compress_experts_ct(weights, fmt)
+        return _compress_experts_ct(weights, fmt, names, list(NON_EXPERT_IGNORE if ignore is None else ignore))
 
 
-def _compress_experts_ct(weights: dict[str, Any], fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _compress_experts_ct(weights: dict[str, Any], fmt: str, names: Optional[list[str]],
+                         ignore: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     import compressed_tensors
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    names = expert_weight_names(weights)
+    names = expert_weight_names(weights) if names is None else names
     root = _module_tree(weights, names)
     scheme = preset_name_to_scheme(_CT_PRESET[fmt], ["Linear"])
     scheme.weights.group_size = 32  # K2-Thinking: g32 (the W4A16 preset says 128); MXFP4 is 32 by definition
     apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme},
-                                                       ignore=list(NON_EXPERT_IGNORE)))
+                                                       ignore=list(ignore)))
     for name in names:
         mod = root.get_submodule(name)
         w = mod.weight.data.float().unflatten(-1, (-1, scheme.weights.group_size))
@@ -157,7 +161,7 @@ def _compress_experts_ct(weights: dict[str, Any], fmt: str) -> tuple[dict[str, A
     compressor.compress_model(root)
     # rebuilt from the modules, the config lists no ignore (only experts exist here): K2-Thinking's config
     # names every non-expert linear, so vLLM keeps them unquantized
-    compressor.quantization_config.ignore = list(NON_EXPERT_IGNORE)
+    compressor.quantization_config.ignore = list(ignore)
     tensors = {k: v.detach().contiguous() for k, v in root.state_dict().items()}
     qcfg = compressor.quantization_config.model_dump(exclude=["quant_method"])
     # what ModelCompressor.update_config writes into config.json

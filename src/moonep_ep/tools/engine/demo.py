@@ -92,6 +92,11 @@ def model_path(spec: str, model_dir: Optional[str] = None, progress: Progress = 
     if spec in QUANTIZED_MODELS:
         progress(f"building {spec} (the tiny DeepSeek-V3 with {QUANTIZED_MODELS[spec]} routed experts, the rest bf16)")
         return build_tiny_quantized(spec, model_dir)
+    from ..checkpoints.tiny_kimi_k3 import K3_MODELS, build_tiny_kimi_k3
+
+    if spec in K3_MODELS:
+        progress(f"building {spec} (a tiny Kimi K3: KDA + MLA, latent MoE, SiTU, {K3_MODELS[spec]} routed experts)")
+        return build_tiny_kimi_k3(spec, model_dir)
     if spec == "tiny-qwen3":
         from ..checkpoints.tiny_model import build_tiny_qwen3_moe, default_model_dir
 
