@@ -156,6 +156,11 @@ _SAME_FILL_KEYS = ("w_bytes and s_bytes have the same keys: pull_slots counts ev
 
 # mutant name -> why it cannot change anything observable. Excluded from the score.
 EQUIVALENT: dict[str, str] = {
+    "moonep_ep.vllm.model_check.x__quantization_problems__mutmut_23":
+        "message.partition for rpartition: every refusal of vllm/quantized.py with one reason holds exactly one "
+        "'. Fix: ', so both split at the same place",
+    "moonep_ep.vllm.model_check.x__quantization_problems__mutmut_29":
+        "(message, 'XXXX', '') for (message, '', ''): the middle item is discarded (text, _, fix)",
     "moonep_ep.ops.padding.x_replan_without_padding__mutmut_2":
         "tokens_per_expert.to(None) for .to(torch.int64): the plan's counts are int32, the in-place subtraction "
         "of the int64 padding matrix stays exact, and plan_dispatch converts its input to int64 itself",
