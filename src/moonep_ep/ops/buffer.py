@@ -305,9 +305,7 @@ class ReferenceBuffer:
         self._same_everywhere("dispatch", everyone, {1: "a fresh plan (plan=None) vs a reused plan",
                                                       2: "route weights (given vs None)", 3: "total_num_tokens"})
         if fresh:
-            gplan = plan_dispatch([p[4] for p in everyone], S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
-                                  token_padding=self.token_padding, total_num_tokens=total_num_tokens,
-                                  rank=self.rank)                                           # plan
+            gplan = self._plan([p[4] for p in everyone], total_num_tokens)                 # plan
             plan = self._fresh_dispatch(gplan, entry_dst(gplan, self.rank, topk), hidden_sh, route_weights_sk)
             cu = plan.cu_seqlens
         else:
@@ -319,6 +317,11 @@ class ReferenceBuffer:
             weights_nvs = self._weight_shard if router_weights_zero_copy else self._weight_shard.clone()
         out = (hidden_nvsh, weights_nvs, cu, plan)
         return (*out, self._event()) if async_finish else out
+
+    def _plan(self, counts: list, total_num_tokens: Optional[int]) -> DispatchPlan:
+        """The global plan from every rank's counts (``ops.buffer_push`` plans the push generation)."""
+        return plan_dispatch(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
+                             token_padding=self.token_padding, total_num_tokens=total_num_tokens, rank=self.rank)
 
     def _fresh_dispatch(self, gplan: DispatchPlan, dst: torch.Tensor, hidden_sh: torch.Tensor,
                         weights_sk: Optional[torch.Tensor]) -> CommPlan:

@@ -43,6 +43,7 @@ differently, raise the same error on every rank, before any engine starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from typing import Any, Optional
 
@@ -129,6 +130,16 @@ def _found(params: dict[str, Optional[set[str]]], why: dict[str, str]) -> str:
 
 #: The project's reference buffer, named rather than imported: ``ops.buffer`` may come to import this module.
 REFERENCE_BUFFER = ("moonep_ep.ops.buffer", "ReferenceBuffer")
+
+
+#: The reference buffer that plays each generation alone (the push one has the release's contract).
+REFERENCE_BUFFER_FOR = {PULL: REFERENCE_BUFFER, PUSH: ("moonep_ep.ops.buffer_push", "PushReferenceBuffer")}
+
+
+def reference_buffer_class(api: str) -> type:
+    """The project's reference ``Buffer`` class for ``api`` (``"pull"`` or ``"push"``), imported on demand."""
+    module, name = REFERENCE_BUFFER_FOR[api]
+    return getattr(importlib.import_module(module), name)
 
 
 def _is_reference(cls: Any) -> bool:
