@@ -119,6 +119,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",
              ("auto", "reference", "moonep"), scope="vLLM plugin"),
+    Variable("MOONEP_EP_MOONEP_API", "choice", "auto",
+             "which MoonEP API generation serves: pull = `prefetch_weight(full_*_weight=[E+B,...])`, MoonEP "
+             "commit 7745ffa0 (what vLLM 0.33.0 calls); push = `prefetch_weight(local_*_weight, "
+             "*_prefetch_buffer)`, MoonEP's release 26/09; auto = the installed library's, read from its "
+             "signatures (the reference buffer plays either; auto keeps pull). A value the installed library "
+             "contradicts is refused on every rank (ops/moonep_api.py); push through vLLM is not built yet: refused",
+             ("auto", "pull", "push"),
+             scope="vLLM plugin"),
     Variable("MOONEP_EP_CPU", "bool", False,
              "the CPU engine overrides (tests and the CPU demo)", scope="vLLM plugin"),
     Variable("MOONEP_EP_QUANTIZED_EXPERTS", "choice", "auto",

@@ -274,16 +274,16 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "returned to the caller (buffer, quantized prefetch, tools)", ("ops/prefetch.py", "pull_slots", "_run_copies"),
         (f"{OPS_TEST}::test_a_cpu_fill_lands_only_when_its_event_is_waited_on",)),
     ("ops/prefetch.py", "push_slots", "_run_copies"): (
-        "returned to the buffer, which synchronizes it before its barrier",
-        ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "synchronize"),
+        "returned to the buffer's push step, which synchronizes it before its barrier",
+        ("ops/push.py", "run_push", "synchronize"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "pull_slots"): (
         "blocking: the buffer waits (wait_for_slots); async_finish: returned to the caller, who waits",
         ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "push_slots"): (
-        "the host synchronizes the pushes, then the barrier releases the readers",
-        ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "synchronize"),
+    ("ops/push.py", "run_push", "push_slots"): (
+        "the host synchronizes the pushes (weights and scales), then the barrier releases the readers",
+        ("ops/push.py", "run_push", "synchronize"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/buffer.py", "ReferenceBuffer._event", "cuda.Event"): (
         "async_finish of dispatch/combine/Gen B: recorded on the current stream after the work; returned to the "
@@ -300,8 +300,8 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "returned to the caller with async_finish", ("ops/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "_event"): (
-        "Gen B with async_finish: complete (synchronized before the barrier)",
-        ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "synchronize"), ()),
+        "Gen B with async_finish: complete (run_push synchronized the pushes before the barrier)",
+        ("ops/push.py", "run_push", "synchronize"), ()),
     ("vllm/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
         ("vllm/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),

@@ -124,14 +124,28 @@ def _fake_moonep(monkeypatch, *, pull_api: bool, multicast: bool):
     import types
 
     pkg = types.ModuleType("moonep")
-    if pull_api:
+    if pull_api:   # MoonEP 7745ffa0's signatures (what vLLM 0.33.0 calls)
         class Buffer:  # noqa: D401 - signature only
             def __init__(self, S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128, B=None, group=None,
                          explicitly_destroy=False):
                 pass
-    else:
+
+            def prefetch_weight(self, plan=None, async_finish=False, *, full_gate_weight, full_up_weight,
+                                full_down_weight, full_gate_scale=None, full_up_scale=None, full_down_scale=None):
+                pass
+    else:          # the 26/09 release's: no B, owners push, async_finish and zero_copy on the calls
         class Buffer:
             def __init__(self, S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128, group=None):
+                pass
+
+            def dispatch(self, hidden, topk_ids, async_finish=False, zero_copy=False):
+                pass
+
+            def combine(self, hidden_nvsh, async_finish=False, zero_copy=False):
+                pass
+
+            def prefetch_weight(self, plan=None, async_finish=False, *, local_gate_weight, local_up_weight,
+                                local_down_weight, gate_prefetch_buffer, up_prefetch_buffer, down_prefetch_buffer):
                 pass
     pkg.Buffer = Buffer
     c = types.ModuleType("moonep._C")
@@ -155,6 +169,25 @@ def test_auto_takes_the_real_moonep_only_when_it_can_serve_vllm_0_33(monkeypatch
     _fake_moonep(monkeypatch, pull_api=True, multicast=False)
     choice = select_buffer("cuda")
     assert choice.kind == "reference" and "multicast" in choice.reason
+
+
+def test_moonep_api_override_is_refused_where_it_contradicts_the_buffer_or_what_is_built(monkeypatch):
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.buffers import select_buffer
+
+    monkeypatch.setenv("MOONEP_EP_BUFFER", "auto")
+    real = _fake_moonep(monkeypatch, pull_api=True, multicast=True)
+    monkeypatch.setenv("MOONEP_EP_MOONEP_API", "pull")   # control: agrees with the installed pull library
+    choice = select_buffer("cuda")
+    assert choice.cls is real
+    monkeypatch.setenv("MOONEP_EP_MOONEP_API", "push")   # contradicts it: refused, naming what is installed
+    with pytest.raises(ConfigError, match="MOONEP_EP_MOONEP_API=pull"):
+        select_buffer("cuda")
+    # the reference buffer plays either generation, but no push prepare/finalize serves vLLM yet
+    with pytest.raises(ConfigError, match=r"not built yet \(the reference buffer.s push prefetch runs below vLLM only\)\. Fix: MOONEP_EP_MOONEP_API=auto or pull"):
+        select_buffer("cpu")
+    monkeypatch.setenv("MOONEP_EP_MOONEP_API", "auto")
+    assert select_buffer("cpu").kind == "reference"
 
 
 def test_the_reference_buffer_on_a_gpu_warns_once_at_start_up(monkeypatch, caplog):

@@ -128,6 +128,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "ceil((E+N)/R) per layer; 'auto' = N=R (one per rank per layer)")
     p.add_argument("--granularity", type=parse_size, default=str(DEFAULT_GRANULARITY), metavar="BYTES",
                    help="VMM page size for moonep_ep (e.g. 2097152 or 2MiB)")
+    p.add_argument("--moonep-api", choices=("pull", "push"), default="pull",
+                   help="moonep_ep layout for MoonEP's pull API (7745ffa0, what vLLM 0.33.0 calls) or its "
+                        "release's push API (scale rows padded per expert to 16 KiB where needed: FP8 block)")
     p.add_argument("--slot-pools", type=int, default=1, metavar="P",
                    help="moonep_ep slot pools per projection (2 for two layers in flight)")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB, metavar="X",
@@ -178,7 +181,8 @@ def _options(args: argparse.Namespace) -> FootprintOptions:
     return FootprintOptions(num_slots=args.slots, eplb_redundant=args.eplb_redundant,
                             granularity=args.granularity, slot_pools=args.slot_pools,
                             reserve_gb=args.reserve_gb, gpus=dict(GPU_CAPACITY_GB),
-                            expert_format=getattr(args, "expert_format", None))
+                            expert_format=getattr(args, "expert_format", None),
+                            moonep_api=getattr(args, "moonep_api", "pull"))
 
 
 def _fmt_gb(gb: float) -> str:
@@ -197,7 +201,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{a['reserve_gb']:g} GB reserved ({', '.join(f'{k} {v:g}' for k, v in a['gpu_capacity_gb'].items())}); "
         "'-' = none fits.",
         f"slots: {a['num_slots']}; eplb N: {a['eplb_redundant']}; moonep_ep page "
-        f"{a['granularity']} B, {a['slot_pools']} slot pool(s).",
+        f"{a['granularity']} B, {a['slot_pools']} slot pool(s), {a['moonep_api']} API"
+        + (" (scale rows padded per expert to 16 KiB where needed)." if a["moonep_api"] == "push" else "."),
     ]
     cols = list(SCHEMES)
     fit_gpus = [g for g in _FIT_GPUS if g in a["gpu_capacity_gb"]]

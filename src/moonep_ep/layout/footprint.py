@@ -45,6 +45,10 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     ``within_one_page_per_boundary`` checks.
     Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
     fixes slots at ``epn``, enough for every remote expert, moonep.md §2.7).
+    ``moonep_api="push"`` sizes the push layout (``formats.push_projections``):
+    scale rows the release's prefetch kernel cannot move as they are (FP8
+    block) are padded per expert to a multiple of 16 KiB, in every layer's
+    rows and in the slots; the padding counts as ``scale_bytes``.
 
 The peer schemes are counted as raw data bytes (their allocator's rounding is
 not modelled), so the comparison is conservative against ``moonep_ep``.
@@ -84,7 +88,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError
 from ..models import MoEModelConfig
-from .formats import ExpertFormat, get_format, projection_bytes, store_projections
+from .formats import ExpertFormat, get_format, projection_bytes, push_projections, store_projections
 from .plan import predict_rank_bytes
 
 __all__ = [
@@ -145,6 +149,9 @@ class FootprintOptions:
         gpus: GPU name -> HBM capacity in GB (1e9 bytes).
         expert_format: storage format of every model (``layout.formats`` name);
             ``None`` = each model's published checkpoint format.
+        moonep_api: ``pull`` (Gen A, scales as the format stores them) or
+            ``push`` (the release's API: ``moonep_ep`` scale rows padded per
+            expert to 16 KiB where needed, ``formats.push_projections``).
     """
 
     num_slots: int | None = None
@@ -154,8 +161,12 @@ class FootprintOptions:
     reserve_gb: float = DEFAULT_RESERVE_GB
     gpus: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(GPU_CAPACITY_GB))
     expert_format: str | None = None
+    moonep_api: str = "pull"
 
     def __post_init__(self) -> None:
+        if self.moonep_api not in ("pull", "push"):
+            raise ConfigError(f"--moonep-api must be pull or push: got {self.moonep_api!r}. "
+                              "Fix: pass pull (MoonEP 7745ffa0, vLLM 0.33.0) or push (MoonEP's release)")
         if self.expert_format is not None:
             get_format(self.expert_format)  # a clear error now, not per model
         if self.num_slots is not None and self.num_slots < 0:
@@ -300,6 +311,12 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
         out.update(expert_bytes=expert, slot_bytes=0, padding_bytes=0, bytes=expert)
         rows_held = L * per_rank
     elif scheme == "moonep_ep":
+        pulled_expert = per_expert
+        if options.moonep_api == "push":  # the release's prefetch kernel needs 16 KiB-tiled scale rows
+            tensors = push_projections(tensors)
+            rows, roles = [p.row_bytes for p in tensors], [p.role for p in tensors]
+            split = projection_bytes(tensors)
+            per_expert = split["total_bytes"]
         best: dict[str, int] | None = None
         best_rank = 0
         for rank in range(R):
@@ -310,6 +327,7 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
                 best, best_rank = got, rank
         assert best is not None
         out = {"num_slots": B, "slots_per": "model", "slot_pools": options.slot_pools,
+               "moonep_api": options.moonep_api, "expert_bytes_as_stored": per_expert,
                "experts_per_rank_per_layer": epn, "granularity": options.granularity,
                "rank": best_rank,
                "formula": "predict_rank_bytes: own expert pages of every layer + "
@@ -321,6 +339,8 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
         # A rank's run of one (layer, tensor) region has two boundaries (start, end), each shifted
         # by less than a page (rank 0's start carries the region's lead pad); a slot pool has one (its tail).
         boundaries = (2 * L + options.slot_pools) * len(tensors)
+        # Page-free cost of the push layout's scale padding on one rank (0 for pull or 16 KiB-tiled scales).
+        out["push_scale_padding_bytes"] = (L * epn + options.slot_pools * B) * (per_expert - pulled_expert)
         out.update(data_bytes=data, data_formula="(L*E/R + slot_pools*B)*expert_bytes",
                    page_boundaries=boundaries,
                    within_one_page_per_boundary=abs(out["bytes"] - data) <= boundaries * options.granularity)
@@ -419,6 +439,7 @@ def footprint_report(models: Iterable[MoEModelConfig], ep_sizes: Iterable[int],
                                if options.eplb_redundant is None else options.eplb_redundant),
             "granularity": options.granularity,
             "slot_pools": options.slot_pools,
+            "moonep_api": options.moonep_api,
             "reserve_gb": options.reserve_gb,
             "gpu_capacity_gb": dict(options.gpus),
             "format": ("each model's checkpoint format (config.format)" if options.expert_format is None

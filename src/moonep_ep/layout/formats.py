@@ -45,7 +45,12 @@ from ..errors import ConfigError
 from .store import ProjectionSpec
 
 __all__ = ["ExpertFormat", "FORMATS", "FORMAT_NAMES", "get_format", "expert_projections",
-           "store_projections", "expert_format_bytes", "projection_bytes"]
+           "store_projections", "expert_format_bytes", "projection_bytes", "PUSH_SCALE_TILE_BYTES",
+           "push_projections", "scale_data_view"]
+
+#: MoonEP's release prefetch kernel (the push API) re-tiles every scale tensor to ``[128, nbytes/128]``
+#: bytes per expert, so one expert's scale bytes must be a multiple of 128 x 128 = 16 KiB.
+PUSH_SCALE_TILE_BYTES = 128 * 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,3 +238,32 @@ def expert_format_bytes(fmt: str | ExpertFormat, hidden: int, intermediate: int)
     out: dict[str, Any] = {"format": f.name}
     out.update(projection_bytes(expert_projections(f, hidden, intermediate)))
     return out
+
+
+def push_projections(specs: list[ProjectionSpec]) -> list[ProjectionSpec]:
+    """``specs`` in the push layout: every scale row the release's prefetch kernel can move as it is.
+
+    A scale tensor whose per-expert bytes are a multiple of :data:`PUSH_SCALE_TILE_BYTES` keeps its
+    spec (K2-Thinking INT4, K3 MXFP4). Any other (FP8 block: K2's 7,168 and 3,584 B) is stored padded
+    per expert: a ``uint8 [128, padded/128]`` row, ``padded`` = its bytes rounded up to 16 KiB, data
+    first and a zero tail (:func:`scale_data_view` gives the kernels the data part). Weights are
+    unchanged. The store, the footprint and the push all use these specs, so the padding is counted.
+    """
+    out = []
+    for p in specs:
+        if p.role == "scale" and p.row_bytes % PUSH_SCALE_TILE_BYTES:
+            padded = -(-p.row_bytes // PUSH_SCALE_TILE_BYTES) * PUSH_SCALE_TILE_BYTES
+            p = ProjectionSpec(p.name, (128, padded // 128), torch.uint8, role="scale", projection=p.projection)
+        out.append(p)
+    return out
+
+
+def scale_data_view(rows: torch.Tensor, spec: ProjectionSpec) -> torch.Tensor:
+    """The scales of ``spec`` (its unpadded shape and dtype) read from padded push-layout ``rows``
+    ``[n, 128, padded/128]`` uint8: a strided view, no copy (each expert's data is its row's head)."""
+    flat = rows.reshape(rows.shape[0], -1)
+    if flat.dtype != torch.uint8 or flat.shape[1] < spec.row_bytes:
+        raise ConfigError(f"scale rows {tuple(rows.shape)} {rows.dtype} cannot hold {spec.name} "
+                          f"({spec.row_bytes} B per expert). Fix: pass the push-layout rows of this tensor "
+                          "(layout.formats.push_projections)")
+    return flat[:, :spec.row_bytes].view(spec.dtype).view(rows.shape[0], *spec.shape)

@@ -56,10 +56,10 @@ import torch.distributed as dist
 from ..errors import ConfigError, config_error
 from ..memory.group import GroupComm, Lockstep
 from .commplan import CommPlan, PrefetchStats
-from .limits import (WEIGHT_TILE, check_gen_a_weights, check_gen_b_weights, check_hidden, check_shape, check_tensor,
-                     positive_int)
+from .limits import WEIGHT_TILE, check_gen_a_weights, check_hidden, check_shape, check_tensor, positive_int
 from .planner import DispatchPlan, entry_dst, plan_dispatch
-from .prefetch import DoneEvent, SideStreams, pull_slots, push_slots, wait_for_slots
+from .prefetch import DoneEvent, SideStreams, pull_slots, wait_for_slots
+from .push import check_push_args, run_push
 from .routing import Routing, dedup_tables, destination_routes, source_routes
 
 __all__ = ["ReferenceBuffer", "Buffer", "CommPlan", "PrefetchStats", "WEIGHT_TILE"]
@@ -305,9 +305,7 @@ class ReferenceBuffer:
         self._same_everywhere("dispatch", everyone, {1: "a fresh plan (plan=None) vs a reused plan",
                                                       2: "route weights (given vs None)", 3: "total_num_tokens"})
         if fresh:
-            gplan = plan_dispatch([p[4] for p in everyone], S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
-                                  token_padding=self.token_padding, total_num_tokens=total_num_tokens,
-                                  rank=self.rank)                                           # plan
+            gplan = self._plan([p[4] for p in everyone], total_num_tokens)                 # plan
             plan = self._fresh_dispatch(gplan, entry_dst(gplan, self.rank, topk), hidden_sh, route_weights_sk)
             cu = plan.cu_seqlens
         else:
@@ -319,6 +317,11 @@ class ReferenceBuffer:
             weights_nvs = self._weight_shard if router_weights_zero_copy else self._weight_shard.clone()
         out = (hidden_nvsh, weights_nvs, cu, plan)
         return (*out, self._event()) if async_finish else out
+
+    def _plan(self, counts: list, total_num_tokens: Optional[int]) -> DispatchPlan:
+        """The global plan from every rank's counts (``ops.buffer_push`` plans the push generation)."""
+        return plan_dispatch(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
+                             token_padding=self.token_padding, total_num_tokens=total_num_tokens, rank=self.rank)
 
     def _fresh_dispatch(self, gplan: DispatchPlan, dst: torch.Tensor, hidden_sh: torch.Tensor,
                         weights_sk: Optional[torch.Tensor]) -> CommPlan:
@@ -479,7 +482,9 @@ class ReferenceBuffer:
                         local_down_weight: Optional[torch.Tensor] = None,
                         gate_prefetch_buffer: Optional[torch.Tensor] = None,
                         up_prefetch_buffer: Optional[torch.Tensor] = None,
-                        down_prefetch_buffer: Optional[torch.Tensor] = None) -> Any:
+                        down_prefetch_buffer: Optional[torch.Tensor] = None, local_gate_scale: Any = None,
+                        local_up_scale: Any = None, local_down_scale: Any = None, gate_scale_prefetch_buffer: Any = None,
+                        up_scale_prefetch_buffer: Any = None, down_scale_prefetch_buffer: Any = None) -> Any:
         """Fill slots so that slot ``b`` of rank ``d`` holds ``plan.experts_to_copy[d, b]``.
 
         Gen A (pull; what vLLM 0.33.0 calls), keyword ``full_*``:
@@ -507,6 +512,7 @@ class ReferenceBuffer:
         * For every ``(r, b)`` whose expert this rank owns:
           ``pool[r][b] <- local[e - rank*epn]``, then a barrier: on return
           every rank's slots are final. Collective.
+        * Optional ``local_*_scale`` + ``*_scale_prefetch_buffer``: pushed with the weights (``ops.push``).
 
         Returns:
             ``None`` (the slots are ready for the current stream), or with
@@ -520,7 +526,9 @@ class ReferenceBuffer:
         local = {"gate": local_gate_weight, "up": local_up_weight, "down": local_down_weight}
         pools = {"gate": gate_prefetch_buffer, "up": up_prefetch_buffer, "down": down_prefetch_buffer}
         gen_a = any(v is not None for v in (*full.values(), *scales.values()))
-        gen_b = any(v is not None for v in (*local.values(), *pools.values()))
+        local_scales = {"gate": local_gate_scale, "up": local_up_scale, "down": local_down_scale}
+        scale_pools = dict(gate=gate_scale_prefetch_buffer, up=up_scale_prefetch_buffer, down=down_scale_prefetch_buffer)
+        gen_b = any(v is not None for d in (local, pools, local_scales, scale_pools) for v in d.values())
         # Gen B ends in a barrier, so its entry check must be collective too.
         with self._agree("prefetch_weight", self.lockstep_checks or gen_b) as agreed:
             self._check_plan(plan)
@@ -532,7 +540,8 @@ class ReferenceBuffer:
             if gen_a:
                 tensors = check_gen_a_weights(self.rank, self.device, full, scales, self.E + self.B)
             else:
-                check_gen_b_weights(self.rank, self.device, local, pools, self.R, self.epn, self.B)
+                local, pools = check_push_args(self.rank, self.device, local, pools, local_scales, scale_pools,
+                                               self.R, self.epn, self.B)
             agreed.share(("A" if gen_a else "B",))
         self._same_everywhere("prefetch_weight", agreed.gathered, {0: "the prefetch generation (full_* vs local_*)"})
         t0 = time.perf_counter()
@@ -545,11 +554,7 @@ class ReferenceBuffer:
             self.last_prefetch = PrefetchStats.from_copies("A", copies, by_expert, time.perf_counter() - t0
                                                            if timed else None, plan.slot_sources, self.epn, self.rank)
             return event if async_finish else None  # async: the caller waits (wait_for_slots) before a slot read
-        copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, self.rank, self.epn,
-                                           streams=self._streams)
-        event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
-        self.comm.barrier("prefetch_weight (Gen B): every push landed")
-        self.last_prefetch = PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources)
+        self.last_prefetch = run_push(self, plan, local, pools, t0)  # weights + scales, then the barrier
         return self._event() if async_finish else None
 
     # -- teardown ------------------------------------------------------------------------------------

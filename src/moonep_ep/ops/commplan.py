@@ -103,6 +103,8 @@ class PrefetchStats:
     remote_bytes: int = 0
     #: Gen A: bytes each copy read, by source expert (global id).
     bytes_by_expert: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: Gen B: bytes pushed per tensor name (weights and scales apart), counted at the copies.
+    bytes_by_tensor: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_copies(cls, generation: str, copies: int, bytes_by_expert: dict[int, int], seconds: Optional[float],

@@ -246,7 +246,8 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
 
 def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
                experts_to_copy: torch.Tensor, rank: int, experts_per_rank: int, *,
-               streams: Optional[SideStreams] = None) -> tuple[int, int, Any]:
+               streams: Optional[SideStreams] = None,
+               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, int, Any]:
     """Gen B push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
 
     Args:
@@ -257,6 +258,7 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
             every rank; ``-1`` = unused.
         rank: this rank; experts ``[rank*epn, (rank+1)*epn)`` are pushed.
         experts_per_rank: ``epn``.
+        bytes_by_tensor: as :func:`pull_slots` (a quantized push names its scales apart).
 
     Returns:
         ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must
@@ -270,9 +272,13 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
     for r, row in enumerate(table):
         for b, e in enumerate(row):
             if lo <= e < hi:
+                # Every tensor of the slot (weight and scale of each projection) in the same issue.
                 for name, local in local_weights.items():
                     pairs.append((pools[name][r, b], local[e - lo]))
-                    nbytes += local[e - lo].numel() * local.element_size()
+                    row = local[e - lo].numel() * local.element_size()
+                    nbytes += row
+                    if bytes_by_tensor is not None:
+                        bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + row
     device = next(iter(local_weights.values())).device if local_weights else torch.device("cpu")
     event = _run_copies(pairs, device, streams)
     return len(pairs), nbytes, event

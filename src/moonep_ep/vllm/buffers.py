@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import logging
 from typing import Any
 
 from .. import envs
 from ..errors import ConfigError
+from ..ops.moonep_api import PUSH, choose_moonep_api, probe_moonep_api
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -56,12 +56,12 @@ def _real_moonep(device_type: str) -> tuple[Any, str]:
     if buffer_cls is None:
         return None, "the moonep package has no Buffer"
     try:
-        params = inspect.signature(buffer_cls).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if params and "B" not in params:
-        return None, ("the installed moonep has the push API (no B argument); vLLM 0.33.0 calls the pull API "
-                      "(B=, full_*_weight)")
+        probe = probe_moonep_api(buffer_cls)   # the signatures, never a version string
+    except ConfigError as exc:
+        return None, f"the installed moonep speaks no MoonEP API this code knows ({exc})"
+    if probe.api == PUSH:
+        return None, (f"the installed moonep has the push API ({', '.join(probe.evidence)}); vLLM 0.33.0 calls "
+                      "the pull API (B=, full_*_weight)")
     try:
         from moonep._C import nvl_multicast_supported  # type: ignore[import-not-found]
 
@@ -88,7 +88,12 @@ def select_buffer(device_type: str) -> BufferChoice:
         from ..ops.buffer import ReferenceBuffer
 
         choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
-    line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason})"
+    api = choose_moonep_api(choice.cls)   # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks
+    if api.api == PUSH:
+        raise ConfigError(f"MOONEP_EP_MOONEP_API=push with the {choice.kind} buffer: the push API's prepare/finalize "
+                          "through vLLM is not built yet (the reference buffer's push prefetch runs below vLLM "
+                          "only). Fix: MOONEP_EP_MOONEP_API=auto or pull")
+    line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason}; MoonEP API: {api.reason})"
     if line not in _logged:
         _logged.add(line)
         logger.info(line)
