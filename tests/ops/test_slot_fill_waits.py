@@ -302,6 +302,11 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
     ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "_event"): (
         "Gen B with async_finish: complete (run_push synchronized the pushes before the barrier)",
         ("ops/push.py", "run_push", "synchronize"), ()),
+    ("ops/buffer_push.py", "PushReferenceBuffer.prefetch_weight", "prefetch_weight"): (
+        "the reference buffer's Gen B prefetch: run_push synchronizes the pushes before its barrier; async_finish "
+        "returns a complete event", ("ops/push.py", "run_push", "synchronize"),
+        ("tests/ops/test_push_buffer.py::"
+         "test_push_generation_computes_the_dense_moe_and_the_pull_generation_bit_for_bit",)),
     ("vllm/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
         ("vllm/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
