@@ -20,12 +20,9 @@ from moonep_ep.ops.buffer import ReferenceBuffer
 from moonep_ep.ops.moonep_api import ApiProbe, choose_moonep_api, probe_moonep_api, requested_api
 
 
-class PullBuffer:
-    """MoonEP 7745ffa0's signatures."""
-
-    def __init__(self, S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128, B=None, group=None,
-                 comm_stream_priority=-1, enable_pdl=True, explicitly_destroy=False):
-        pass
+class _DispatchAndCombine:
+    """``dispatch`` and ``combine`` as both generations declare them (the probe decides on ``B`` and
+    ``prefetch_weight``; the push side also needs ``async_finish``/``zero_copy`` here)."""
 
     def dispatch(self, hidden_sh, route_weights_sk=None, topk_experts_sk=None, tokens_per_expert=None, plan=None,
                  async_finish=False, *, inter_rank_sync=True, zero_copy=False, router_weights_zero_copy=False):
@@ -33,6 +30,14 @@ class PullBuffer:
 
     def combine(self, plan=None, hidden_nvsh=None, route_weights_nvs=None, async_finish=False, inter_rank_sync=True,
                 *, zero_copy=False, router_weights_zero_copy=False):
+        pass
+
+
+class PullBuffer(_DispatchAndCombine):
+    """MoonEP 7745ffa0's signatures."""
+
+    def __init__(self, S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128, B=None, group=None,
+                 comm_stream_priority=-1, enable_pdl=True, explicitly_destroy=False):
         pass
 
     def prefetch_weight(self, plan=None, async_finish=False, *, full_gate_weight, full_up_weight, full_down_weight,
@@ -40,19 +45,11 @@ class PullBuffer:
         pass
 
 
-class PushBuffer:
+class PushBuffer(_DispatchAndCombine):
     """MoonEP release 26/09's signatures."""
 
     def __init__(self, S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128, group=None,
                  comm_stream_priority=-1, enable_pdl=True, explicitly_destroy=False):
-        pass
-
-    def dispatch(self, hidden_sh, route_weights_sk=None, topk_experts_sk=None, tokens_per_expert=None, plan=None,
-                 async_finish=False, *, inter_rank_sync=True, zero_copy=False, router_weights_zero_copy=False):
-        pass
-
-    def combine(self, plan=None, hidden_nvsh=None, route_weights_nvs=None, async_finish=False, inter_rank_sync=True,
-                *, zero_copy=False, router_weights_zero_copy=False):
         pass
 
     def prefetch_weight(self, plan=None, async_finish=False, *, local_gate_weight, local_up_weight, local_down_weight,
