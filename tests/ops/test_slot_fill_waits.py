@@ -302,6 +302,14 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
     ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "_event"): (
         "Gen B with async_finish: complete (run_push synchronized the pushes before the barrier)",
         ("ops/push.py", "run_push", "synchronize"), ()),
+    ("ops/buffer_push.py", "PushReferenceBuffer.prefetch_weight", "prefetch_weight"): (
+        "the reference buffer's Gen B prefetch: run_push synchronizes the pushes before its barrier; async_finish "
+        "returns a complete event", ("ops/push.py", "run_push", "synchronize"),
+        ("tests/vllm/test_push_path.py::test_push_path_equals_pull_and_dense_with_remote_fills",)),
+    ("vllm/push_path.py", "push_prepare_finalize_class.MoonEPPushPrepareAndFinalize.prepare", "prefetch_weight"): (
+        "the plugin's InstrumentedBuffer: overlap.prefetch hands the push's event to the experts' apply",
+        ("vllm/overlap.py", "prefetch", "deliver"),
+        ("tests/vllm/test_push_path.py::test_push_path_equals_pull_and_dense_with_remote_fills",)),
     ("vllm/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
         ("vllm/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
