@@ -307,6 +307,10 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "returns a complete event", ("ops/push.py", "run_push", "synchronize"),
         ("tests/ops/test_push_buffer.py::"
          "test_push_generation_computes_the_dense_moe_and_the_pull_generation_bit_for_bit",)),
+    ("vllm/push_path.py", "push_prepare_finalize_class.MoonEPPushPrepareAndFinalize.prepare", "prefetch_weight"): (
+        "the plugin's InstrumentedBuffer: overlap.prefetch hands the push's event to the experts' apply",
+        ("vllm/overlap.py", "prefetch", "deliver"),
+        ("tests/vllm/test_push_path.py::test_push_path_equals_pull_and_dense_with_remote_fills",)),
     ("vllm/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
         ("vllm/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),

@@ -369,3 +369,40 @@ def test_an_update_pauses_the_in_process_engine_core_and_resumes_it_when_the_upd
     mp_client = SimpleNamespace(call_utility=lambda *a: calls.append(a))
     _paused(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=mp_client)), lambda: calls.append("update"))
     assert calls == [("pause_scheduler", "abort", True), "update", ("resume_scheduler",)]
+
+
+def _push_forward(rank, fills, pushed):
+    """The push API's counts: the receiver's fills carry no bytes; the owner counts what it pushed."""
+    out = _forward(rank, fills)
+    for experts in out["fills_by_owner_expert"].values():
+        for entry in experts.values():
+            entry["bytes_at_copy"] = 0
+    out["pushed_bytes_by_expert"] = {str(e): n * ROW3 for e, n in pushed.items()}
+    return out
+
+
+def test_push_bytes_are_counted_at_the_owner_and_must_match_the_fills():
+    # rank 0 filled expert 8 twice (pushed by owner 1); rank 1 filled experts 0 (5x) and 3 (1x) (pushed by owner 0)
+    forward = {0: _push_forward(0, {(1, 8): (2, 0)}, {0: 5, 3: 1}),
+               1: _push_forward(1, {(0, 0): (5, 3), (0, 3): (1, 0)}, {8: 2})}
+    out = _summary(_results(forward=forward))
+    assert out["runs"]["dp_sharded"]["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"] is True
+    assert out["remote_prefetches_by_owner_expert"]["0"]["0"]["bytes_read_from_owner"] == 5 * ROW3
+    assert out["remote_prefetch_fills"]["bytes_read_from_owners"] == 8 * ROW3
+    forward[1]["pushed_bytes_by_expert"]["8"] = ROW3  # control: one push of expert 8 not counted
+    out = _summary(_results(forward=forward))
+    assert out["runs"]["dp_sharded"]["checks"]["bytes_at_copy_equal_fills_times_expert_bytes"] is False
+
+
+def test_record_prefetch_counts_a_push_at_the_owner(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONEP_EP_VLLM_STATS_DIR", str(tmp_path))
+    plan = plan_dispatch(torch.tensor([[8, 8, 0, 0], [14, 0, 1, 1]]), S=8, K=2, E=4, R=2, B=2, token_padding=1)
+    stats = Stats()
+    # rank 0 pushed expert 0 into rank 1's slot: 3 tensors of 100 bytes, counted at its copies
+    pushed = PrefetchStats("B", 3, 300, 0.0, [], bytes_by_owner={0: 300}, remote_bytes=300,
+                           bytes_by_expert={0: 300}, bytes_by_tensor={"gate": 100, "up": 100, "down": 100})
+    stats.record_prefetch(_Plan(plan), ep_rank=0, epn=2, copied=pushed, real_tokens=[8, 1])
+    fwd = stats.data["forward"]
+    assert fwd["pushed_bytes_by_expert"] == {"0": 300} and fwd["remote_bytes_at_copy"] == 300
+    assert fwd["pushed_bytes_by_tensor"] == {"gate": 100, "up": 100, "down": 100}
+    assert fwd["fills_by_owner_expert"] == {}  # rank 0 holds no slot in this plan

@@ -171,7 +171,7 @@ def test_auto_takes_the_real_moonep_only_when_it_can_serve_vllm_0_33(monkeypatch
     assert choice.kind == "reference" and "multicast" in choice.reason
 
 
-def test_moonep_api_override_is_refused_where_it_contradicts_the_buffer_or_what_is_built(monkeypatch):
+def test_moonep_api_override_is_refused_where_it_contradicts_the_installed_buffer(monkeypatch):
     from moonep_ep.errors import ConfigError
     from moonep_ep.vllm.buffers import select_buffer
 
@@ -183,11 +183,12 @@ def test_moonep_api_override_is_refused_where_it_contradicts_the_buffer_or_what_
     monkeypatch.setenv("MOONEP_EP_MOONEP_API", "push")   # contradicts it: refused, naming what is installed
     with pytest.raises(ConfigError, match="MOONEP_EP_MOONEP_API=pull"):
         select_buffer("cuda")
-    # the reference buffer plays either generation, but no push prepare/finalize serves vLLM yet
-    with pytest.raises(ConfigError, match=r"not built yet \(the reference buffer.s push prefetch runs below vLLM only\)\. Fix: MOONEP_EP_MOONEP_API=auto or pull"):
-        select_buffer("cpu")
+    # the reference buffer plays either generation: push serves vLLM with the release's contract
+    choice = select_buffer("cpu")
+    assert (choice.kind, choice.cls.__name__, choice.api) == ("reference", "PushReferenceBuffer", "push")
     monkeypatch.setenv("MOONEP_EP_MOONEP_API", "auto")
-    assert select_buffer("cpu").kind == "reference"
+    choice = select_buffer("cpu")
+    assert (choice.kind, choice.cls.__name__, choice.api) == ("reference", "ReferenceBuffer", "pull")
 
 
 def test_the_reference_buffer_on_a_gpu_warns_once_at_start_up(monkeypatch, caplog):

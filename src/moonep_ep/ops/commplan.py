@@ -97,11 +97,13 @@ class PrefetchStats:
     bytes: int               # bytes copied
     seconds: Optional[float]  # wall time of the copies (None when left asynchronous on CUDA)
     slots: list[tuple[int, int, int]]  # (slot, expert, owner) filled on this rank (Gen A)
-    #: Gen A: bytes each copy read, summed per owner rank of the source row (``e // epn``).
+    #: Bytes per owner rank of the source row (``e // epn``): Gen A what each copy read; Gen B what this
+    #: rank (the owner) pushed.
     bytes_by_owner: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: Gen A: the part of ``bytes`` read from rows another rank owns.
+    #: The part of ``bytes`` that crossed ranks: Gen A read from rows another rank owns; Gen B all of it
+    #: (a rank pushes only into other ranks' slots).
     remote_bytes: int = 0
-    #: Gen A: bytes each copy read, by source expert (global id).
+    #: Bytes by source expert (global id): Gen A read by this rank; Gen B pushed by this rank (its own experts).
     bytes_by_expert: dict[int, int] = dataclasses.field(default_factory=dict)
     #: Gen B: bytes pushed per tensor name (weights and scales apart), counted at the copies.
     bytes_by_tensor: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -247,7 +247,8 @@ def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Se
 def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
                experts_to_copy: torch.Tensor, rank: int, experts_per_rank: int, *,
                streams: Optional[SideStreams] = None,
-               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, int, Any]:
+               bytes_by_tensor: Optional[dict[str, int]] = None,
+               bytes_by_expert: Optional[dict[int, int]] = None) -> tuple[int, int, Any]:
     """Gen B push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
 
     Args:
@@ -259,6 +260,7 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
         rank: this rank; experts ``[rank*epn, (rank+1)*epn)`` are pushed.
         experts_per_rank: ``epn``.
         bytes_by_tensor: as :func:`pull_slots` (a quantized push names its scales apart).
+        bytes_by_expert: bytes pushed per own expert (global id), every tensor of its slots.
 
     Returns:
         ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must
@@ -279,6 +281,8 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
                     nbytes += row
                     if bytes_by_tensor is not None:
                         bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + row
+                    if bytes_by_expert is not None:
+                        bytes_by_expert[e] = bytes_by_expert.get(e, 0) + row
     device = next(iter(local_weights.values())).device if local_weights else torch.device("cpu")
     event = _run_copies(pairs, device, streams)
     return len(pairs), nbytes, event

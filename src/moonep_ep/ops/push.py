@@ -97,8 +97,12 @@ def run_push(buffer: Any, plan: CommPlan, local: Mapping[str, torch.Tensor], poo
     slots are final. Collective."""
     t0 = time.perf_counter() if t0 is None else t0
     by_tensor: dict[str, int] = {}
+    by_expert: dict[int, int] = {}
     copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, buffer.rank, buffer.epn,
-                                       streams=buffer._streams, bytes_by_tensor=by_tensor)
+                                       streams=buffer._streams, bytes_by_tensor=by_tensor, bytes_by_expert=by_expert)
     event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
     buffer.comm.barrier("prefetch_weight (Gen B): every push landed")
-    return PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources, bytes_by_tensor=by_tensor)
+    # Counted at the pusher, which is the owner of every expert it pushes (into other ranks' slots)
+    return PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources,
+                         bytes_by_owner={buffer.rank: nbytes} if nbytes else {}, remote_bytes=nbytes,
+                         bytes_by_expert=by_expert, bytes_by_tensor=by_tensor)

@@ -9,7 +9,9 @@
   PyTorch over the EP process group: gloo on CPU, NCCL on GPU);
 * ``auto``: ``moonep`` when usable, else ``reference``.
 
-One log line per process says which one serves and why.
+One log line per process says which one serves and why. ``MOONEP_EP_MOONEP_API=push``
+(the API of MoonEP's release) serves :class:`moonep_ep.ops.buffer_push.PushReferenceBuffer`
+through ``push_path.py``; the real push library is refused until checked on a GPU.
 
 The expert store (:class:`moonep_ep.layout.store.ShardedExpertStore`) needs,
 on GPU, CUDA VMM, a shareable handle type (POSIX fds within one host, fabric
@@ -42,6 +44,7 @@ class BufferChoice:
     kind: str            # "reference" or "moonep"
     cls: Any             # the Buffer class
     reason: str
+    api: str = "pull"    # the MoonEP API generation it serves vLLM with (push: ``push_path.py``)
 
 
 def _real_moonep(device_type: str) -> tuple[Any, str]:
@@ -90,9 +93,15 @@ def select_buffer(device_type: str) -> BufferChoice:
         choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
     api = choose_moonep_api(choice.cls)   # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks
     if api.api == PUSH:
-        raise ConfigError(f"MOONEP_EP_MOONEP_API=push with the {choice.kind} buffer: the push API's prepare/finalize "
-                          "through vLLM is not built yet (the reference buffer's push prefetch runs below vLLM "
-                          "only). Fix: MOONEP_EP_MOONEP_API=auto or pull")
+        if choice.kind != "reference":
+            raise ConfigError("MOONEP_EP_MOONEP_API=push with the real moonep library: the push path through vLLM "
+                              "runs the reference buffer only so far (not yet checked on a GPU with the "
+                              "release's kernels). Fix: MOONEP_EP_BUFFER=reference, or MOONEP_EP_MOONEP_API=pull "
+                              "with MoonEP at the commit vLLM pins")
+        from ..ops.buffer_push import PushReferenceBuffer
+
+        # The release's contract (no B, exactly S tokens, cu_seqlens [2*epn], collective push): push_path.py
+        choice = BufferChoice("reference", PushReferenceBuffer, choice.reason, api=PUSH)
     line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason}; MoonEP API: {api.reason})"
     if line not in _logged:
         _logged.add(line)

@@ -123,6 +123,8 @@ class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
         super().__init__(buffer_kwargs, max_tokens_per_rank)
         self._buffer_cls = buffer_cls
         self._manager = manager
+        #: The MoonEP API its buffers speak: "push" makes vLLM build the push prepare/finalize (push_path.py).
+        self.moonep_api = manager.buffer_choice.api
 
     def get(self, num_tokens: int) -> tuple[int, Any]:
         capacity = self.capacity_for(num_tokens)
@@ -167,6 +169,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         self.num_experts_hint = 1
         if stats_dir() is not None:
             STATS.set(ep_rank=self.rank, ep_size=self.world_size, buffer=self.buffer_choice.kind,
+                      moonep_api=self.buffer_choice.api,
                       device=device_type, layout=envs.MOONEP_EP_LAYOUT)
         logger.info("moonep_ep: MoonEP all2all manager (sharded expert layout, %s buffer) on %d EP ranks",
                     self.buffer_choice.kind, self.world_size)
@@ -174,6 +177,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
     def get_handle(self, kwargs: dict[str, Any]) -> Any:
         buffer_kwargs = self._make_buffer_kwargs(**kwargs)
         self.num_experts_hint = max(1, buffer_kwargs["E"] // max(1, self.world_size))
+        if self.buffer_choice.api == "push":
+            buffer_kwargs.pop("B")  # the push Buffer has E/R slots per rank, no B
 
         def make_pool(**kw: Any) -> ShardedBufferPool:
             return ShardedBufferPool(kw, max_tokens_per_rank=kw["S"], buffer_cls=self.buffer_choice.cls,
@@ -208,9 +213,16 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             shapes = {(getattr(layer, FORMAT_ATTR, "bf16"), layer.moe_config.hidden_dim,
                        layer.moe_config.intermediate_size_per_partition, layer.moe_config.num_experts)
                       for layer in layers}
+        push = self.buffer_choice.api == "push"
+        if push and fmt != "bf16":
+            raise ConfigError(f"[rank {self.rank}] moonep_ep: MOONEP_EP_MOONEP_API=push serves bf16 experts only so "
+                              f"far; this model's experts are {fmt}. Fix: MOONEP_EP_MOONEP_API=pull (or auto)")
+        epn = first.moe_config.num_experts // max(1, self.world_size)
         store = ModelExpertStore(
             layer_names=[layer.layer_name for layer in layers], num_experts=first.moe_config.num_experts,
-            hidden=hidden, intermediate=two_i // 2, num_slots=vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS,
+            hidden=hidden, intermediate=two_i // 2,
+            # push: E/R slots and the [R, epn] / [2*epn] views over the same pages (moonep.md §2.7)
+            num_slots=epn if push else vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS, gen_b=push,
             group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=dtype,
             local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes, fmt=fmt)
         self.expert_stores.append(store)
@@ -273,7 +285,15 @@ def convert_moonep_layer(layer: Any, moe_config: Any, w13_weight: torch.Tensor,
                           "model's expert weights were loaded through its load_weights (e.g. load_format=dummy "
                           "fills no store). Fix: load a real checkpoint with vLLM's default loader, or set "
                           "MOONEP_EP_LAYOUT=replicated")
-    gate, up, down = store.views(idx)
+    if store.gen_b:  # the push API: the experts read [2*epn] rows (own experts, then slots)
+        from .push_path import make_push_layout
+
+        if getattr(layer, "_moonep_weight_layout", None) is None:
+            layer._moonep_weight_layout = make_push_layout(store, idx)
+        layout = layer._moonep_weight_layout
+        gate, down = layout.full_gate_weight, layout.full_down_weight
+    else:
+        gate, up, down = store.views(idx)
     if getattr(layer, "_moonep_weight_layout", None) is None:
         layer._moonep_weight_layout = vllm_moonep.MoonEPExpertWeightLayout(
             full_gate_weight=gate, full_up_weight=up, full_down_weight=down, num_prefetch_slots=store.num_slots)

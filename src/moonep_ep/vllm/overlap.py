@@ -121,7 +121,8 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     layer's activation (SiLU or SiTU, its betas from ``self.moe_config``)."""
     event = take_event()
     layout = getattr(self, "_weight_layout", None)
-    E = int(global_num_experts)
+    # Pull: [E+B] rows, the own part ends at E; push (push_path.PushWeightLayout): [2*epn], it ends at epn
+    E = int(getattr(layout, "own_groups", global_num_experts))
     act = activation_of(activation, getattr(self, "moe_config", None))   # refuses what the experts cannot compute
     known = layout is not None and expert_tokens_meta is not None
     # [E+B] rows: split; E rows (no slots) with SiTU: the split's own part is all of it (vLLM's code is SiLU only)

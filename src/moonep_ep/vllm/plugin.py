@@ -368,6 +368,17 @@ def _bind_pf_names(module: ModuleType) -> None:
     _mark("all2all_utils.MoonEP names")
 
 
+def _bind_push_choice(module: ModuleType) -> None:
+    """``all2all_utils.MoonEPPrepareAndFinalize`` builds the push prepare/finalize for a push pool
+    (``MOONEP_EP_MOONEP_API=push``, push_path.py) and vLLM's class otherwise."""
+    from .push_path import choose_prepare_finalize
+
+    original = module.MoonEPPrepareAndFinalize
+    if not is_wrapped(original):
+        _install(module, "MoonEPPrepareAndFinalize", choose_prepare_finalize(original), original,
+                 "all2all_utils.MoonEPPrepareAndFinalize (push API: push_path.py)")
+
+
 def _patch_cpu_communicator(module: ModuleType) -> None:
     cls = module.CpuCommunicator
     if is_wrapped(cls.__init__):
@@ -523,6 +534,7 @@ def install() -> dict[str, Any]:
             when_imported(MOD_MOONEP_PF, _wrap_gather)
             when_imported(MOD_MOONEP_PF, _patch_padding)
             when_imported(MOD_ALL2ALL_UTILS, _bind_pf_names)
+            when_imported(MOD_ALL2ALL_UTILS, _bind_push_choice)
             when_imported(MOD_METHOD, _patch_create_weights)
             when_imported(MOD_BASE_LOADER, _patch_initialize_model)
             when_imported(MOD_RELOAD, _patch_reload)

@@ -69,7 +69,7 @@ class ModelExpertStore:
     def __init__(self, *, layer_names: Sequence[str], num_experts: int, hidden: int, intermediate: int,
                  num_slots: int, group: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  driver: Any = None, local_expert_ids: Sequence[Sequence[int] | None] | None = None,
-                 layer_shapes: set | None = None, fmt: str = "bf16"):
+                 layer_shapes: set | None = None, fmt: str = "bf16", gen_b: bool = False):
         t0 = time.perf_counter()
         #: expert format: "bf16" (gate/up/down) or a quantized one of ``layout.formats`` (vLLM's fused
         #: ``w13_*``/``w2_*`` weight and scale tensors, one row index for all, ``quantized_engine.py``)
@@ -80,8 +80,10 @@ class ModelExpertStore:
         self.index = {name: i for i, name in enumerate(self.layer_names)}
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.num_slots, self.dtype, self.device = num_slots, dtype, torch.device(device)
+        #: The push API's views too (``gen_b_pool [R, epn]``, ``gen_b_compute [2*epn]``; num_slots = E/R)
+        self.gen_b = gen_b
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
-                self.device.type, fmt)
+                self.device.type, fmt, gen_b)
         with self.comm.step("check the MoonEP model description") as described:
             self._validate(local_expert_ids, layer_shapes)
             described.share((desc, socket.gethostname(), transport_address()))
@@ -100,7 +102,7 @@ class ModelExpertStore:
         self.driver = driver if driver is not None else make_store_driver(self.device, self.rank)
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=self._projections(),
-                                        num_slots=num_slots, driver=self.driver, group=group)
+                                        num_slots=num_slots, driver=self.driver, group=group, gen_b=gen_b)
         self.shapes = {p.name: tuple(p.shape) for p in self.store.projections}
         self.closed = False
         self.ready = False            # True once the initial pass settled on every rank

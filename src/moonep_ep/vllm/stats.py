@@ -189,6 +189,17 @@ class Stats:
                     fwd["local_prefetched"] += 1
             if by_expert is not None:
                 fwd["copies_counted"] += 1
+            if getattr(copied, "generation", None) == "B":
+                # The push is counted at its copies, on the owner that pushes: by own expert and by tensor
+                # (weights and scales apart); every pushed byte lands in another rank's slot.
+                pushed = fwd.setdefault("pushed_bytes_by_expert", {})
+                for expert, nbytes in (by_expert or {}).items():
+                    pushed[str(expert)] = pushed.get(str(expert), 0) + int(nbytes)
+                    fwd["bytes_at_copy"] += int(nbytes)
+                    fwd["remote_bytes_at_copy"] += int(nbytes)
+                by_tensor = fwd.setdefault("pushed_bytes_by_tensor", {})
+                for name, nbytes in (getattr(copied, "bytes_by_tensor", None) or {}).items():
+                    by_tensor[name] = by_tensor.get(name, 0) + int(nbytes)
             if replanned_row is not None:
                 for expert in sorted(replanned_row):
                     if expert >= 0:

@@ -59,7 +59,8 @@ FIGURE_SOURCES: dict[str, str] = {
     # -- the dp_sharded run: prefetches ------------------------------------------------------------
     "remote_prefetches_by_owner_expert": "measured: slot fills per (owner, expert) counted at every "
                                          "prefetch_weight call of each rank's first generation; bytes counted at "
-                                         "the copy (reference buffer, rows read from the owner's memory); "
+                                         "the copy (reference buffer: pull, rows read from the owner's memory; "
+                                         "push, rows the owner wrote into the slots, counted by the owner); "
                                          "padding_only and absent_without_padding derived from the plan and "
                                          "vLLM's per-rank real token counts (ops/padding.py)",
     "remote_prefetch_fills": "measured: totals of remote_prefetches_by_owner_expert; padding_only derived as "
@@ -117,7 +118,8 @@ FIGURE_SOURCES: dict[str, str] = {
 }
 
 #: Top-level keys that echo the configuration, describe the method or nest the above, not figures.
-NON_FIGURES = {"model", "engine", "device", "data_parallel_size", "all2all_backend", "buffer", "quantized_experts",
+NON_FIGURES = {"model", "engine", "device", "data_parallel_size", "all2all_backend", "buffer", "moonep_api",
+               "quantized_experts",
                "oracle_expert_activation_quant", "layout", "prompts", "max_tokens", "runs", "notes", "figure_sources",
                "load_peak_method", "oracle", "oracle_version", "oracle_rule", "deviating_runs", "ok"}
 #: The verdict, the last keys of the JSON.
@@ -152,6 +154,13 @@ def _remote_prefetches(dp: dict[int, Any]) -> tuple[dict[str, Any], dict[str, An
                 totals["padding_only"] += e["padding_only"]
                 totals["absent_without_padding"] += e["absent_without_padding"]
                 totals["bytes_read_from_owners"] += e["bytes_at_copy"]
+        for expert, nbytes in (fwd.get("pushed_bytes_by_expert") or {}).items():
+            # the push API: the owner (this rank) counted the bytes it pushed into other ranks' slots
+            row = table.setdefault(str(rank), {}).setdefault(expert, {
+                "fills": 0, "padding_only": 0, "absent_without_padding": 0, "bytes_read_from_owner": 0,
+                "fills_by_rank": {}})
+            row["bytes_read_from_owner"] += nbytes
+            totals["bytes_read_from_owners"] += nbytes
         for owner, experts in (fwd.get("without_padding_by_owner_expert") or {}).items():
             for expert, n in experts.items():
                 per = without.setdefault(owner, {})
@@ -280,6 +289,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
     if "dp_sharded" in results:
         dp, stats = results["dp_sharded"]
         summary["buffer"] = sorted({s.get("buffer") for s in stats if s.get("buffer")})
+        summary["moonep_api"] = sorted({s.get("moonep_api") for s in stats if s.get("moonep_api")})
         served = [s["quantized_experts"] for s in stats if s.get("quantized_experts")]
         if served:  # one entry when every EP rank reports the same experts class and kernel
             summary["quantized_experts"] = served[0] if all(e == served[0] for e in served) else served
