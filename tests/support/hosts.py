@@ -17,10 +17,14 @@ own hostname (the handle vote's "ranks span hosts" reads ``gethostname``).
 * the root namespace gets one interface, ``10.R.S.254``, so a client on the
   machine (the test) reaches every host's ports.
 
-Processes of one host share the machine's PID, mount and IPC namespaces with
+Processes of one host share the machine's PID and IPC namespaces with
 everything else (the CUDA emulator's node-wide tables and ``/proc`` scans
 keep working); what must not cross hosts is the emulator's rule to enforce,
-not the simulation's.
+not the simulation's. Each host has its own ``/dev/shm`` (a tmpfs at
+``Host.shm_dir``, bind-mounted over ``/dev/shm`` in the host's mount
+namespace): vLLM's message queues and multiprocessing's semaphores live
+there, so what a killed host left dies with it, as on a real host, and
+what a surviving host leaves stays visible to the checks.
 
 Everything is undone by :meth:`SimulatedHosts.close` (idempotent, also on a
 failed set-up, and at interpreter exit): processes started through
@@ -44,6 +48,7 @@ import time
 from typing import Any, Optional
 
 NETNS_DIR = "/run/netns"
+SHM_ROOT = "/run/moonep-ep-hosts"
 NS_PREFIX = "mep-"
 
 
@@ -78,6 +83,7 @@ class Host:
     netns: str          # its network namespace
     address: str        # eth0's IPv4 address
     interface: str = "eth0"
+    shm_dir: str = ""   # its /dev/shm: a tmpfs of its own, mounted here in the root namespace too
 
 
 def _proc_start(pid: int) -> Optional[int]:
@@ -146,7 +152,9 @@ class SimulatedHosts:
         self.prefix = f"{NS_PREFIX}{os.getpid()}.{_proc_start(os.getpid())}-{self.id}"
         subnet = _free_subnet()
         self.switch = f"{self.prefix}-sw"
-        self.hosts = [Host(k, names[k], f"{self.prefix}-h{k}", f"{subnet}.{k + 1}") for k in range(count)]
+        self.hosts = [Host(k, names[k], f"{self.prefix}-h{k}", f"{subnet}.{k + 1}",
+                           shm_dir=os.path.join(SHM_ROOT, f"{self.prefix}-h{k}")) for k in range(count)]
+        self._shm_mounts: list[str] = []
         self.client_address = f"{subnet}.254"
         self._client_if = f"mep{self.id}c"
         self._procs: list[tuple[subprocess.Popen, dict[int, int]]] = []
@@ -182,6 +190,10 @@ class SimulatedHosts:
         _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
         _ip("link", "set", "br0", "up", ns=self.switch)
         for host in self.hosts:
+            os.makedirs(host.shm_dir, exist_ok=True)
+            self._shm_mounts.append(host.shm_dir)  # undone by close() (umount, rmdir)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", host.shm_dir], check=True,
+                           capture_output=True, timeout=30)
             self._add_ns(host.netns)
             self._veth(f"mep{self.id}h{host.index}", host.netns, host.interface, f"p{host.index}")
             _ip("addr", "add", f"{host.address}/24", "dev", host.interface, ns=host.netns)
@@ -195,8 +207,9 @@ class SimulatedHosts:
     def command(self, host: Host | int, argv: list[str]) -> list[str]:
         """``argv`` run on ``host``: its network namespace, its own UTS namespace with its hostname."""
         h = self.hosts[host] if isinstance(host, int) else host
-        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c",
-                f'hostname {shlex.quote(h.name)} && exec "$@"', "sh", *argv]
+        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "sh", "-c",
+                f'hostname {shlex.quote(h.name)} && mount --bind {shlex.quote(h.shm_dir)} /dev/shm && exec "$@"',
+                "sh", *argv]
 
     def popen(self, host: Host | int, argv: list[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on ``host`` in a session of its own; :meth:`close` ends whatever of it still runs."""
@@ -265,14 +278,22 @@ class SimulatedHosts:
         for name in reversed(self._namespaces):   # deleting the switch deletes every veth's peer
             _ip("netns", "delete", name, check=False)
         _ip("link", "delete", self._client_if, check=False)
+        for path in self._shm_mounts:   # a host's /dev/shm goes with it
+            _unmount(path)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
+
+    def dev_shm(self, host: Host | int) -> list[str]:
+        """The entries of ``host``'s own /dev/shm."""
+        h = self.hosts[host] if isinstance(host, int) else host
+        return sorted(os.listdir(h.shm_dir)) if os.path.isdir(h.shm_dir) else []
 
     def leftovers(self) -> dict[str, Any]:
         """What of these hosts still exists: namespaces, processes in them, the client interface."""
         inodes = self.namespace_inodes()
         return {"namespaces": sorted(inodes), "processes": self.pids_in(set(inodes.values())),
-                "client_interface": _ip("link", "show", self._client_if, check=False).returncode == 0}
+                "client_interface": _ip("link", "show", self._client_if, check=False).returncode == 0,
+                "shm_mounts": [p for p in self._shm_mounts if os.path.exists(p)]}
 
     def __enter__(self) -> "SimulatedHosts":
         return self
@@ -311,4 +332,13 @@ def sweep_stale() -> list[str]:
             continue
     for name in stale:
         _ip("netns", "delete", name, check=False)
+        for path in glob.glob(os.path.join(SHM_ROOT, name.rsplit("-h", 1)[0] + "-h*")):
+            _unmount(path)
     return sorted(stale)
+
+
+def _unmount(path: str) -> None:
+    """Unmount a host's /dev/shm tmpfs (lazily: a dying process may still hold it) and remove its directory."""
+    subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -93,8 +94,45 @@ def setup_vllm(rank: int, world: int) -> Any:
     _KEEP.append(ctx)  # a collected context generator would restore the previous (no) config
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                  distributed_init_method="env://")
+    _record_created_rings()
     initialize_model_parallel(tensor_model_parallel_size=world)
+    # a rank is a fork-server child, which skips atexit; multiprocessing runs its own exit finalizers
+    multiprocessing.util.Finalize(None, unlink_created_rings, exitpriority=10)
     return vcfg
+
+
+#: The /dev/shm segments of vLLM's message queues this rank created (see unlink_created_rings).
+_CREATED_RINGS: list[Any] = []
+
+
+def _record_created_rings() -> None:
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    ring_init = shm_broadcast.ShmRingBuffer.__init__
+    if getattr(ring_init, "_records_creator", False):
+        return
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        ring_init(self, *args, **kwargs)
+        if self.is_creator:
+            _CREATED_RINGS.append(self.shared_memory)
+
+    init._records_creator = True  # type: ignore[attr-defined]
+    shm_broadcast.ShmRingBuffer.__init__ = init
+
+
+def unlink_created_rings() -> None:
+    """vLLM's TP group holds a /dev/shm ring buffer that its creator unlinks in the ring's ``__del__``, after
+    closing it; with tensors still viewing the mapping the close raises and the unlink never runs. The segment
+    then waits for Python's resource tracker, which removes it only after the whole check has exited ("1 leaked
+    shared_memory objects"): under make test's two workers that window is a /dev/shm entry no process holds
+    while make serve scans for leaks. At the rank's exit, unlink what this rank created."""
+    while _CREATED_RINGS:
+        segment = _CREATED_RINGS.pop()
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def kernel_rank(ctx: Any, case_dict: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from typing import Any, Optional
 from moonep_ep.memory.exchange import SOCKET_DIR_PREFIX
 from moonep_ep.testing.cuda_emulator.objects import MEM_PREFIX
 from tests.support.hosts import SimulatedHosts, alive
+from tests.support.shm_scan import dev_shm_scan, settled_orphans
 
 #: One GB200 NVL72 rack: 72 GPUs, 18 hosts of 4 (the hosts here are two of them), named for this run
 #: (its hosts are ``NAME-host0`` ... ``NAME-host17``, its memfds carry a tag of NAME).
@@ -93,7 +94,7 @@ def leak_scan(prefix: str) -> dict[str, Any]:
         except OSError:
             continue
     return {"memfd_fds": sum(holders.values()), "processes_holding": sorted(holders, key=int),
-            "processes_mapping": sorted(mapping, key=int),
+            "processes_mapping": sorted(mapping, key=int), "dev_shm": dev_shm_scan()["dev_shm"],
             "socket_dirs": sorted(glob.glob(os.path.join(tempfile.gettempdir(), SOCKET_DIR_PREFIX + "*")))}
 
 
@@ -323,9 +324,18 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
         # What still runs in the hosts' namespaces before the harness's own tear-down kills it (a process
         # that left the server's tree would hide here): must be nothing once the servers ended.
         result["left_running_in_namespaces"] = hosts.pids_in(set(hosts.namespace_inodes().values()))
+        # Each host's own /dev/shm once its processes ended: a killed host's is what died with it (the
+        # processes SIGKILLed could not remove their message queues); a host that stopped must leave none.
+        result["host_dev_shm"] = {h.name: hosts.dev_shm(h) for h in hosts.hosts}
         hosts.close()
         result["leftover_hosts"] = hosts.leftovers()
         result["leaks_after"] = leak_scan(prefix)
+        dead = (result.get("killed") or {}).get("host")
+        result["dev_shm_died_with_host"] = result["host_dev_shm"].pop(dead, []) if dead else []
+        # Left behind: on a host that stopped (its own /dev/shm), or the machine's (nothing of the hosts'
+        # should reach it).
+        result["dev_shm_left"] = [f"{host}:{e}" for host, entries in result["host_dev_shm"].items()
+                                  for e in entries] + settled_orphans(result["leaks_before"]["dev_shm"])
         import shutil
 
         if keep_logs:  # every host's whole log, for the reader of a failed run (the JSON keeps tails)
@@ -342,9 +352,10 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
 def no_leaks(result: dict[str, Any]) -> bool:
     before, after, hosts = result["leaks_before"], result["leaks_after"], result["leftover_hosts"]
     return (not after["memfd_fds"] and not after["processes_holding"] and not after["processes_mapping"]
-            and not result["left_running_in_namespaces"]
+            and not result["left_running_in_namespaces"] and not result["dev_shm_left"]
             and not set(after["socket_dirs"]) - set(before["socket_dirs"])
-            and not hosts["namespaces"] and not hosts["processes"] and not hosts["client_interface"])
+            and not hosts["namespaces"] and not hosts["processes"] and not hosts["client_interface"]
+            and not hosts["shm_mounts"])
 
 
 def judge(results: dict[str, dict[str, Any]], hostnames: list[str]) -> dict[str, Any]:
@@ -418,7 +429,7 @@ def _failure_figures(results: dict[str, dict[str, Any]], verdict: dict[str, Any]
     for name in ("serve", "sigkill", "wrong-clique"):
         r = results.get(name) or {}
         for key in ("sigterm", "head_ended", "ended", "after_kill", "after_kill_s", "left_running_in_namespaces",
-                    "leaks_after", "leftover_hosts"):
+                    "leaks_after", "leftover_hosts", "dev_shm_left", "dev_shm_died_with_host"):
             if key in r:
                 figures[f"{name}.{key}"] = r[key]
     if results.get("sigkill", {}).get("peer_lost_errors") is not None:

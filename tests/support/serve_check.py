@@ -50,6 +50,7 @@ from moonep_ep.memory.host import MEMFD_PREFIX
 from moonep_ep.vllm.stats import read_stats
 from moonep_ep.tools.engine.harness import free_port
 from moonep_ep.launch import proc_stat, descendants
+from tests.support.shm_scan import dev_shm_scan, orphaned_dev_shm, settled_orphans  # noqa: F401 (re-exported)
 
 EXIT_BOUND_S = 30.0
 STOPS = {"ctrl-c": "SIGINT to the command's process group (what a terminal's Ctrl-C sends)",
@@ -78,42 +79,25 @@ MAX_TOKENS = 8
 
 
 def leak_scan() -> dict[str, Any]:
-    """What any process on this machine holds of moonep_ep's host memory, and the shared-memory state:
-    the ``/dev/shm`` entries, and those some live process holds open or mapped (listed first, so an entry
-    made during the scan is not counted unheld)."""
-    dev_shm = sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
-    fds, mapping_pids, held = 0, set(), set()
+    """What any process on this machine holds of moonep_ep's host memory, and the shared-memory state
+    (:func:`shm_scan.dev_shm_scan`)."""
+    fds, mapping_pids = 0, set()
     for link in glob.glob("/proc/[0-9]*/fd/*"):
         try:
-            target = os.readlink(link)
+            if is_moonep_memfd(os.readlink(link)):
+                fds += 1
         except OSError:
             continue
-        if is_moonep_memfd(target):
-            fds += 1
-        elif target.startswith("/dev/shm/"):
-            held.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:
-                text = f.read()
+                if f"memfd:{MEMFD_PREFIX}" in f.read():
+                    mapping_pids.add(maps.split("/")[2])
         except OSError:
             continue
-        if f"memfd:{MEMFD_PREFIX}" in text:
-            mapping_pids.add(maps.split("/")[2])
-        held.update(line.split("/dev/shm/", 1)[1].strip().removesuffix(" (deleted)")
-                    for line in text.splitlines() if "/dev/shm/" in line)
     return {"store_memfd_fds": fds, "processes_mapping_store_memfds": len(mapping_pids),
             "socket_dirs": sorted(glob.glob(os.path.join(tempfile.gettempdir(), SOCKET_DIR_PREFIX + "*"))),
-            "dev_shm": dev_shm, "dev_shm_held": sorted(held.intersection(dev_shm)),
-            "shmem_bytes": system_shmem_bytes()}
-
-
-def orphaned_dev_shm(before: list[str], after: dict[str, Any]) -> list[str]:
-    """``/dev/shm`` entries new since ``before`` that no live process held at ``after`` (a :func:`leak_scan`):
-    what the stopped server left behind. An entry some other process still holds is that process's (under
-    ``make test``'s xdist the other worker's tests create and remove their own while the server runs), not a
-    leak of the server's, whose processes have all exited by then."""
-    return sorted(set(after["dev_shm"]) - set(before) - set(after["dev_shm_held"]))
+            **dev_shm_scan(), "shmem_bytes": system_shmem_bytes()}
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -353,7 +337,7 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0, stop: str = 
                 tree.setdefault(pid, stat[1])
         result["stop"] = _stop(server_pid, proc.pid, tree, stop)  # the command leads its own session
         result["leaks_after_exit"] = leak_scan()
-        result["dev_shm_left"] = orphaned_dev_shm(result["leaks_before"]["dev_shm"], result["leaks_after_exit"])
+        result["dev_shm_left"] = settled_orphans(result["leaks_before"]["dev_shm"])
     except Exception as exc:  # noqa: BLE001 - reported in the JSON with what was measured so far
         import traceback
 

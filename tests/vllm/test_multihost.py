@@ -87,7 +87,8 @@ def test_two_hosts_serve_fabric_across_hosts_oracle_and_clean_sigterm(multihost,
     assert r["sigterm"]["within_bound"] and r["sigterm"]["survivors"] == [] and r["sigterm"]["processes"] >= 6
     assert r["leaks_after"]["memfd_fds"] == 0 and not r["leaks_after"]["processes_mapping"]
     assert r["left_running_in_namespaces"] == []
-    assert r["leftover_hosts"] == {"namespaces": [], "processes": [], "client_interface": False}
+    assert r["leftover_hosts"] == {"namespaces": [], "processes": [], "client_interface": False, "shm_mounts": []}
+    assert r["dev_shm_left"] == [], r["dev_shm_left"]   # both hosts' own /dev/shm empty after SIGTERM
     assert checks["serve_nothing_left"]
     report(f"[multihost] serve: ready in {r['startup_s']}s, {r['max_in_flight']} in flight, oracle "
            f"{verdict['abs_logprob_diff']}, fills by owner host "
@@ -102,6 +103,10 @@ def test_sigkilled_headless_node_fails_requests_ends_the_head_and_leaves_nothing
     assert r["before_kill"][0] == 200 and r["killed"]["processes"] >= 2
     assert r["after_kill"][0] == 500 and r["after_kill_s"] <= 20, r["after_kill"]
     assert r["head_ended"]["within_bound"] and r["head_ended"]["survivors"] == []
+    # The dead host's own /dev/shm (its vLLM message queues and semaphores, which no SIGKILLed process can
+    # remove) goes with it; the head's, and the machine's, hold nothing new.
+    assert r["dev_shm_left"] == [], r["dev_shm_left"]
+    assert r["dev_shm_died_with_host"], "positive control: the killed host's queues were in its own /dev/shm"
     assert out["checks"]["sigkill_nothing_left"], (r["leaks_after"], r["leftover_hosts"])
 
 
@@ -189,8 +194,13 @@ def test_simulated_hosts_have_own_names_and_addresses_and_leave_nothing():
         assert client.stdout.split() == ["sim-a", hosts.hosts[0].address], client.stderr
         assert server.communicate(timeout=10)[0].strip() == hosts.hosts[0].address
         assert hosts.run(1, ["hostname"]).stdout.strip() == "sim-b"
-        assert hosts.leftovers()["namespaces"]
-    assert hosts.leftovers() == {"namespaces": [], "processes": [], "client_interface": False}
+        # Each host's own /dev/shm: an entry made on host 1 is there only, not on host 0 nor the machine's.
+        name = f"moonep-ep-sim-{os.getpid()}"
+        assert hosts.run(1, ["sh", "-c", f"echo x > /dev/shm/{name}"]).returncode == 0
+        assert hosts.dev_shm(1) == [name] and hosts.dev_shm(0) == []
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert hosts.leftovers()["namespaces"] and hosts.leftovers()["shm_mounts"]
+    assert hosts.leftovers() == {"namespaces": [], "processes": [], "client_interface": False, "shm_mounts": []}
 
 
 def test_lost_peer_is_named_by_rank_and_host_from_the_transport_address():
