@@ -40,6 +40,7 @@ ENGINE_FILES = frozenset({
     "tests/vllm/test_serve.py",
     "tests/vllm/test_multihost.py",
     "tests/vllm/test_gpu_experts_engine.py",
+    "tests/vllm/test_push_engine.py",
 })
 
 

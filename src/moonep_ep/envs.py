@@ -124,8 +124,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "commit 7745ffa0 (what vLLM 0.33.0 calls); push = `prefetch_weight(local_*_weight, "
              "*_prefetch_buffer)`, MoonEP's release 26/09; auto = the installed library's, read from its "
              "signatures (the reference buffer plays either; auto keeps pull). A value the installed library "
-             "contradicts is refused on every rank (ops/moonep_api.py); push through vLLM: bf16 experts on the "
-             "reference buffer (vllm/push_path.py), quantized experts and the real push library refused",
+             "contradicts is refused on every rank (ops/moonep_api.py); push through vLLM: bf16 and quantized "
+             "experts on the reference buffer (vllm/push_path.py), the real push library refused",
              ("auto", "pull", "push"),
              scope="vLLM plugin"),
     Variable("MOONEP_EP_CPU", "bool", False,

@@ -35,6 +35,9 @@ def test_the_cpu_engine_takes_the_module_entry_point_and_the_plugin_overrides():
     assert "--served-model-name tiny-deepseek-v3 --host 127.0.0.1 --port 8001" in flags
     assert argv[-2:] == ["--seed", "3"] and " ".join(SERVE_LIMITS) in flags and " ".join(SHUTDOWN) in flags
     assert env["MOONEP_EP_CPU"] == "1" and "VLLM_CPU_KVCACHE_SPACE" in env
+    assert "MOONEP_EP_MOONEP_API" not in env  # the plugin's default (auto) unless --moonep-api says otherwise
+    _, push = server_command("vllm-cpu", "cpu", "/m", "n", 2, "127.0.0.1", 8001, [], moonep_api="push")
+    assert push["MOONEP_EP_MOONEP_API"] == "push"
 
 
 def test_gpus_take_vllm_serve_with_the_same_flags():

@@ -7,6 +7,7 @@ import torch
 
 from moonep_ep.errors import ConfigError
 from moonep_ep.layout.formats import (FORMAT_NAMES, expert_format_bytes, expert_projections, get_format,
+                                      push_store_projections, scale_data_view,
                                       store_projections,
                                       projection_bytes)
 from moonep_ep.layout.store import ProjectionSpec, ffn_projections
@@ -184,3 +185,28 @@ def test_every_spec_names_its_role_and_projection_with_int_shapes():
     for fmt in FORMAT_NAMES:   # shapes are ints (torch allocates them), not 12.0 (which compares equal to 12)
         for split in (False, True):
             assert all(type(n) is int for p in expert_projections(fmt, 256, 96, split_w13=split) for n in p.shape)
+
+
+def test_the_push_store_holds_gate_up_down_apart_with_16_kib_scale_rows():
+    """Kimi K2 dims (H 7168, I 2048), by hand: the release's push takes gate, up, down apart; a scale row that is
+    not a multiple of 16 KiB becomes a uint8 [128, padded/128] row (FP8 block), the others keep their spec."""
+    H, I = 7168, 2048
+    bf16 = push_store_projections("bf16", H, I)
+    assert [(p.name, tuple(p.shape), p.dtype) for p in bf16] == [
+        ("gate", (I, H), torch.bfloat16), ("up", (I, H), torch.bfloat16), ("down", (H, I), torch.bfloat16)]
+    int4 = push_store_projections("int4-g32", H, I)
+    assert [(p.name, tuple(p.shape), p.dtype, p.role) for p in int4] == [
+        ("gate", (I, H // 8), torch.int32, "weight"), ("gate_scale", (I, H // 32), torch.bfloat16, "scale"),
+        ("up", (I, H // 8), torch.int32, "weight"), ("up_scale", (I, H // 32), torch.bfloat16, "scale"),
+        ("down", (H, I // 8), torch.int32, "weight"), ("down_scale", (H, I // 32), torch.bfloat16, "scale")]
+    assert I * (H // 32) * 2 == 56 * 16384  # INT4's scale rows already meet the rule
+    fp8 = push_store_projections("fp8-block", H, I)
+    assert [(p.name, tuple(p.shape), p.dtype, p.projection) for p in fp8] == [
+        ("gate", (I, H), torch.float8_e4m3fn, "gate"), ("gate_scale", (128, 128), torch.uint8, "gate"),
+        ("up", (I, H), torch.float8_e4m3fn, "up"), ("up_scale", (128, 128), torch.uint8, "up"),
+        ("down", (H, I), torch.float8_e4m3fn, "down"), ("down_scale", (128, 128), torch.uint8, "down")]
+    # the padded rows' data: 16 x 56 fp32 = 3,584 B of each 16 KiB row, read in place
+    rows = torch.zeros(2, 128, 128, dtype=torch.uint8)
+    rows.view(2, -1)[:, :3584] = torch.arange(2 * 896, dtype=torch.float32).view(2, 896).view(torch.uint8)
+    data = scale_data_view(rows, expert_projections("fp8-block", H, I, split_w13=True)[1])
+    assert data.shape == (2, 16, 56) and data.dtype == torch.float32 and data[1, 0, 0] == 896

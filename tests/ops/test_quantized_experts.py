@@ -228,3 +228,26 @@ def test_the_bytes_per_value_of_each_formats_dequantization(fmt, beta, table):
     peak, out = tracked_peak(lambda: dequantize_rows(fmt, w.index_select(0, rows), s.index_select(0, rows)))
     assert tuple(out.shape) == (n, N, K) and out.dtype == torch.bfloat16
     assert peak == beta * n * N * K + table, (peak / (n * N * K), beta)
+
+
+@pytest.mark.parametrize("fmt", sorted(MAKERS))
+def test_the_push_layouts_gate_and_up_apart_give_the_fused_rows_bits(fmt):
+    """The push layout stores vLLM's fused w13 row as gate rows and up rows apart (each with its scale rows);
+    splitting rows is exact in every format (INT4/MXFP4 scales are per row; FP8's 128-row blocks cover gate
+    and up separately at I % 128 == 0), so the FFN must give the same bits. Control: swapping gate and up
+    changes the output."""
+    inter = 128 if fmt == "fp8-block" else I
+    w13, s13, _ = MAKERS[fmt](G, 2 * inter, H, seed=1)
+    w2, s2, _ = MAKERS[fmt](G, H, inter, seed=3)
+    srows = s13.shape[1] // 2
+    gate, gate_s, up, up_s = w13[:, :inter], s13[:, :srows], w13[:, inter:], s13[:, srows:]
+    counts = torch.tensor([4, 3, 0, 5, 2])
+    cu = counts.cumsum(0).to(torch.int32)
+    hidden = torch.randn(int(cu[-1]) + 2, H, generator=_gen(7)).to(torch.bfloat16)
+    fused = quantized_grouped_ffn(hidden, fmt, w13, s13, w2, s2, cu)
+    split = quantized_grouped_ffn(hidden, fmt, gate.contiguous(), gate_s.contiguous(), w2, s2, cu,
+                                  up=(up.contiguous(), up_s.contiguous()))
+    assert torch.equal(fused, split)
+    swapped = quantized_grouped_ffn(hidden, fmt, up.contiguous(), up_s.contiguous(), w2, s2, cu,
+                                    up=(gate.contiguous(), gate_s.contiguous()))
+    assert not torch.equal(fused, swapped)

@@ -25,7 +25,7 @@ import torch
 from moonep_ep.errors import CollectiveError
 from moonep_ep.launch import run_ranks
 from moonep_ep.layout.footprint import FootprintOptions, scheme_bytes
-from moonep_ep.layout.formats import expert_projections, push_projections, scale_data_view
+from moonep_ep.layout.formats import expert_projections, push_projections, push_store_projections, scale_data_view
 from moonep_ep.layout.store import ProjectionSpec, ShardedExpertStore
 from moonep_ep.models import get_model
 from moonep_ep.ops.buffer import ReferenceBuffer
@@ -251,28 +251,37 @@ def _k2_pages(R: int, rows: list[int], g: int = 2 << 20, L: int = 60, E_: int = 
 
 
 def test_fp8_block_push_layout_footprint_at_k2_ep_8_16_64():
+    """The push store (gate, up, down apart, as the release's prefetch_weight takes them) pads each FP8-block
+    scale row to 16 KiB: K2's gate and up scales [16, 56] fp32 and down [56, 16] are 3,584 B each."""
     H, I = 7168, 2048
     w13, w2 = 2 * I * H, H * I                                           # fp8: one byte a value
     s13, s2 = 2 * (I // 128) * (H // 128) * 4, (H // 128) * (I // 128) * 4  # fp32 per 128x128 block
     assert (s13, s2) == (7168, 3584)
-    padded = [p.row_bytes for p in push_projections(expert_projections("fp8-block", H, I))]
-    assert padded == [w13, 16384, w2, 16384]
+    gate = I * H
+    push_rows = [gate, 16384, gate, 16384, w2, 16384]
+    assert [p.row_bytes for p in push_store_projections("fp8-block", H, I)] == push_rows
+    assert [p.row_bytes for p in push_projections(expert_projections("fp8-block", H, I))] == [w13, 16384, w2, 16384]
     k2 = get_model("kimi-k2")
+    grown = {}
     for R in (8, 16, 64):
         epn = 384 // R
         pull = scheme_bytes(k2, R, "moonep_ep", FootprintOptions(moonep_api="pull"))
         push = scheme_bytes(k2, R, "moonep_ep", FootprintOptions(moonep_api="push"))
-        for got, rows in ((pull, [w13, s13, w2, s2]), (push, [w13, 16384, w2, 16384])):
+        for got, rows in ((pull, [w13, s13, w2, s2]), (push, push_rows)):
             totals = _k2_pages(R, rows)
             top = totals.index(max(totals))
             scales = _k2_pages(R, rows[1::2])
             assert (got["bytes"], got["rank"], got["scale_bytes"]) == (totals[top], top, scales[top]), R
-        # Without pages, the padding costs (L*epn + B) * (2*16384 - 7168 - 3584) bytes on every rank ...
-        assert push["push_scale_padding_bytes"] == (60 * epn + epn) * (2 * 16384 - s13 - s2) and \
+        # Without pages, the padding costs (L*epn + B) * (3*16384 - 7168 - 3584) bytes on every rank ...
+        assert push["push_scale_padding_bytes"] == (60 * epn + epn) * (3 * 16384 - s13 - s2) and \
             pull["push_scale_padding_bytes"] == 0
-        # ... and with 2 MiB pages the group as a whole holds 180 more pages (the padded runs cross more pages).
-        delta = [a - b for a, b in zip(_k2_pages(R, [16384, 16384]), _k2_pages(R, [s13, s2]))]
-        assert (sum(delta), min(delta), max(delta)) == (180 * (2 << 20), -60 * (2 << 20), 120 * (2 << 20)), R
+        # ... with 2 MiB pages, the scale pages the group holds in all (page arithmetic of _k2_pages).
+        delta = [a - b for a, b in zip(_k2_pages(R, [16384] * 3), _k2_pages(R, [s13, s2]))]
+        grown[R] = (sum(delta) // (2 << 20), min(delta) // (2 << 20), max(delta) // (2 << 20),
+                    push["bytes"] - pull["bytes"])
+    # per EP: (pages more in the group, fewest and most per rank, largest rank's growth in bytes = 61 pages)
+    assert grown == {8: (368, -59, 181, 127926272), 16: (376, -59, 181, 127926272),
+                     64: (424, -59, 181, 127926272)}, grown
 
 
 def test_footprint_cli_prints_the_push_layout():
@@ -280,5 +289,5 @@ def test_footprint_cli_prints_the_push_layout():
     assert out["assumptions"]["moonep_api"] == "push"
     for ep in ("8", "16", "64"):
         ours = out["models"]["kimi-k2"]["ep"][ep]["schemes"]["moonep_ep"]
-        assert ours["moonep_api"] == "push" and ours["expert_bytes_as_stored"] == 4096 * 7168 + 7168 * 2048 + 2 * 16384
-        assert ours["push_scale_padding_bytes"] == (60 + 1) * (384 // int(ep)) * 22016
+        assert ours["moonep_api"] == "push" and ours["expert_bytes_as_stored"] == 4096 * 7168 + 7168 * 2048 + 3 * 16384
+        assert ours["push_scale_padding_bytes"] == (60 + 1) * (384 // int(ep)) * (3 * 16384 - 7168 - 3584)

@@ -197,6 +197,10 @@ def _check_format(fmt: str, views: dict[str, Any], oracle: dict[str, Any], dtype
         res["dtypes"][dtype] = {"max_row_rel_err": err, "bound": bound(fmt, dtype), "seconds": round(dt, 3),
                                 "tail_zero": bool((out[int(cu[-1]):] == 0).all()),
                                 "finite": bool(torch.isfinite(out).all())}
+    # The push layout (gate, up, down apart; scale rows padded per expert to 16 KiB, read through their data
+    # views): the same bits as the fused w13 row.
+    res["push_layout_equals_fused"] = bool(torch.equal(run("float16", push_layout_views(fmt, views))[2],
+                                                       run("float16", views)[2]))
     if controls:
         blocks = grouped_blocks(cu, M, INTERPRETER_CONFIG["BLOCK_SIZE_M"])
         first_block_of_expert2 = COUNTS[0] // INTERPRETER_CONFIG["BLOCK_SIZE_M"]
@@ -213,6 +217,28 @@ def _check_format(fmt: str, views: dict[str, Any], oracle: dict[str, Any], dtype
     res["controls"] = ctl
     res["control_bound"] = bound(fmt, "float16")  # the controls run in fp16
     return res
+
+
+def push_layout_views(fmt: str, views: dict[str, Any]) -> dict[str, Any]:
+    """``views`` (vLLM's fused names) rebuilt as the push store holds them: gate and up rows of ``w13`` apart,
+    every scale tensor in 16 KiB-padded uint8 rows read through ``layout.formats.scale_data_view``."""
+    import torch
+
+    from moonep_ep.layout.formats import scale_data_view
+    from moonep_ep.layout.store import ProjectionSpec
+    from moonep_ep.ops.quantized_experts import views_of
+
+    w13, s13, w2, s2 = views_of(fmt, views)
+
+    def padded(scale: Any) -> Any:
+        spec = ProjectionSpec("s", tuple(scale.shape[1:]), scale.dtype, role="scale")
+        rows = torch.zeros(scale.shape[0], -(-spec.row_bytes // 16384) * 16384, dtype=torch.uint8)
+        rows[:, :spec.row_bytes] = scale.contiguous().view(scale.shape[0], -1).view(torch.uint8)
+        return scale_data_view(rows, spec)
+
+    half, shalf = w13.shape[1] // 2, s13.shape[1] // 2
+    return {"gate": w13[:, :half].contiguous(), "gate_scale": padded(s13[:, :shalf]),
+            "up": w13[:, half:].contiguous(), "up_scale": padded(s13[:, shalf:]), "down": w2, "down_scale": padded(s2)}
 
 
 def rank_main(ctx: Any, formats: list[str], dtypes: list[str], controls: bool) -> dict[str, Any]:

@@ -48,6 +48,8 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
         # the slots hold the owners' bytes (one from rank 1's pages), and the owner rows the checkpoint's
         assert res["slot_rows_equal_sources"] and res["owner_rows_equal_checkpoint"]
         assert 3 in res["slot_experts"] and res["cu_seqlens"][0] == res["cu_seqlens"][1]  # remote slot, empty group
+        # the push layout (gate and up rows apart, padded scale rows read through strided data views): same bits
+        assert res["push_layout_equals_fused"], fmt
         for dtype in ("float16", "bfloat16"):
             d = res["dtypes"][dtype]
             assert d["finite"] and d["tail_zero"], (fmt, dtype, d)

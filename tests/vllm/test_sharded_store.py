@@ -228,3 +228,56 @@ def test_a_quantized_store_loads_halves_of_w13_counts_scales_apart_and_poisons_i
         assert out["slots_equal_sources"] and out["source_rows_are_the_checkpoint"] and out["unfilled_slot_is_nan"]
     for out in run_ranks(quantized_rank, 2, args=(True,), timeout_s=120):
         assert "rank(s) [1]" in out["error"] and "l1.w13_weight_packed[expert 6]" in out["error"], out["error"]
+
+
+def push_layout_rank(ctx) -> dict:
+    """A quantized store built for the push API (``gen_b=True``, E/R slots): vLLM's fused names land in gate,
+    up and down apart; each 16 KiB-padded scale row holds its data first and a zero tail; the experts' views
+    are ``[2*epn]`` rows, own experts first; the slot scales are poisoned after the pass."""
+    from moonep_ep.memory.host import HostDriver
+
+    rank, epn, out = ctx.rank, E // 2, {}
+    store = ModelExpertStore(layer_names=[f"l{i}" for i in range(L)], num_experts=E, hidden=H, intermediate=I,
+                             num_slots=epn, group=None, device=torch.device("cpu"), fmt="int4-g32", gen_b=True,
+                             driver=HostDriver(rank=rank, granularity=GRAN))
+    try:
+        out["targets"] = [store.store_target("w13_weight_packed", 0), store.store_target("w13_weight_scale", 1),
+                          store.store_target("w2_weight_packed", None), store.store_target("w2_weight_scale", None)]
+        out["stored_row_bytes"] = {p.name: p.row_bytes for p in store.store.projections}
+        for layer in range(L):
+            for j in range(epn):
+                rows = _int4_rows(0, layer, rank * epn + j)
+                for kind, name in (("packed", "weight_packed"), ("scale", "weight_scale")):
+                    for vllm_name, part, shard in ((f"w13_{name}", 0, "w1"), (f"w13_{name}", 1, "w3"),
+                                                   (f"w2_{name}", None, "w2")):
+                        target, tpart = store.store_target(vllm_name, part)
+                        store.write_expert(layer, target, j, rows[f"{shard}_{kind}"], "t", part=tpart)
+        out["error"] = _error(store.settle)
+        views = store.named_views(1)
+        out["view_shapes"] = {n: list(v.shape) for n, v in views.items()}
+        rows = _int4_rows(0, 1, rank * epn + 2)
+        out["own_rows_are_the_checkpoint"] = all(torch.equal(views[n][2], rows[k]) for n, k in (
+            ("gate", "w1_packed"), ("up", "w3_packed"), ("down", "w2_packed"), ("gate_scale", "w1_scale"),
+            ("up_scale", "w3_scale"), ("down_scale", "w2_scale")))
+        padded = store.store.owner_view(1, "up_scale")[2].reshape(-1)
+        data = I * (H // 32) * 2
+        out["tail_zero_data_kept"] = bool((padded[data:] == 0).all()) and \
+            torch.equal(padded[:data].view(torch.bfloat16).view(I, H // 32), rows["w3_scale"])
+        out["slot_scales_nan"] = bool(torch.isnan(views["gate_scale"][epn:]).all())
+    finally:
+        store.close()
+    return out
+
+
+def test_the_push_layout_stores_gate_up_down_apart_with_padded_scale_rows():
+    for out in run_ranks(push_layout_rank, 2, timeout_s=120):
+        assert out["error"] == "no error", out["error"]
+        assert out["targets"] == [("gate", None), ("up_scale", None), ("down", None), ("down_scale", None)]
+        # INT4 g32 at H=256, I=128: weights I*H/2 = 16 KiB a projection; bf16 scales I*H/32*2 = 2 KiB -> 16 KiB
+        assert out["stored_row_bytes"] == {"gate": 16384, "gate_scale": 16384, "up": 16384, "up_scale": 16384,
+                                           "down": 16384, "down_scale": 16384}
+        epn = E // 2
+        assert out["view_shapes"] == {"gate": [2 * epn, I, H // 8], "gate_scale": [2 * epn, I, H // 32],
+                                      "up": [2 * epn, I, H // 8], "up_scale": [2 * epn, I, H // 32],
+                                      "down": [2 * epn, H, I // 8], "down_scale": [2 * epn, H, I // 32]}
+        assert out["own_rows_are_the_checkpoint"] and out["tail_zero_data_kept"] and out["slot_scales_nan"], out

@@ -78,11 +78,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def server_command(dist: str, device: str, path: str, name: str, dp: int, host: str, port: int,
-                   extra: list[str]) -> tuple[list[str], dict[str, str]]:
+                   extra: list[str], moonep_api: Optional[str] = None) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment additions)`` of the server."""
     flags = ["--served-model-name", name, "--host", host, "--port", str(port), "--data-parallel-size", str(dp),
              "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *SHUTDOWN, *extra]
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    if moonep_api is not None:
+        env["MOONEP_EP_MOONEP_API"] = moonep_api
     if device == "cpu":
         env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         env.update(triton_experts_env({**os.environ, **env}))
@@ -115,7 +117,7 @@ def _run_host(args: argparse.Namespace, hosts: list[str], dist: str, device: str
     """Print every host's command; with ``--node-rank K`` (and no --dry-run) become host K's server."""
     from .serve_hosts import DEFAULT_RPC_PORT, base_command, describe, host_commands
 
-    _, env = server_command(dist, device, path, name, args.dp, args.host, args.port, extra)
+    _, env = server_command(dist, device, path, name, args.dp, args.host, args.port, extra, args.moonep_api)
     flags = ["--served-model-name", name, "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS,
              *extra]
     commands = host_commands(base_command(dist, device, path), flags, hosts, args.dp, port=args.port,
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     extra = [a for a in args.vllm_args if a != "--"]
     if hosts:
         return _run_host(args, hosts, dist, device, info["path"], name, extra)
-    argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra)
+    argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra,
+                               args.moonep_api)
     if device == "cpu":  # every DP rank on this machine: each its own cores (a host of --hosts has its own)
         env.update(cpu_threads_bind(args.dp))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

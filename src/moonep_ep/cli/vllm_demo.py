@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         return code
 
     from ..tools.engine.demo import DemoConfig, run_demo
+
+    if args.moonep_api is not None:  # read by every engine process (envs.py)
+        os.environ["MOONEP_EP_MOONEP_API"] = args.moonep_api
 
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,

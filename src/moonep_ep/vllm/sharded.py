@@ -103,7 +103,11 @@ class ModelExpertStore:
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=self._projections(),
                                         num_slots=num_slots, driver=self.driver, group=group, gen_b=gen_b)
-        self.shapes = {p.name: tuple(p.shape) for p in self.store.projections}
+        #: Each store tensor's data: its shape and dtype as the checkpoint and the experts see them (a push
+        #: layout scale row is stored padded to 16 KiB bytes; :meth:`data_view` reads its head)
+        self.data_specs = {p.name: p for p in self._projections(padded=False)}
+        self.shapes = {name: tuple(p.shape) for name, p in self.data_specs.items()}
+        self.padded = {p.name for p in self.store.projections if p.shape != self.data_specs[p.name].shape}
         self.closed = False
         self.ready = False            # True once the initial pass settled on every rank
         self.pass_: WeightPass | None = WeightPass("initial")
@@ -111,12 +115,35 @@ class ModelExpertStore:
         self.checkpoint_dtypes: set[str] = set()
         self.allocate_seconds = time.perf_counter() - t0
 
-    def _projections(self) -> list:
+    def _projections(self, padded: bool = True) -> list:
         if self.format == "bf16":
             return ffn_projections(self.hidden, self.intermediate, self.dtype)
-        from ..layout.formats import expert_projections
+        from ..layout.formats import expert_projections, push_store_projections
 
+        if self.gen_b:  # the release's push: gate, up, down apart, each with its scale rows (docs: vllm.md)
+            if padded:
+                return push_store_projections(self.format, self.hidden, self.intermediate)
+            return expert_projections(self.format, self.hidden, self.intermediate, split_w13=True)
         return expert_projections(self.format, self.hidden, self.intermediate)
+
+    def store_target(self, name: str, part: int | None) -> tuple[str, int | None]:
+        """Where vLLM's parameter ``name`` (shard ``part``: 0 = w1, 1 = w3, None = w2) lives in this store:
+        itself (the pull layout: vLLM's fused names), or under the push layout's split names (``gate``,
+        ``up``, ``down``, each ``<name>_scale`` for its scales)."""
+        if not self.gen_b or self.format == "bf16" or name in self.shapes:
+            return name, part
+        proj = {("w13", 0): "gate", ("w13", 1): "up", ("w2", None): "down"}.get((name.split("_", 1)[0], part))
+        if proj is None:
+            return name, part
+        return (f"{proj}_scale" if name.endswith(("_scale", "_scale_inv")) else proj), None
+
+    def data_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """``rows`` ``[n, ...]`` of store tensor ``name`` as its data (the unpadded scales of a push row)."""
+        if name not in self.padded:
+            return rows
+        from ..layout.formats import scale_data_view
+
+        return scale_data_view(rows, self.data_specs[name])
 
     @property
     def row_parts(self) -> dict[str, int]:
@@ -198,7 +225,7 @@ class ModelExpertStore:
         if problem is not None:
             self.refuse(problem)  # counts it; only the pass's first problem is kept
             return False
-        row = self.store.owner_view(layer, projection)[local]
+        row = self.data_view(self.store.owner_view(layer, projection)[local:local + 1], projection)[0]
         if part is not None:  # one half of a fused w13 row: w1 (gate) then w3 (up)
             half = row.shape[0] // 2
             row = row[part * half:(part + 1) * half]
@@ -229,7 +256,7 @@ class ModelExpertStore:
                     f"{want}. Fix: load a checkpoint with the served model's shapes "
                     "(moe_intermediate_size, hidden_size); a model of another shape needs a new engine")
         if self.format != "bf16":
-            dtype = next(q.dtype for q in self.store.projections if q.name == projection)
+            dtype = self.data_specs[projection].dtype
             if src.dtype != dtype:
                 return (f"[rank {r}] {what}: dtype {src.dtype} differs from the {self.format} store's {dtype}. "
                         "Fix: load a checkpoint in the format the engine was started with")
@@ -318,7 +345,11 @@ class ModelExpertStore:
         return s.gen_a(idx, "gate"), s.gen_a(idx, "up"), s.gen_a(idx, "down")
 
     def named_views(self, idx: int) -> dict[str, torch.Tensor]:
-        """``{vLLM parameter name: [E+B, ...] view}`` of layer ``idx`` (quantized formats)."""
+        """Quantized layer ``idx``'s views the experts read: ``{vLLM parameter name: [E+B, ...]}`` (pull), or
+        ``{gate, gate_scale, up, up_scale, down, down_scale: [2*epn, ...]}`` (push: own experts, then the
+        slots; scales as their data)."""
+        if self.gen_b:
+            return {name: self.data_view(self.store.gen_b_compute(idx, name), name) for name in self.shapes}
         return {name: self.store.gen_a(idx, name) for name in self.shapes}
 
     def describe(self) -> dict[str, Any]:
@@ -332,7 +363,7 @@ class ModelExpertStore:
             "driver": getattr(self.driver, "name", type(self.driver).__name__), "granularity": s.granularity,
             "physical_bytes": s.physical_bytes(), "os_bytes": self.os_bytes(),
             "replicated_bytes": s.replicated_bytes(),
-            "one_layer_local_bytes": self.one_layer_local_bytes,
+            "one_layer_local_bytes": self.one_layer_local_bytes, "push_layout": self.gen_b,
             "collective_rounds": dict(s.symm.comm.rounds), "mappings": s.mapping_count,
             "allocate_seconds": round(self.allocate_seconds, 4), "ready": self.ready, "passes": list(self.settled),
         }

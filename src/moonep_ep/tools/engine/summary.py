@@ -204,13 +204,16 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
 
 
 def _expert_bytes(store: dict[str, Any]) -> int:
-    """Bytes of one expert row (all tensors of the store's format: weights plus scales), from the store's dims."""
+    """Bytes of one expert row (all tensors of the store's format: weights plus scales), from the store's dims;
+    in the push layout (the release's push API) its scale rows padded per expert to 16 KiB, as pushed."""
     hidden, inter = int(store.get("hidden") or 0), int(store.get("intermediate") or 0)
     fmt = store.get("format") or "bf16"
     if fmt == "bf16" or not hidden:
         return 3 * hidden * inter * 2
-    from ...layout.formats import expert_projections, projection_bytes
+    from ...layout.formats import expert_projections, projection_bytes, push_store_projections
 
+    if store.get("push_layout"):
+        return projection_bytes(push_store_projections(fmt, hidden, inter))["total_bytes"]
     return projection_bytes(expert_projections(fmt, hidden, inter))["total_bytes"]
 
 
