@@ -49,7 +49,7 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 DRIVER_MAJOR := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 CUDA_BINDINGS_SPEC := $(shell test -n "$(DRIVER_MAJOR)" && test "$(DRIVER_MAJOR)" -lt 580 2>/dev/null && echo '"cuda-bindings>=12.8,<13"')
 
-.PHONY: setup-disk-check install install-test install-mutate mutate demo serve test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
+.PHONY: setup-disk-check install install-test install-mutate mutate demo serve soak test check selftest clean venv-vllm venv-vllm-cpu venvs test-vllm test-emulated
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,8 @@ $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
 	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
+	# matplotlib: the soak's PNG (moonep-ep soak runs here, beside the server and the oracle).
+	$(VLLM_CPU_VENV)/bin/python -m pip install "matplotlib>=3.7"
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps --upgrade --target $(VLLM_CPU_VENV)/triton-interpreter \
 		"$(INTERPRETER_TRITON_SPEC)"
 	$(VLLM_CPU_VENV)/bin/python -m moonep_ep.testing.triton_interpreter \
@@ -123,6 +125,14 @@ demo: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 # curl to try. SERVE_PORT picks the port.
 serve: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 	exec $(ENGINE_VENV)/bin/moonep-ep serve --port $(SERVE_PORT)
+
+# Hours of load (not in `make test`): `moonep-ep soak` drives `moonep-ep serve` with vLLM's `vllm bench serve`
+# for SOAK_MIN minutes, faults injected; SOAK_MODEL picks a tiny model. Results in soak-out/ (JSON, PNG).
+SOAK_MIN ?= 30
+SOAK_MODEL ?= tiny-deepseek-v3
+SOAK_REPLICATED_MIN ?= 5
+soak: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready $(VLLM_VENV)/.moonep-ep-ready
+	$(ENGINE_VENV)/bin/python -m moonep_ep.cli.main soak --minutes $(SOAK_MIN) --model $(SOAK_MODEL) --replicated-minutes $(SOAK_REPLICATED_MIN)
 
 selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto

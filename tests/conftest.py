@@ -41,6 +41,7 @@ ENGINE_FILES = frozenset({
     "tests/vllm/test_multihost.py",
     "tests/vllm/test_gpu_experts_engine.py",
     "tests/vllm/test_push_engine.py",
+    "tests/vllm/test_soak.py",
 })
 
 

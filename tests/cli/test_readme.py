@@ -8,7 +8,8 @@ line that names the fix. Nothing may end in a Python traceback.
 Documented per-line overrides (the README line is still what a user runs):
 
 * ``make test`` runs as ``make -n test``: running the suite from inside itself would
-  recurse; the dry run proves the target and its recipe resolve.
+  recurse; the dry run proves the target and its recipe resolve. ``make soak`` (30 minutes of
+  load) runs as ``make -n soak``; ``tests/vllm/test_soak.py`` runs its 3-minute version.
 * Lines that start a vLLM engine or server are run, exactly as written, by the engine
   tests named in ``RUN_ELSEWHERE`` (one engine start serves several checks there);
   this test checks that those tests still contain the command.
@@ -27,7 +28,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-OVERRIDES = {"make test": "make -n test"}
+OVERRIDES = {"make test": "make -n test", "make soak": "make -n soak"}
 
 #: README line -> (test file that runs it verbatim, the text that must appear there). The vllm-demo line
 #: is what `make demo` runs: the engine test runs `make demo` and checks that make ran that command.

@@ -49,7 +49,7 @@ from typing import Any, Optional
 from moonep_ep.memory.exchange import SOCKET_DIR_PREFIX
 from moonep_ep.testing.cuda_emulator.objects import MEM_PREFIX
 from tests.support.hosts import SimulatedHosts, alive
-from tests.support.shm_scan import dev_shm_scan, settled_orphans
+from moonep_ep.tools.soak.shm import dev_shm_scan
 
 #: One GB200 NVL72 rack: 72 GPUs, 18 hosts of 4 (the hosts here are two of them), named for this run
 #: (its hosts are ``NAME-host0`` ... ``NAME-host17``, its memfds carry a tag of NAME).
@@ -332,10 +332,9 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
         result["leaks_after"] = leak_scan(prefix)
         dead = (result.get("killed") or {}).get("host")
         result["dev_shm_died_with_host"] = result["host_dev_shm"].pop(dead, []) if dead else []
-        # Left behind: on a host that stopped (its own /dev/shm), or the machine's (nothing of the hosts'
-        # should reach it).
-        result["dev_shm_left"] = [f"{host}:{e}" for host, entries in result["host_dev_shm"].items()
-                                  for e in entries] + settled_orphans(result["leaks_before"]["dev_shm"])
+        # Left behind on a host that stopped (its own /dev/shm: every process of a host sees only that one, so
+        # the machine's directory holds nothing of theirs, only what other programs on the machine make).
+        result["dev_shm_left"] = [f"{host}:{e}" for host, entries in result["host_dev_shm"].items() for e in entries]
         import shutil
 
         if keep_logs:  # every host's whole log, for the reader of a failed run (the JSON keeps tails)

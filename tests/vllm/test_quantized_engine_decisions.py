@@ -114,6 +114,7 @@ class _Store:
         self.shapes = {"w13_weight_packed": (64, 8), "w13_weight_scale": (64, 2), "w2_weight_packed": (64, 4),
                        "w2_weight_scale": (64, 1)}
         self.ready, self.num_slots, self.num_experts = ready, 3, 8
+        self.gen_b = False  # the pull layout: vLLM's fused names are the store's (sharded.py's store_target)
         self.writes: list[tuple] = []
         self.refusals: list[str] = []
         self._views = {n: torch.zeros(11, *s) for n, s in self.shapes.items()}
@@ -124,6 +125,9 @@ class _Store:
 
     def refuse(self, message: str) -> None:
         self.refusals.append(message)
+
+    def store_target(self, name: str, part):
+        return name, part
 
     def write_expert(self, idx, name, local, tensor, *, where, part):
         self.writes.append((idx, name, local, tensor, where, part))

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "demo": "demo",
     "vllm-demo": "vllm_demo",
     "serve": "serve",
+    "soak": "soak",
 }
 
 

@@ -138,6 +138,20 @@ class MoonEPProbe:
                              "scales": rows([named[n] for n in scales], experts)}
         return out
 
+    def moonep_ep_write_digest(self, out_dir: str) -> str:
+        """:meth:`moonep_ep_expert_digest` written to ``out_dir/digest-rank<R>.json`` (R: the EP rank). Over the
+        OpenAI server's ``/collective_rpc`` vLLM answers with one engine's result, so each rank writes its own."""
+        import json
+        import os
+
+        from vllm.distributed import get_ep_group
+
+        path = os.path.join(out_dir, f"digest-rank{get_ep_group().rank_in_group}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.moonep_ep_expert_digest(), f)
+        os.replace(path + ".tmp", path)
+        return path
+
     def moonep_ep_forward_stats(self) -> dict[str, Any]:
         """This worker's prefetch counts so far (``vllm/stats.py``'s ``forward``; empty with stats off)."""
         import copy

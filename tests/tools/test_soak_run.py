@@ -1,0 +1,65 @@
+"""``tools/soak/run.py`` without an engine: the fault plan of a run, and the run-level verdicts on results
+built here (each with the failure it must name)."""
+
+from __future__ import annotations
+
+import copy
+
+from moonep_ep.tools.soak.run import SoakConfig, _verdicts, fault_plan
+
+
+def test_a_three_minute_plan_has_every_fault_kind_between_the_start_and_the_kill_window():
+    cfg = SoakConfig(minutes=3)
+    plan = fault_plan(cfg, 7)
+    kinds = [f.kind for f in plan]
+    assert (kinds.count("bad"), kinds.count("drop"), kinds.count("never-read")) == (7, 2, 2)
+    assert sorted(f.index for f in plan if f.kind == "bad") == list(range(7))  # each case of the catalogue once
+    assert all(10.0 <= f.t_s < 160.0 for f in plan)
+    assert plan == fault_plan(cfg, 7) and plan != fault_plan(cfg, 8)
+    thirty = [f.kind for f in fault_plan(SoakConfig(minutes=30), 1)]
+    assert (thirty.count("bad"), thirty.count("drop"), thirty.count("never-read")) == (21, 15, 15)
+    assert SoakConfig(minutes=3).warmup == 120.0 and SoakConfig(minutes=30).warmup == 300.0
+    assert SoakConfig(minutes=30, request_rate=1.5).max_requests == 2700
+
+
+GOOD = {
+    "bench": {"request_spans": [(5.0, 1.5, 1), (100.0, 1.2, 1)]},
+    "greedy": [{"minute": 0, "weights": "A", "statuses": [200, 200], "same_as_first": True},
+               {"minute": 1, "weights": "B", "statuses": [200, 200], "same_as_first": True}],
+    "oracle_start": {"ok": True, "abs_logprob_diff": {"p50": 0.005}},
+    "oracle_end": {"ok": True, "abs_logprob_diff": {"p50": 0.005}},
+    "digests_start": {"status": 200, "rank0": {"l": {"weights": ["a"]}}, "rank1": {"l": {"weights": ["b"]}}},
+    "digests_end": {"status": 200, "rank0": {"l": {"weights": ["a"]}}, "rank1": {"l": {"weights": ["b"]}}},
+    "updates": [{"ok": True, "t_s": 72.0, "statuses": {}, "seconds": 2.0},
+                {"ok": True, "t_s": 108.0, "statuses": {}, "seconds": 2.0}],
+    "sigkill": {"killed": {"pid": 9, "title": "VLLM::EngineCore_DP1"}, "request_after_kill_status": 500,
+                "server_exited_s": 3.0, "dead_engine_named": ["lost rank(s) [1] on host h"]},
+    "after_exit": {"processes_alive": [], "dev_shm_left": [], "memfd_bytes_held": 0},
+}
+
+
+def _failures(result: dict) -> dict:
+    out = _verdicts(SoakConfig(minutes=3), result, [], 0.0, {"bad": [], "client": []})
+    return {k: v["failures"] for k, v in out["verdicts"].items() if not v["ok"]}
+
+
+def test_a_clean_result_passes_and_each_broken_part_names_itself():
+    assert _failures(GOOD) == {}
+    bad = copy.deepcopy(GOOD)
+    bad["digests_end"]["rank1"] = {"l": {"weights": ["x"]}}
+    assert _failures(bad) == {"expert_digests_equal_first_load": ["ranks whose expert digests differ: ['rank1']"]}
+    bad = copy.deepcopy(GOOD)
+    bad["bench"]["request_spans"].append((130.0, 2.0, 0))
+    assert list(_failures(bad)) == ["valid_requests_served"]
+    bad = copy.deepcopy(GOOD)
+    bad["greedy"][1]["same_as_first"] = False
+    assert _failures(bad)["greedy_prompts_unchanged"] == ["greedy tokens changed or failed at [(1, 'B')]"]
+    bad = copy.deepcopy(GOOD)
+    bad["after_exit"]["dev_shm_left"] = ["psm_1"]
+    assert list(_failures(bad)) == ["sigkill_contained"]
+    bad = copy.deepcopy(GOOD)
+    bad["sigkill"]["dead_engine_named"] = []
+    assert list(_failures(bad)) == ["sigkill_contained"]
+    bad = copy.deepcopy(GOOD)
+    bad["updates"][1]["ok"] = False
+    assert list(_failures(bad)) == ["updates_applied"]
