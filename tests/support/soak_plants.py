@@ -1,8 +1,8 @@
 """Planted faults for ``moonep-ep soak``'s negative controls: a test build of the server's worker extension.
 
 ``PlantedProbe`` is ``tools.engine.reload.MoonEPProbe`` plus two methods the
-soak calls once over ``/collective_rpc`` after its first checks
-(``SoakConfig.plant``):
+soak calls once over ``/collective_rpc`` at 70 % of the run, after the
+update back to A, which rewrites every expert row (``SoakConfig.plant``):
 
 * ``moonep_ep_plant_fd_leak``: every later model step of every worker opens
   ``/dev/null`` and never closes it (a leak of one fd per step) — the
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=11)
     args = p.parse_args(argv)
-    cfg = SoakConfig(minutes=args.minutes, seed=args.seed, out_dir=args.out, kill=False, plant=args.plant,
+    # judged from 30 s; the plant lands at 70 % of the run (63 s), after the update back to A at 54 s
+    cfg = SoakConfig(minutes=args.minutes, seed=args.seed, out_dir=args.out, kill=False, plant=args.plant, warmup_s=30.0,
                      worker_extension="tests.support.soak_plants.PlantedProbe",
                      extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     result = run_soak(cfg, lambda m: print(m, file=sys.stderr, flush=True))

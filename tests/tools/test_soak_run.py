@@ -63,3 +63,14 @@ def test_a_clean_result_passes_and_each_broken_part_names_itself():
     bad = copy.deepcopy(GOOD)
     bad["updates"][1]["ok"] = False
     assert list(_failures(bad)) == ["updates_applied"]
+
+
+def test_a_warm_up_longer_than_the_run_is_refused_before_anything_starts(tmp_path):
+    import pytest
+
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.tools.soak.run import run_soak
+
+    with pytest.raises(ConfigError, match="leaves nothing of a 90 s run to judge. Fix: more minutes"):
+        run_soak(SoakConfig(minutes=1.5, out_dir=str(tmp_path)), lambda m: None)
+    assert list(tmp_path.iterdir()) == []

@@ -47,7 +47,13 @@ def run(args: argparse.Namespace) -> int:
                      max_concurrency=args.concurrency, warmup_s=args.warmup, rss_bound_mib_per_hour=args.rss_bound,
                      replicated_minutes=args.replicated_minutes, kill=not args.no_kill, out_dir=args.out)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    result = run_soak(cfg, say)
+    from ..errors import ConfigError
+
+    try:
+        result = run_soak(cfg, say)
+    except ConfigError as exc:
+        print(f"moonep-ep {exc}", file=sys.stderr)
+        return 2
     verdicts = result["verdicts"]
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "samples"}, default=str))

@@ -69,7 +69,8 @@ class SoakConfig:
     startup_timeout_s: float = 600.0
     worker_extension: str = WORKER_EXTENSION
     extra_env: dict = dataclasses.field(default_factory=dict)
-    #: a test build's planted fault, called once over /collective_rpc after the first checks (a control)
+    #: a test build's planted fault, called once over /collective_rpc at 70 % of the run, after the update back
+    #: to A (which rewrites every expert row) (a negative control)
     plant: Optional[str] = None
 
     @property
@@ -222,6 +223,11 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
     from ..engine.demo import _reload_checkpoints, model_path
     from ..checkpoints.tiny_model import mixed_prompt_ids
 
+    if cfg.warmup >= cfg.duration_s - cfg.sample_s:
+        from ...errors import ConfigError
+
+        raise ConfigError(f"soak: a {cfg.warmup:.0f} s warm-up leaves nothing of a {cfg.duration_s:.0f} s run to "
+                          f"judge. Fix: more minutes, or a warm-up below {cfg.duration_s - 2 * cfg.sample_s:.0f} s")
     os.makedirs(cfg.out_dir, exist_ok=True)
     seed = cfg.seed if cfg.seed is not None else F.new_seed()
     plan = fault_plan(cfg, seed)
@@ -247,8 +253,6 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         greedy = _Greedy(server, mixed_prompt_ids(2))
         result["oracle_start"] = _oracle(_oracle_dir(cfg.model, path), greedy.check(0.0, "A"))
         result["digests_start"] = server.digests(os.path.join(cfg.out_dir, "digests-start"))
-        if cfg.plant:
-            result["planted"] = {"method": cfg.plant, "status": server.rpc(cfg.plant)[0]}
         load = BenchLoad(base_url=server.url, model=server.served_model, tokenizer=path, input_len=cfg.input_len,
                          output_len=cfg.output_len, request_rate=cfg.request_rate,
                          max_concurrency=cfg.max_concurrency, num_prompts=cfg.max_requests, seed=seed % 2**31,
@@ -284,6 +288,9 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
                 events.append((t_s, f"update to {weights}"))
                 greedy.check(time.monotonic() - t0, weights)
                 say(f"soak: {t_s:.0f} s: in-place update to {weights}: {update['statuses']} in {update['seconds']} s")
+            if cfg.plant and "planted" not in result and t_s >= 0.7 * cfg.duration_s:
+                result["planted"] = {"method": cfg.plant, "status": server.rpc(cfg.plant)[0], "t_s": round(t_s, 1)}
+                events.append((t_s, "planted fault"))
             if t_s >= next_greedy and t_s < cfg.duration_s:
                 greedy.check(t_s, weights)
                 next_greedy += 60.0
@@ -325,8 +332,10 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
     try:
         from .plot import plot_soak
 
+        marked = events + [(t, "bad request") for t, _ in done["bad"]] + \
+            [(c["t_s"], c["kind"]) for c in done["client"]]
         result["png"] = plot_soak(os.path.join(cfg.out_dir, "soak.png"), samples,
-                                  result.get("bench", {}).get("window_objects", []), events, t0=t0,
+                                  result.get("bench", {}).get("window_objects", []), sorted(marked), t0=t0,
                                   title=f"moonep-ep soak: {cfg.model}, {cfg.minutes} min")
     except Exception as exc:  # noqa: BLE001 - the JSON (and its verdicts) must still be written
         result["png_error"] = f"{type(exc).__name__}: {exc}"
@@ -341,7 +350,9 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
 def _sample_json(s: Any, t0: float) -> dict[str, Any]:
     return {"t_s": round(s.t - t0, 1), "rss_bytes": sum(p.rss_bytes for p in s.processes),
             "open_fds": sum(p.open_fds for p in s.processes), "processes": len(s.processes),
-            "dev_shm_entries": s.dev_shm_entries, "memfd_bytes": s.memfd_bytes}
+            "dev_shm_entries": s.dev_shm_entries, "memfd_bytes": s.memfd_bytes,
+            "rss_bytes_by_process": {p.label(): p.rss_bytes for p in s.processes},
+            "open_fds_by_process": {p.label(): p.open_fds for p in s.processes}}
 
 
 def _bench_figures(path: str, t0: float) -> dict[str, Any]:
