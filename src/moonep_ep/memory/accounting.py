@@ -109,8 +109,9 @@ def _proc_kib_field(path: str, field: str) -> int:
     return 0
 
 
-def rss_bytes() -> int:
-    return _proc_kib_field("/proc/self/status", "VmRSS:")
+def rss_bytes(pid: int | str = "self") -> int:
+    """``VmRSS`` of process ``pid`` (this one by default); raises OSError when it is gone."""
+    return _proc_kib_field(f"/proc/{pid}/status", "VmRSS:")
 
 
 def system_shmem_bytes() -> int:

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import time
 
-from ...memory.accounting import is_moonep_memfd
+from ...memory.accounting import is_moonep_memfd, rss_bytes
 
 __all__ = ["ProcessSample", "Sample", "tree_pids", "sample_process", "sample_tree", "DEV_SHM"]
 
@@ -112,14 +112,11 @@ def tree_pids(root_pid: int) -> list[int]:
 
 
 def _rss_bytes(pid: int) -> int:
+    """0 for a process gone since the scan (or without memory: a zombie has no VmRSS line)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+        return rss_bytes(pid)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def _holdings(pid: int, shm_dir: str) -> tuple[int, dict[int, int], dict[int, int], set[str]]:
