@@ -28,14 +28,14 @@ def expert_value(layer: int, proj: str, expert: int, shape) -> torch.Tensor:
 
 
 def layout_checks(ctx: Any, hidden: int, inter: int, experts: int, layers: int, gran: int,
-                  gen_b: bool) -> dict[str, Any]:
+                  api: str) -> dict[str, Any]:
     rank, world = ctx.rank, ctx.world_size
     driver = HostDriver(rank=rank, granularity=gran)
     before = snapshot(rank)
     projs = ffn_projections(hidden, inter)
     epn = experts // world
     store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs,
-                               num_slots=epn, driver=driver, gen_b=gen_b)
+                               num_slots=epn, driver=driver, api=api)
     out: dict[str, Any] = {"errors": []}
     before_load = {(layer, p.name): store.gen_a(layer, p.name)[:experts].clone()
                    for layer in range(layers) for p in projs}
@@ -68,9 +68,9 @@ def layout_checks(ctx: Any, hidden: int, inter: int, experts: int, layers: int, 
     out["slot_ptrs_differ"] = store.slots(l_w, "up").data_ptr() != store.slots(l_r, "up").data_ptr()
     # Slots are per rank (private pools): a peer's pool is untouched by our write.
     store.finish_loading()
-    if gen_b:
-        pool = store.gen_b_pool(0, "down")
-        comp = store.gen_b_compute(0, "down")
+    if api == "push":
+        pool = store.push_pool(0, "down")
+        comp = store.push_view(0, "down")
         store.slots(0, "down")[1].fill_(-(rank + 2))
         store.finish_loading()
         out["genb_pool_sees_peers"] = [bool(pool[r, 1].eq(-(r + 2)).all()) for r in range(world)]
@@ -95,15 +95,15 @@ def layout_checks(ctx: Any, hidden: int, inter: int, experts: int, layers: int, 
 
 
 def bad_layout(ctx: Any, case: str) -> str:
-    driver = HostDriver(rank=ctx.rank, granularity=(2 << 20) if case == "gen_b_unaligned" else (64 << 10))
+    driver = HostDriver(rank=ctx.rank, granularity=64 << 10)
     kwargs = dict(num_layers=2, num_experts=8, projections=ffn_projections(256, 128), num_slots=4,
                   driver=driver)
     if case == "experts_not_divisible":
         kwargs["num_experts"] = 6 if ctx.world_size == 4 else 7
     elif case == "ranks_disagree":
         kwargs["num_layers"] = 2 + ctx.rank
-    elif case == "gen_b_unaligned":
-        kwargs.update(projections=ffn_projections(512, 384), num_experts=12, num_slots=3, gen_b=True)
+    elif case == "push_slots":  # the push API fixes B = E/R
+        kwargs.update(api="push")
     try:
         ShardedExpertStore(**kwargs).close()
         return "no error"
@@ -227,9 +227,9 @@ def test_page_plan_refusals_exactly(args, message):
 
 
 @pytest.mark.slow
-def test_aligned_layout_four_ranks_gen_a_and_gen_b():
+def test_aligned_layout_four_ranks_pull_and_push_views():
     # H=512, I=384: rows of 384 KiB = 6 pages of 64 KiB: every owner's rows fill whole pages.
-    results = run_ranks(layout_checks, 4, args=(512, 384, 12, 8, 64 << 10, True))
+    results = run_ranks(layout_checks, 4, args=(512, 384, 12, 8, 64 << 10, "push"))
     for rank, res in enumerate(results):
         assert res["errors"] == [], (rank, res["errors"])
         assert res["bad_rows"] == 0                      # row e == owner's data, all e, all layers
@@ -253,7 +253,7 @@ def test_aligned_layout_four_ranks_gen_a_and_gen_b():
 def test_unaligned_layout_exact_contiguous_views_with_bounded_padding():
     # Same shapes at a 2 MiB granularity: epn*row = 1.125 MiB, nothing is page-aligned.
     gran = 2 * MIB
-    results = run_ranks(layout_checks, 4, args=(512, 384, 12, 8, gran, False))
+    results = run_ranks(layout_checks, 4, args=(512, 384, 12, 8, gran, "pull"))
     row = 384 * 512 * 2
     plan = plan_expert_region(12, 4, row, gran)
     for rank, res in enumerate(results):
@@ -279,7 +279,7 @@ def test_unaligned_layout_exact_contiguous_views_with_bounded_padding():
 @pytest.mark.parametrize("case,needle", [
     ("experts_not_divisible", "multiple of the EP size"),
     ("ranks_disagree", "ranks disagree on the expert layout"),
-    ("gen_b_unaligned", "use the Gen A [E+B] view"),
+    ("push_slots", "the push layout needs num_slots == E/R: got (4, 2)"),
 ])
 def test_bad_layouts_fail_on_every_rank(case, needle):
     for rank, msg in enumerate(run_ranks(bad_layout, 4, args=(case,))):

@@ -30,7 +30,7 @@ def store_over_the_cuda_driver(ctx: Any) -> dict[str, Any]:
     with make_driver("cuda", rank=rank) as driver:
         before = driver_holdings(driver, rank)
         store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=epn,
-                                   driver=driver, gen_b=True)
+                                   driver=driver, api="push")
         try:
             out["granularity"] = store.granularity
             out["handle_type"] = store.symm.decision.handle_type.value

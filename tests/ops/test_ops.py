@@ -79,7 +79,7 @@ def build_store(ctx: Any, H: int, I: int, E: int, layers: int, gran: int, seed: 
     driver = HostDriver(rank=ctx.rank, granularity=gran)
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     store = ShardedExpertStore(num_layers=layers, num_experts=E, projections=ffn_projections(H, I),
-                               num_slots=E // ctx.world_size, driver=driver, gen_b=True)
+                               num_slots=E // ctx.world_size, driver=driver, api="push")
     store.load(lambda layer, proj, e: expert_weight(seed, layer, proj, e, shapes[proj]))
     return store
 

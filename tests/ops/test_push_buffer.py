@@ -103,7 +103,7 @@ def _refusals(rank: int, store: ShardedExpertStore, x: torch.Tensor, ids: torch.
 def push_and_pull(ctx: Any) -> dict:
     rank = ctx.rank
     store = ShardedExpertStore(num_layers=1, num_experts=E, projections=ffn_projections(H, I), num_slots=EPN,
-                               driver=HostDriver(rank=rank, granularity=GRAN), gen_b=True)
+                               driver=HostDriver(rank=rank, granularity=GRAN), api="push")
     store.load(lambda layer, proj, e: expert_weight(proj, e))
     dense = {p: torch.stack([expert_weight(p, e) for e in range(E)]) for p in PROJ}
     x, ids, w = rank_inputs(rank)

@@ -69,7 +69,7 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
     driver = make_driver(driver_kind, rank=rank, **({"granularity": 64 << 10} if driver_kind == "host" else {}))
     out: dict[str, Any] = {"driver": type(driver).__name__, "emulated": bool(getattr(driver, "emulated", False))}
     store = ShardedExpertStore(num_layers=1, num_experts=E, projections=SPECS, num_slots=EPN, driver=driver,
-                               gen_b=True)
+                               api="push")
     buf = ReferenceBuffer(S, TOKEN_H, K, E, WORLD, explicitly_destroy=True)
     try:
         out["granularity"] = store.granularity
@@ -250,9 +250,22 @@ def _k2_pages(R: int, rows: list[int], g: int = 2 << 20, L: int = 60, E_: int = 
     return per_rank
 
 
+def _k2_push_pages(R: int, rows: list[int], g: int = 2 << 20, L: int = 60, E_: int = 384) -> int:
+    """Bytes every rank allocates in the push layout: per (layer, tensor) a run of ceil(epn*row/g) pages of its
+    own; the run's last page's free tail holds the first slot bytes, the pool shared by the layers the rest."""
+    epn = E_ // R
+    total = 0
+    for row in rows:
+        pages = -(-epn * row // g)
+        head = min(pages * g - epn * row, epn * row)
+        total += L * pages * g + -(-(epn * row - head) // g) * g
+    return total
+
+
 def test_fp8_block_push_layout_footprint_at_k2_ep_8_16_64():
     """The push store (gate, up, down apart, as the release's prefetch_weight takes them) pads each FP8-block
-    scale row to 16 KiB: K2's gate and up scales [16, 56] fp32 and down [56, 16] are 3,584 B each."""
+    scale row to 16 KiB: K2's gate and up scales [16, 56] fp32 and down [56, 16] are 3,584 B each; each
+    rank's rows of a (layer, tensor) are whole pages of its own (the layout maps at 2 MiB)."""
     H, I = 7168, 2048
     w13, w2 = 2 * I * H, H * I                                           # fp8: one byte a value
     s13, s2 = 2 * (I // 128) * (H // 128) * 4, (H // 128) * (I // 128) * 4  # fp32 per 128x128 block
@@ -267,21 +280,26 @@ def test_fp8_block_push_layout_footprint_at_k2_ep_8_16_64():
         epn = 384 // R
         pull = scheme_bytes(k2, R, "moonep_ep", FootprintOptions(moonep_api="pull"))
         push = scheme_bytes(k2, R, "moonep_ep", FootprintOptions(moonep_api="push"))
-        for got, rows in ((pull, [w13, s13, w2, s2]), (push, push_rows)):
-            totals = _k2_pages(R, rows)
-            top = totals.index(max(totals))
-            scales = _k2_pages(R, rows[1::2])
-            assert (got["bytes"], got["rank"], got["scale_bytes"]) == (totals[top], top, scales[top]), R
+        totals = _k2_pages(R, [w13, s13, w2, s2])
+        top = totals.index(max(totals))
+        scales = _k2_pages(R, [s13, s2])
+        assert (pull["bytes"], pull["rank"], pull["scale_bytes"]) == (totals[top], top, scales[top]), R
+        # Push: every rank alike, so the first is the largest.
+        assert (push["bytes"], push["rank"], push["scale_bytes"]) == (
+            _k2_push_pages(R, push_rows), 0, _k2_push_pages(R, [16384] * 3)), R
         # Without pages, the padding costs (L*epn + B) * (3*16384 - 7168 - 3584) bytes on every rank ...
         assert push["push_scale_padding_bytes"] == (60 * epn + epn) * (3 * 16384 - s13 - s2) and \
             pull["push_scale_padding_bytes"] == 0
-        # ... with 2 MiB pages, the scale pages the group holds in all (page arithmetic of _k2_pages).
-        delta = [a - b for a, b in zip(_k2_pages(R, [16384] * 3), _k2_pages(R, [s13, s2]))]
-        grown[R] = (sum(delta) // (2 << 20), min(delta) // (2 << 20), max(delta) // (2 << 20),
-                    push["bytes"] - pull["bytes"])
-    # per EP: (pages more in the group, fewest and most per rank, largest rank's growth in bytes = 61 pages)
-    assert grown == {8: (368, -59, 181, 127926272), 16: (376, -59, 181, 127926272),
-                     64: (424, -59, 181, 127926272)}, grown
+        # ... the whole-page runs against the pull page plan of the same six tensors on that rank ...
+        shared = _k2_pages(R, push_rows)[0]
+        assert push["push_page_bytes_over_pull"] == push["bytes"] - shared, R
+        grown[R] = (push["bytes"] - pull["bytes"], push["push_page_bytes_over_pull"])
+    # Every run wastes under one page and every pool under one: the push layout's cost over its data bytes.
+    for R in grown:
+        epn = 384 // R
+        push = scheme_bytes(k2, R, "moonep_ep", FootprintOptions(moonep_api="push"))
+        data = (60 * epn + epn) * sum(push_rows)
+        assert 0 <= push["bytes"] - data < (60 + 1) * len(push_rows) * (2 << 20), R
 
 
 def test_footprint_cli_prints_the_push_layout():

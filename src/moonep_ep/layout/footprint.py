@@ -48,7 +48,11 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     ``moonep_api="push"`` sizes the push layout (``formats.push_store_projections``: gate, up, down apart):
     scale rows the release's prefetch kernel cannot move as they are (FP8
     block) are padded per expert to a multiple of 16 KiB, in every layer's
-    rows and in the slots; the padding counts as ``scale_bytes``.
+    rows and in the slots; the padding counts as ``scale_bytes``. Its pages
+    are ``plan.PushRowsPlan``'s: each rank's rows of a (layer, tensor) are a
+    run of whole pages of its own (the first slot bytes in the last page's
+    tail), so it costs up to one page per (layer, tensor) more than the pull
+    plan (``push_page_bytes_over_pull``), and needs ``B = E/R``.
 
 The peer schemes are counted as raw data bytes (their allocator's rounding is
 not modelled), so the comparison is conservative against ``moonep_ep``.
@@ -90,6 +94,7 @@ from ..errors import ConfigError
 from ..models import MoEModelConfig
 from .formats import ExpertFormat, get_format, projection_bytes, push_store_projections, store_projections
 from .plan import predict_rank_bytes
+from .store import plan_store
 
 __all__ = [
     "SCHEMES",
@@ -317,15 +322,24 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
             rows, roles = [p.row_bytes for p in tensors], [p.role for p in tensors]
             split = projection_bytes(tensors)
             per_expert = split["total_bytes"]
+        # The store's own page decisions (and refusals): what it would allocate on every rank.
+        planned = plan_store(num_layers=L, num_experts=E, ep_size=R, projections=tensors, num_slots=B,
+                             granularity=options.granularity, slot_pools=options.slot_pools,
+                             api=options.moonep_api)
         best: dict[str, int] | None = None
         best_rank = 0
         for rank in range(R):
-            got = predict_rank_bytes(num_layers=L, num_experts=E, ep_size=R, num_slots=B,
-                                     row_bytes=rows, granularity=options.granularity,
-                                     rank=rank, slot_pools=options.slot_pools, roles=roles)
+            got = planned.rank_bytes(rank)
             if best is None or got["total_bytes"] > best["total_bytes"]:
                 best, best_rank = got, rank
         assert best is not None
+        if options.moonep_api == "push":  # the push runs' whole pages against the pull plan's shared ones
+            pull = predict_rank_bytes(num_layers=L, num_experts=E, ep_size=R, num_slots=B, row_bytes=rows,
+                                      granularity=options.granularity, rank=best_rank,
+                                      slot_pools=options.slot_pools, roles=roles)
+            push_over_pull = best["total_bytes"] - pull["total_bytes"]
+        else:
+            push_over_pull = 0
         out = {"num_slots": B, "slots_per": "model", "slot_pools": options.slot_pools,
                "moonep_api": options.moonep_api, "expert_bytes_as_stored": per_expert,
                "experts_per_rank_per_layer": epn, "granularity": options.granularity,
@@ -341,6 +355,8 @@ def scheme_bytes(model: MoEModelConfig, ep_size: int, scheme: str,
         boundaries = (2 * L + options.slot_pools) * len(tensors)
         # Page-free cost of the push layout's scale padding on one rank (0 for pull or 16 KiB-tiled scales).
         out["push_scale_padding_bytes"] = (L * epn + options.slot_pools * B) * (per_expert - pulled_expert)
+        # Page cost of the push layout's whole-page runs on that rank, over the pull page plan of the same tensors.
+        out["push_page_bytes_over_pull"] = push_over_pull
         out.update(data_bytes=data, data_formula="(L*E/R + slot_pools*B)*expert_bytes",
                    page_boundaries=boundaries,
                    within_one_page_per_boundary=abs(out["bytes"] - data) <= boundaries * options.granularity)

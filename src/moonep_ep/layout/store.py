@@ -9,21 +9,30 @@ Physical memory per rank (two chunks, all handles exchanged in one round)::
     chunk "slots":    for every pool k (1, or 2 for double buffering) and
                       projection p: B slot rows, rounded up to one page
 
-Virtual views on every rank, for layer l and projection p (pool k = l mod pools)::
+Virtual views on every rank, for layer l and projection p (pool k = l mod pools).
+The pull layout (``api="pull"``, the API vLLM 0.33.0 calls; upstream's "Gen A")::
 
-    Gen A [E+B, out, in]  ─ one reservation:
+    pull view [E+B, out, in]  ─ one reservation:
       | lead pad | owner0 pages | owner1 pages | … | ownerR-1 pages | own slot pool k,p | tail |
                  ^ tensor base                                      ^ row E, page-aligned
-    owner view [epn, out, in]      = Gen A rows [rank·epn, (rank+1)·epn)
-    Gen B pool [R, epn, out, in]   = every rank's slot pool k,p (needs B = epn),
-                                     rank stride = one pool (page-rounded)
-    Gen B compute [2·epn, out, in] = own expert pages then own slot pool
-                                     (needs page-aligned own rows and B = epn)
+    owner view [epn, out, in]      = pull rows [rank·epn, (rank+1)·epn)
 
-Every layer's Gen A view maps the *same* slot pool: one physical pool per
-projection serves the whole model (MoonEP runs one MoE layer at a time).
-Rows of expert ``e`` are physically in exactly one place, so row ``e`` of
-every rank's view is the owner's data.
+The push layout (``api="push"``, MoonEP's release, upstream's "Gen B"; B = epn):
+every rank's own rows of (l, p) are a run of whole pages of its own
+(``plan.PushRowsPlan``), whose last page's free tail holds the first slot
+bytes of that layer, the shared pool the rest::
+
+    push view [2·epn, out, in]     = own run (own rows, slot head) then own pool rest
+    push pool [R, epn, out, in]    = per rank: its last own page and its pool rest,
+                                     rows from ``pool_offset``, rank stride = that segment
+    owner view / slots             = push view rows [0, epn) / [epn, 2·epn)
+
+Where the own rows fill whole pages the two layouts are the same pages, and
+the push store also hands out the pull view. Every layer's view maps the
+*same* slot pool (in the push layout: the same pool rest; the slot head is
+per layer): one physical pool per tensor serves the whole model (MoonEP runs
+one MoE layer at a time). Rows of expert ``e`` are physically in exactly one
+place, so row ``e`` of every rank's view is the owner's data.
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ from ..errors import ConfigError, config_error
 from ..memory.driver import MemoryDriver
 from ..memory.group import GroupComm
 from ..memory.symmetric import Segment, SymmetricMemory, VirtualRange
-from .plan import ExpertRegionPlan, plan_expert_region, slot_pool_bytes
+from .plan import ExpertRegionPlan, PushRowsPlan, check_push_slots, plan_tensor
+
+PULL, PUSH = "pull", "push"
 
 EXPERTS_CHUNK, SLOTS_CHUNK = 0, 1
 
@@ -94,6 +105,150 @@ class LoadStats:
     seconds: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class StorePlan:
+    """Every page decision of a store, for every rank: what :class:`ShardedExpertStore` allocates and maps
+    and what ``footprint`` counts (:func:`plan_store`; arithmetic, no memory)."""
+
+    api: str
+    granularity: int
+    num_layers: int
+    num_slots: int
+    slot_pools: int
+    projections: tuple[ProjectionSpec, ...]
+    plans: Mapping[str, ExpertRegionPlan | PushRowsPlan]
+    pool_bytes: Mapping[str, int]
+    #: per rank: (layer, tensor) -> offset of its run in that rank's experts chunk
+    expert_offsets: tuple[Mapping[tuple[int, str], int], ...]
+    expert_chunk_bytes: tuple[int, ...]
+    slot_offsets: Mapping[tuple[int, str], int]
+    slot_chunk_bytes: int
+
+    def rank_bytes(self, rank: int) -> dict[str, int]:
+        """What ``rank`` allocates, as ``physical_bytes`` reports it (data: own rows of every layer, B slot
+        rows per pool)."""
+        by_role = {"weight": 0, "scale": 0}
+        data = 0
+        for p in self.projections:
+            plan = self.plans[p.name]
+            by_role[p.role] += (self.num_layers * plan.pages_of(rank) * self.granularity
+                                + self.slot_pools * self.pool_bytes[p.name])
+            data += (self.num_layers * plan.data_bytes_in_pages_of(rank)
+                     + self.slot_pools * self.num_slots * p.row_bytes)
+        total = self.expert_chunk_bytes[rank] + self.slot_chunk_bytes
+        return {"expert_bytes": self.expert_chunk_bytes[rank], "slot_bytes": self.slot_chunk_bytes,
+                "padding_bytes": total - data, "total_bytes": total,
+                "weight_bytes": by_role["weight"], "scale_bytes": by_role["scale"]}
+
+    # -- what each view maps (the store maps exactly these; check_views checks them without memory) --------
+    def has_pull_view(self, name: str) -> bool:
+        plan = self.plans[name]
+        return not isinstance(plan, PushRowsPlan) or plan.has_pull_view
+
+    def pull_segments(self, rank: int, layer: int, name: str) -> list[Segment]:
+        """``rank``'s ``[E+B]`` view: every owner's run of (layer, name), then ``rank``'s slot pool."""
+        plan, gran = self.plans[name], self.granularity
+        segs = [Segment(o, EXPERTS_CHUNK, self.expert_offsets[o][(layer, name)], plan.pages_of(o) * gran)
+                for o in range(len(self.expert_offsets)) if plan.pages_of(o)]
+        segs.append(Segment(rank, SLOTS_CHUNK, self.slot_offsets[(layer % self.slot_pools, name)],
+                            self.pool_bytes[name]))
+        return segs
+
+    def push_segments(self, owner: int, layer: int, name: str, whole_run: bool) -> list[Segment]:
+        """``owner``'s run of (layer, name), whole (its push view) or only its last page when that holds a slot
+        head (its part of the push pool), then its slot pool rest."""
+        plan, gran = self.plans[name], self.granularity
+        assert isinstance(plan, PushRowsPlan)
+        run = self.expert_offsets[owner][(layer, name)]
+        segs = []
+        if whole_run:
+            segs.append(Segment(owner, EXPERTS_CHUNK, run, plan.own_pages * gran))
+        elif plan.boundary:
+            segs.append(Segment(owner, EXPERTS_CHUNK, run + (plan.own_pages - 1) * gran, gran))
+        if plan.pool_bytes:
+            segs.append(Segment(owner, SLOTS_CHUNK, self.slot_offsets[(layer % self.slot_pools, name)],
+                                plan.pool_bytes))
+        return segs
+
+    def check_views(self, rank: int, layer: int = 0) -> None:
+        """Every view ``rank`` maps for ``layer``, checked as the driver and the tensor wrap would: segments on
+        pages inside their chunk, each view's bytes inside its range. Raises :class:`ConfigError`."""
+        R, chunk = len(self.expert_offsets), lambda o, c: (self.expert_chunk_bytes[o], self.slot_chunk_bytes)[c]
+        for p in self.projections:
+            ranges = []
+            if self.api == PUSH:
+                plan = self.plans[p.name]
+                assert isinstance(plan, PushRowsPlan)
+                epn = plan.experts_per_rank
+                ranges.append(("push view", self.push_segments(rank, layer, p.name, True), 0, 2 * epn * p.row_bytes))
+                pool = [s for o in range(R) for s in self.push_segments(o, layer, p.name, False)]
+                ranges.append(("push pool", pool, plan.pool_offset,
+                               (R - 1) * plan.pool_rank_stride + epn * p.row_bytes))
+            if self.has_pull_view(p.name):
+                rows = self.num_slots + len(self.expert_offsets) * self.plans[p.name].experts_per_rank
+                ranges.append(("pull view", self.pull_segments(rank, layer, p.name), self.plans[p.name].lead_pad,
+                               rows * p.row_bytes))
+            for what, segs, start, nbytes in ranges:
+                bad = [s for s in segs if s.offset % self.granularity or s.nbytes % self.granularity
+                       or s.nbytes <= 0 or s.offset + s.nbytes > chunk(s.owner, s.chunk)]
+                size = sum(s.nbytes for s in segs)
+                if bad or start + nbytes > size:
+                    raise config_error(rank, f"the {what} of {p.name!r} does not map", (bad, start + nbytes, size),
+                                       "report this layout bug with the model's shape and the page size")
+
+
+def check_store_args(rank: int | None, *, num_layers: int, num_experts: int, ep_size: int,
+                     projections: Sequence[ProjectionSpec], num_slots: int, slot_pools: int, api: str) -> None:
+    """The store's refusals (the same text wherever they are decided: the store, ``footprint``)."""
+    E, R = num_experts, ep_size
+    if num_layers <= 0:
+        raise config_error(rank, "num_layers must be positive", num_layers, "pass the MoE layer count")
+    if E <= 0 or R <= 0 or E % R:
+        raise config_error(rank, "num_experts must be a positive multiple of the EP size", (E, R),
+                           "choose an EP size that divides the number of routed experts")
+    if not projections or len({p.name for p in projections}) != len(projections):
+        raise config_error(rank, "projection names must be unique and non-empty",
+                           [p.name for p in projections], "name each per-expert tensor once")
+    if not 0 < num_slots <= E:
+        raise config_error(rank, "num_slots (B) must be in [1, E]", num_slots, "use MoonEP's B (default E/R)")
+    if slot_pools not in (1, 2):
+        raise config_error(rank, "slot_pools must be 1 or 2", slot_pools, "use 2 only for double-buffered prefetch")
+    if api not in (PULL, PUSH):
+        raise config_error(rank, "the store's API must be pull or push", api, "pass api='pull' or 'push'")
+    if api == PUSH:
+        check_push_slots(rank, num_slots, E // R)
+
+
+def plan_store(*, num_layers: int, num_experts: int, ep_size: int, projections: Sequence[ProjectionSpec],
+               num_slots: int, granularity: int, slot_pools: int = 1, api: str = PULL,
+               rank: int | None = None) -> StorePlan:
+    """Every rank's chunks, runs and pools of a store (see the module docstring); refuses as the store does."""
+    projections = tuple(projections)
+    check_store_args(rank, num_layers=num_layers, num_experts=num_experts, ep_size=ep_size,
+                     projections=projections, num_slots=num_slots, slot_pools=slot_pools, api=api)
+    gran = granularity
+    plans: dict[str, ExpertRegionPlan | PushRowsPlan] = {}
+    pool_bytes: dict[str, int] = {}
+    for p in projections:
+        plans[p.name], pool_bytes[p.name] = plan_tensor(api, num_experts, ep_size, num_slots, p.row_bytes, gran)
+    expert_offsets, expert_chunk_bytes = [], []
+    for r in range(ep_size):
+        cursor, offs = 0, {}
+        for layer in range(num_layers):
+            for p in projections:
+                offs[(layer, p.name)] = cursor
+                cursor += plans[p.name].pages_of(r) * gran
+        expert_offsets.append(offs)
+        expert_chunk_bytes.append(cursor)
+    slot_offsets, cursor = {}, 0
+    for k in range(slot_pools):
+        for p in projections:
+            slot_offsets[(k, p.name)] = cursor
+            cursor += pool_bytes[p.name]
+    return StorePlan(api, gran, num_layers, num_slots, slot_pools, projections, plans, pool_bytes,
+                     tuple(expert_offsets), tuple(expert_chunk_bytes), slot_offsets, cursor)
+
+
 class ShardedExpertStore:
     """Sharded routed-expert weights of a whole model, with zero-copy views on every rank.
 
@@ -104,8 +259,10 @@ class ShardedExpertStore:
 
     def __init__(self, *, num_layers: int, num_experts: int, projections: Sequence[ProjectionSpec],
                  num_slots: int, driver: MemoryDriver, group: Any = None, slot_pools: int = 1,
-                 gen_b: bool = False, timeout_s: float | None = None):
+                 api: str = PULL, timeout_s: float | None = None):
         self.driver = driver
+        #: The MoonEP API whose layout this store holds: ``pull`` ([E+B] views) or ``push`` ([2*epn], [R, epn]).
+        self.api = api
         self.num_layers, self.num_experts = num_layers, num_experts
         self.projections = list(projections)
         self.num_slots, self.slot_pools = num_slots, slot_pools
@@ -123,29 +280,13 @@ class ShardedExpertStore:
             # No handle type: the page size valid for whichever type the group votes next
             # (CUDA's granularity depends on it; the vote happens inside allocate()).
             self.granularity = gran = driver.granularity(None)
-            self.plans: dict[str, ExpertRegionPlan] = {
-                p.name: plan_expert_region(num_experts, self.world_size, p.row_bytes, gran)
-                for p in self.projections}
-            self.pool_bytes = {p.name: slot_pool_bytes(num_slots, p.row_bytes, gran) for p in self.projections}
-            # Offsets of each (layer, projection) run inside every rank's experts chunk.
-            self.expert_offsets: list[dict[tuple[int, str], int]] = []
-            expert_chunk_bytes = []
-            for r in range(self.world_size):
-                cursor, offs = 0, {}
-                for layer in range(num_layers):
-                    for p in self.projections:
-                        offs[(layer, p.name)] = cursor
-                        cursor += self.plans[p.name].pages_of(r) * gran
-                self.expert_offsets.append(offs)
-                expert_chunk_bytes.append(cursor)
-            self.slot_offsets: dict[tuple[int, str], int] = {}
-            cursor = 0
-            for k in range(slot_pools):
-                for p in self.projections:
-                    self.slot_offsets[(k, p.name)] = cursor
-                    cursor += self.pool_bytes[p.name]
-            slot_chunk_bytes = cursor
-        self.symm = SymmetricMemory.allocate([expert_chunk_bytes[self.rank], slot_chunk_bytes],
+            self.plan = plan_store(num_layers=num_layers, num_experts=num_experts, ep_size=self.world_size,
+                                   projections=self.projections, num_slots=num_slots, granularity=gran,
+                                   slot_pools=slot_pools, api=api, rank=self.rank)
+            self.plan.check_views(self.rank)  # a layout that cannot map is refused here, on every rank
+            self.plans, self.pool_bytes = self.plan.plans, self.plan.pool_bytes
+            self.expert_offsets, self.slot_offsets = self.plan.expert_offsets, self.plan.slot_offsets
+        self.symm = SymmetricMemory.allocate([self.plan.expert_chunk_bytes[self.rank], self.plan.slot_chunk_bytes],
                                              driver=driver, tags=["experts", "slots"], comm=comm)
         t_map = time.perf_counter()
         self.allocate_seconds = t_map - t0
@@ -153,9 +294,10 @@ class ShardedExpertStore:
             with comm.step("map expert views"):
                 for layer in range(num_layers):
                     for p in self.projections:
-                        self._map_gen_a(layer, p)
-                        if gen_b:
-                            self._map_gen_b(layer, p)
+                        if api == PUSH:
+                            self._map_push(layer, p)
+                        if self.has_pull_view(p.name):
+                            self._map_pull(layer, p)
             self.mapping_seconds = time.perf_counter() - t_map
             self.symm.release_imports()  # mappings keep peers' memory alive
             if driver.device_type != "cpu":
@@ -167,24 +309,12 @@ class ShardedExpertStore:
 
     # -- construction helpers ----------------------------------------------------------
     def _validate(self) -> None:
-        r, E, R = self.rank, self.num_experts, self.world_size
-        if self.num_layers <= 0:
-            raise config_error(r, "num_layers must be positive", self.num_layers, "pass the MoE layer count")
-        if E <= 0 or E % R:
-            raise config_error(r, "num_experts must be a positive multiple of the EP size", (E, R),
-                               "choose an EP size that divides the number of routed experts")
-        if not self.projections or len({p.name for p in self.projections}) != len(self.projections):
-            raise config_error(r, "projection names must be unique and non-empty",
-                               [p.name for p in self.projections], "name each per-expert tensor once")
-        if not 0 < self.num_slots <= E:
-            raise config_error(r, "num_slots (B) must be in [1, E]", self.num_slots,
-                               "use MoonEP's B (default E/R)")
-        if self.slot_pools not in (1, 2):
-            raise config_error(r, "slot_pools must be 1 or 2", self.slot_pools,
-                               "use 2 only for double-buffered prefetch")
+        check_store_args(self.rank, num_layers=self.num_layers, num_experts=self.num_experts,
+                         ep_size=self.world_size, projections=self.projections, num_slots=self.num_slots,
+                         slot_pools=self.slot_pools, api=self.api)
 
     def _description(self) -> tuple:
-        return (self.num_layers, self.num_experts, self.num_slots, self.slot_pools,
+        return (self.num_layers, self.num_experts, self.num_slots, self.slot_pools, self.api,
                 [(p.name, p.shape, str(p.dtype)) for p in self.projections])
 
     def _check_same_everywhere(self, everyone: list[tuple]) -> None:
@@ -195,62 +325,43 @@ class ShardedExpertStore:
                               f"from rank 0 ({everyone[0]} vs {everyone[differing[0]]}). Fix: build the store "
                               "from the same model config on every rank")
 
-    def _gen_a_segments(self, layer: int, proj: ProjectionSpec) -> list[Segment]:
-        plan, gran = self.plans[proj.name], self.granularity
-        segs = [Segment(o, EXPERTS_CHUNK, self.expert_offsets[o][(layer, proj.name)], plan.pages_of(o) * gran)
-                for o in range(self.world_size) if plan.pages_of(o)]
-        pool = layer % self.slot_pools
-        segs.append(Segment(self.rank, SLOTS_CHUNK, self.slot_offsets[(pool, proj.name)],
-                            self.pool_bytes[proj.name]))
-        return segs
-
-    def _map_gen_a(self, layer: int, proj: ProjectionSpec) -> None:
-        vr = self.symm.map_range(self._gen_a_segments(layer, proj), f"L{layer}.{proj.name}.genA")
+    def _map_pull(self, layer: int, proj: ProjectionSpec) -> None:
+        vr = self.symm.map_range(self.plan.pull_segments(self.rank, layer, proj.name), f"L{layer}.{proj.name}.pull")
         self._ranges.append(vr)
         rows = self.num_experts + self.num_slots
         view = vr.tensor(proj.dtype, (rows, *proj.shape), byte_offset=self.plans[proj.name].lead_pad)
-        self._views[("A", layer, proj.name)] = view
+        self._views[(PULL, layer, proj.name)] = view
 
-    def _map_gen_b(self, layer: int, proj: ProjectionSpec) -> None:
-        epn, plan, gran = self.num_experts // self.world_size, self.plans[proj.name], self.granularity
-        rank = self.rank
-        if self.num_slots != epn:
-            raise config_error(rank, "Gen B views need num_slots == E/R", (self.num_slots, epn),
-                               "construct the store with num_slots=E//R for the push API")
-        aligned = plan.lead_pad == 0 and (epn * proj.row_bytes) % gran == 0
-        if not aligned:
-            raise config_error(rank, f"Gen B compute view of {proj.name!r} needs each rank's expert rows "
-                               "to fill whole pages", (epn, proj.row_bytes, gran),
-                               "use the Gen A [E+B] view (exact for any shape), or shapes with "
-                               "epn*row_bytes a multiple of the granularity")
-        pool = layer % self.slot_pools
-        slot_off = self.slot_offsets[(pool, proj.name)]
-        pool_bytes = self.pool_bytes[proj.name]
-        pool_vr = self.symm.map_range([Segment(o, SLOTS_CHUNK, slot_off, pool_bytes)
-                                       for o in range(self.world_size)], f"L{layer}.{proj.name}.genB.pool")
+    def _map_push(self, layer: int, proj: ProjectionSpec) -> None:
+        epn, plan = self.experts_per_rank, self.plans[proj.name]
+        assert isinstance(plan, PushRowsPlan)
+        compute_vr = self.symm.map_range(self.plan.push_segments(self.rank, layer, proj.name, whole_run=True),
+                                         f"L{layer}.{proj.name}.push")
+        self._ranges.append(compute_vr)
+        segs = [s for o in range(self.world_size) for s in self.plan.push_segments(o, layer, proj.name, False)]
+        pool_vr = self.symm.map_range(segs, f"L{layer}.{proj.name}.push.pool")
+        self._ranges.append(pool_vr)
         itemsize = torch.empty((), dtype=proj.dtype).element_size()
         flat = pool_vr.tensor(proj.dtype, (pool_vr.size // itemsize,))
-        row = proj.row_bytes // itemsize
         inner = [1]
         for d in reversed(proj.shape[1:]):
             inner.insert(0, inner[0] * d)
-        strides = (pool_bytes // itemsize, row, *inner)
-        pool_view = flat.as_strided((self.world_size, epn, *proj.shape), strides)
-        compute_vr = self.symm.map_range(
-            [Segment(rank, EXPERTS_CHUNK, self.expert_offsets[rank][(layer, proj.name)], plan.pages_of(rank) * gran),
-             Segment(rank, SLOTS_CHUNK, slot_off, pool_bytes)], f"L{layer}.{proj.name}.genB.compute")
-        compute = compute_vr.tensor(proj.dtype, (2 * epn, *proj.shape))
-        self._ranges += [pool_vr, compute_vr]
-        self._views[("Bpool", layer, proj.name)] = pool_view
-        self._views[("Bcompute", layer, proj.name)] = compute
+        strides = (plan.pool_rank_stride // itemsize, proj.row_bytes // itemsize, *inner)
+        self._views[("push.pool", layer, proj.name)] = flat.as_strided(
+            (self.world_size, epn, *proj.shape), strides, flat.storage_offset() + plan.pool_offset // itemsize)
+        self._views[(PUSH, layer, proj.name)] = compute_vr.tensor(proj.dtype, (2 * epn, *proj.shape))
 
     def _zero_own(self) -> None:
         for layer in range(self.num_layers):
             for p in self.projections:
-                self.driver.zero_(self.owner_view(layer, p.name))
-        for p in self.projections:
-            for pool in range(self.slot_pools):
-                self.driver.zero_(self.gen_a(pool, p.name)[self.num_experts:])
+                if self.api == PUSH:  # own rows and slots (the slot head is per layer)
+                    self.driver.zero_(self.push_view(layer, p.name))
+                else:
+                    self.driver.zero_(self.owner_view(layer, p.name))
+        if self.api == PULL:
+            for p in self.projections:
+                for pool in range(self.slot_pools):
+                    self.driver.zero_(self.slots(pool, p.name))
         self.driver.synchronize()
         self.symm.comm.barrier("zero own expert pages and slots")
 
@@ -259,36 +370,71 @@ class ShardedExpertStore:
     def experts_per_rank(self) -> int:
         return self.num_experts // self.world_size
 
+    def has_pull_view(self, proj: str) -> bool:
+        """Whether the ``[E+B]`` pull view of ``proj`` exists: always in the pull layout; in the push layout
+        where each rank's rows of ``proj`` fill whole pages (then both layouts are the same pages)."""
+        return self.plan.has_pull_view(proj)
+
     def _view(self, kind: str, layer: int, proj: str) -> torch.Tensor:
         try:
             return self._views[(kind, layer, proj)]
         except KeyError:
-            raise config_error(self.rank, f"no {kind} view for layer/projection", (layer, proj),
-                               f"layers are 0..{self.num_layers - 1}, projections "
-                               f"{[p.name for p in self.projections]}" +
-                               ("; build with gen_b=True for Gen B views" if kind != "A" else "")) from None
+            pass
+        if proj in self.plans and 0 <= layer < self.num_layers:
+            if kind == PULL:
+                plan = self.plans[proj]
+                raise config_error(self.rank, f"the push layout of {proj!r} has no [E+B] pull view at this page "
+                                   "size: each rank's rows end inside a page", (plan.experts_per_rank,
+                                   plan.row_bytes, self.granularity),
+                                   "read the push views (push_view, push_pool, owner_view, slots), or build the "
+                                   "store with api='pull'")
+            raise config_error(self.rank, "the pull layout has no push views", (kind, layer, proj),
+                               "build the store with api='push' (num_slots = E/R) for the push API")
+        raise config_error(self.rank, f"no {kind} view for layer/projection", (layer, proj),
+                           f"layers are 0..{self.num_layers - 1}, projections "
+                           f"{[p.name for p in self.projections]}")
 
     def gen_a(self, layer: int, proj: str) -> torch.Tensor:
         """``[E+B, out, in]``: rows ``[0, E)`` the owners' experts (global order), rows
         ``[E, E+B)`` this rank's slot pool (shared by every layer using the same pool)."""
-        return self._view("A", layer, proj)
+        return self._view(PULL, layer, proj)
 
     def owner_view(self, layer: int, proj: str) -> torch.Tensor:
         """``[epn, out, in]``: this rank's own experts of ``layer``."""
         epn = self.experts_per_rank
+        if self.api == PUSH:
+            return self.push_view(layer, proj)[:epn]
         return self.gen_a(layer, proj)[self.rank * epn:(self.rank + 1) * epn]
 
     def slots(self, layer: int, proj: str) -> torch.Tensor:
         """``[B, out, in]``: the slot rows ``layer``'s view uses."""
+        if self.api == PUSH:
+            return self.push_view(layer, proj)[self.experts_per_rank:]
         return self.gen_a(layer, proj)[self.num_experts:]
 
-    def gen_b_pool(self, layer: int, proj: str) -> torch.Tensor:
-        """``[R, epn, out, in]``: every rank's slot pool (push target)."""
-        return self._view("Bpool", layer, proj)
+    def slot_views(self, proj: str) -> list[torch.Tensor]:
+        """Slot views that together cover every slot byte of ``proj``: one per pool (pull); in the push layout
+        every slot row of the first layer of each pool, and the rows of each other layer that lie (partly) in
+        its own slot head. Filling them all fills every slot row of the model."""
+        if self.api == PUSH:
+            plan = self.plans[proj]
+            assert isinstance(plan, PushRowsPlan)
+            head_rows = -(-plan.head_bytes // plan.row_bytes)
+            return [self.slots(layer, proj) if layer < self.slot_pools else self.slots(layer, proj)[:head_rows]
+                    for layer in range(self.num_layers) if layer < self.slot_pools or head_rows]
+        return [self.slots(pool, proj) for pool in range(min(self.slot_pools, self.num_layers))]
 
-    def gen_b_compute(self, layer: int, proj: str) -> torch.Tensor:
-        """``[2·epn, out, in]``: own experts then own slots."""
-        return self._view("Bcompute", layer, proj)
+    def push_pool(self, layer: int, proj: str) -> torch.Tensor:
+        """``[R, epn, out, in]``: every rank's slot rows of ``layer`` (the push target)."""
+        return self._view("push.pool", layer, proj)
+
+    def push_view(self, layer: int, proj: str) -> torch.Tensor:
+        """``[2·epn, out, in]``: own experts then own slots (what the push API's experts read)."""
+        return self._view(PUSH, layer, proj)
+
+    # Upstream's names for the push views (MoonEP's release calls the push API "Gen B").
+    gen_b_pool = push_pool
+    gen_b_compute = push_view
 
     # -- loading --------------------------------------------------------------------------
     def load(self, loader: Callable[[int, str, int], torch.Tensor], progress: Callable[[str], None] | None = None) -> LoadStats:
@@ -366,16 +512,12 @@ class ShardedExpertStore:
         pages this rank allocates, and slot pools' page tails); ``weight_bytes``
         and ``scale_bytes`` split the total by tensor role."""
         sizes = self.symm.chunk_sizes[self.rank]
-        data = sum(self.num_layers * self.plans[p.name].data_bytes_in_pages_of(self.rank) +
-                   self.slot_pools * self.num_slots * p.row_bytes for p in self.projections)
-        by_role = {"weight": 0, "scale": 0}
-        for p in self.projections:  # each tensor's runs and pools are its own pages: an exact split
-            by_role[p.role] += (self.num_layers * self.plans[p.name].pages_of(self.rank) * self.granularity
-                                + self.slot_pools * self.pool_bytes[p.name])
+        planned = self.plan.rank_bytes(self.rank)  # each tensor's runs and pools are its own pages: an exact split
+        data = planned["total_bytes"] - planned["padding_bytes"]
         return {"expert_bytes": sizes[EXPERTS_CHUNK], "slot_bytes": sizes[SLOTS_CHUNK],
                 "padding_bytes": sizes[EXPERTS_CHUNK] + sizes[SLOTS_CHUNK] - data,
                 "total_bytes": sizes[EXPERTS_CHUNK] + sizes[SLOTS_CHUNK],
-                "weight_bytes": by_role["weight"], "scale_bytes": by_role["scale"]}
+                "weight_bytes": planned["weight_bytes"], "scale_bytes": planned["scale_bytes"]}
 
     def replicated_bytes(self, num_slots: int | None = None) -> int:
         """Bytes vLLM 0.33.0's all-gathered layout holds per rank: ``L · (E+B)`` rows per projection."""

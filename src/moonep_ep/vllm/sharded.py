@@ -102,7 +102,8 @@ class ModelExpertStore:
         self.driver = driver if driver is not None else make_store_driver(self.device, self.rank)
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=self._projections(),
-                                        num_slots=num_slots, driver=self.driver, group=group, gen_b=gen_b)
+                                        num_slots=num_slots, driver=self.driver, group=group,
+                                        api="push" if gen_b else "pull")
         #: Each store tensor's data: its shape and dtype as the checkpoint and the experts see them (a push
         #: layout scale row is stored padded to 16 KiB bytes; :meth:`data_view` reads its head)
         self.data_specs = {p.name: p for p in self._projections(padded=False)}
@@ -330,19 +331,21 @@ class ModelExpertStore:
         scale rows NaN (bf16/fp32 scales; an E8M0 scale of 0xFF is NaN by the OCP MX spec): a dequantized
         stale slot is NaN either way."""
         for proj in (PROJECTIONS if self.format == "bf16" else self.shapes):
-            slots = self.store.slots(0, proj)
-            if slots.is_floating_point() and slots.dtype.itemsize > 1:
-                slots.fill_(float("nan"))
-            elif slots.dtype == torch.uint8 and proj.endswith("_scale"):
-                slots.fill_(0xFF)
-            else:
-                slots.zero_()
+            for slots in self.store.slot_views(proj):  # push: each layer's slot head too
+                if slots.is_floating_point() and slots.dtype.itemsize > 1:
+                    slots.fill_(float("nan"))
+                elif slots.dtype == torch.uint8 and proj.endswith("_scale"):
+                    slots.fill_(0xFF)
+                else:
+                    slots.zero_()
         self.driver.synchronize()
 
     # -- views and accounting ----------------------------------------------------------------
     def views(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """BF16 layer ``idx``'s gate, up, down: ``[E+B]`` pull views, or ``[2*epn]`` push views."""
         s = self.store
-        return s.gen_a(idx, "gate"), s.gen_a(idx, "up"), s.gen_a(idx, "down")
+        view = s.push_view if self.gen_b else s.gen_a
+        return view(idx, "gate"), view(idx, "up"), view(idx, "down")
 
     def named_views(self, idx: int) -> dict[str, torch.Tensor]:
         """Quantized layer ``idx``'s views the experts read: ``{vLLM parameter name: [E+B, ...]}`` (pull), or
