@@ -32,7 +32,8 @@ from typing import Any
 from .. import envs
 from ..models import MoEModelConfig
 
-__all__ = ["GpuProfile", "PROFILES", "FORMATS", "expert_bytes_for", "canonical_format", "CostModel", "cost_model"]
+__all__ = ["GpuProfile", "PROFILES", "FORMATS", "expert_bytes_for", "canonical_format", "CostModel", "cost_model",
+           "cost_overrides", "detect_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +168,22 @@ def detect_profile() -> str:
     return "h200"
 
 
-def cost_model(model: MoEModelConfig, fmt: str = "bf16", profile: str | None = None) -> CostModel:
+#: The cost-model overrides of ``envs.py``, each replacing one input of the profile.
+OVERRIDES = ("MOONEP_EP_COST_TFLOPS", "MOONEP_EP_COST_LINK_GBPS", "MOONEP_EP_COST_HBM_GBPS",
+             "MOONEP_EP_COST_EXPERT_BYTES")
+
+
+def cost_overrides() -> tuple[tuple[str, Any], ...]:
+    """The overrides set in this process, ``((variable, value), ...)``: what EP ranks compare before a
+    model built from them picks a step's capacity (``vllm/buffers.py``, ``agree_decisions``)."""
+    values = ((var, envs.get(var)) for var in OVERRIDES)
+    return tuple((var, value) for var, value in values if value is not None)
+
+
+def cost_model(model: MoEModelConfig, fmt: str = "bf16", profile: str | None = None,
+               overrides: tuple[tuple[str, Any], ...] | None = None) -> CostModel:
     """The cost model for one model and weight format on ``profile`` (None: :func:`detect_profile`),
-    with every cost-model override of ``envs.py`` applied."""
+    with ``overrides`` applied (None: this process's, :func:`cost_overrides`)."""
     name = profile or detect_profile()
     if name not in PROFILES:
         raise ValueError(f"unknown GPU profile {name!r}: use one of {sorted(PROFILES)}")
@@ -179,13 +193,13 @@ def cost_model(model: MoEModelConfig, fmt: str = "bf16", profile: str | None = N
     # else dequantised to BF16 (Hopper, Marlin-style W4A16).
     rate = {"bf16": p.bf16_tflops, "fp8": p.fp8_tflops,
             "fp4": p.fp8_tflops if p.fp4_tflops else p.bf16_tflops}[compute]
-    overrides = []
+    applied = []
     tflops, link, hbm, nbytes = rate, p.nvlink_gbps, p.hbm_gbps, expert_bytes_for(model, fmt)
-    for var, current in (("MOONEP_EP_COST_TFLOPS", "tflops"), ("MOONEP_EP_COST_LINK_GBPS", "link"),
-                         ("MOONEP_EP_COST_HBM_GBPS", "hbm"), ("MOONEP_EP_COST_EXPERT_BYTES", "nbytes")):
-        value = envs.get(var)
+    given = dict(cost_overrides() if overrides is None else overrides)
+    for var, current in zip(OVERRIDES, ("tflops", "link", "hbm", "nbytes")):
+        value = given.get(var)
         if value is not None:
-            overrides.append(f"{var}={value}")
+            applied.append(f"{var}={value}")
             if current == "tflops":
                 tflops = float(value)
             elif current == "link":
@@ -196,4 +210,4 @@ def cost_model(model: MoEModelConfig, fmt: str = "bf16", profile: str | None = N
                 nbytes = int(value)
     return CostModel(profile=name, flop_rate=tflops * 1e12, link_bw=link * 1e9, hbm_bw=hbm * 1e9,
                      expert_bytes=nbytes, flops_per_row=6 * model.hidden_size * model.moe_intermediate_size,
-                     overrides=tuple(overrides), source=p.source)
+                     overrides=tuple(applied), source=p.source)

@@ -18,6 +18,11 @@ on GPU, CUDA VMM, a shareable handle type (POSIX fds within one host, fabric
 handles across hosts) and peer access; the real MoonEP buffer additionally
 needs multicast. :func:`system_check` names every missing piece at backend
 selection (when the MoonEP all2all manager is built), before any collective.
+
+:func:`select_buffer` is one rank's view. The manager's backend-selection step
+shares it, with every other setting that decides which collective runs
+(:func:`local_decisions`), and :func:`agree_decisions` refuses ranks that
+differ, alike on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from .. import envs
 from ..errors import ConfigError
@@ -45,6 +50,9 @@ class BufferChoice:
     cls: Any             # the Buffer class
     reason: str
     api: str = "pull"    # the MoonEP API generation it serves vLLM with (push: ``push_path.py``)
+    requested: str = "auto"      # MOONEP_EP_BUFFER
+    api_requested: str = "auto"  # MOONEP_EP_MOONEP_API
+    api_found: str = ""          # what the probe read off the Buffer class: pull | push | either
 
 
 def _real_moonep(device_type: str) -> tuple[Any, str]:
@@ -91,7 +99,11 @@ def select_buffer(device_type: str) -> BufferChoice:
         from ..ops.buffer import ReferenceBuffer
 
         choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
-    api = choose_moonep_api(choice.cls)   # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks
+    # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks; this rank's view only: the manager's
+    # agree_decisions compares every rank's.
+    api = choose_moonep_api(choice.cls)
+    choice = dataclasses.replace(choice, api=api.api, requested=pref, api_requested=api.requested,
+                                 api_found=api.probe.api)
     if api.api == PUSH:
         if choice.kind != "reference":
             raise ConfigError("MOONEP_EP_MOONEP_API=push with the real moonep library: the push path through vLLM "
@@ -101,7 +113,7 @@ def select_buffer(device_type: str) -> BufferChoice:
         from ..ops.buffer_push import PushReferenceBuffer
 
         # The release's contract (no B, exactly S tokens, cu_seqlens [2*epn], collective push): push_path.py
-        choice = BufferChoice("reference", PushReferenceBuffer, choice.reason, api=PUSH)
+        choice = dataclasses.replace(choice, cls=PushReferenceBuffer)
     line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason}; MoonEP API: {api.reason})"
     if line not in _logged:
         _logged.add(line)
@@ -116,6 +128,94 @@ REFERENCE_ON_GPU_WARNING = (
     "moonep_ep: the reference MoonEP buffer serves on a GPU. It is for correctness: it gathers Python objects "
     "over the EP group on every dispatch and combine, which is slow on GPUs. Fix: install the MoonEP library "
     "at the commit vLLM pins (README, 'Using a GPU'); `moonep-ep check` says which buffer would serve")
+
+
+# -- decisions every EP rank takes together ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+    """Every setting that decides which collective an EP rank runs, as every rank agreed at backend
+    selection (``ShardedMoonEPAll2AllManager.__init__``). The hot path (``padding.py``) reads these, never
+    its own environment: two ranks that decided apart would wait in collectives the other never enters."""
+
+    buffer: str                 # "reference" | "moonep": which Buffer's collectives run
+    api: str                    # "pull" | "push"
+    layout: str                 # MOONEP_EP_LAYOUT: sharded builds the store (collective), replicated all-gathers
+    padding: str                # MOONEP_EP_PADDING: balanced all-gathers the loads, own/vllm do not
+    cost_profile: str           # the cost model's GPU profile: with the overrides, whether a step swaps its Buffer
+    cost_overrides: tuple[tuple[str, Any], ...]
+    cost_applies: bool          # whether the cost model picks a step's capacity at all
+    max_tokens: Optional[int]   # vLLM's max_num_batched_tokens: the buffer pool's largest capacity
+
+
+#: Each decision: what it is, and the fix when ranks differ.
+AGREED: dict[str, tuple[str, str]] = {
+    "buffer": ("MoonEP buffer", "set the same MOONEP_EP_BUFFER on every rank and install the same MoonEP "
+                                "library on every node"),
+    "api": ("MoonEP API", "set the same MOONEP_EP_MOONEP_API on every rank and install the same MoonEP library "
+                          "on every node"),
+    "layout": ("expert layout", "set the same MOONEP_EP_LAYOUT on every rank"),
+    "padding": ("capacity padding", "set the same MOONEP_EP_PADDING on every rank"),
+    "cost_profile": ("cost model's GPU profile", "set the same MOONEP_EP_GPU_PROFILE on every rank (auto reads "
+                                                 "each rank's own GPU name)"),
+    "cost_overrides": ("cost model's overrides", "set the same MOONEP_EP_COST_* variables on every rank"),
+    "cost_applies": ("cost model in use", "set the same MOONEP_EP_GPU_PROFILE on every rank (auto applies the "
+                                          "model on GPU ranks only)"),
+    "max_tokens": ("buffer pool's largest capacity (max_num_batched_tokens)",
+                   "start every engine with the same --max-num-batched-tokens"),
+}
+
+
+def local_decisions(choice: BufferChoice, vllm_config: Any = None) -> dict[str, tuple[Any, str]]:
+    """This rank's decisions, ``{name: (value, shown)}`` (``shown`` adds the setting behind the value), to be
+    shared in the backend-selection step and compared by :func:`agree_decisions`."""
+    from ..ops.decode_cost import cost_overrides, detect_profile
+    from .padding import cost_model_applies
+
+    profile_setting = envs.MOONEP_EP_GPU_PROFILE
+    overrides = cost_overrides()
+    applies = cost_model_applies()
+    max_tokens = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    max_tokens = None if max_tokens is None else int(max_tokens)
+    profile = detect_profile()
+    return {
+        "buffer": (choice.kind, f"{choice.kind} (MOONEP_EP_BUFFER={choice.requested})"),
+        "api": (choice.api, f"{choice.api} (MOONEP_EP_MOONEP_API={choice.api_requested}, "
+                            f"installed {choice.api_found or '?'})"),
+        "layout": (envs.MOONEP_EP_LAYOUT, envs.MOONEP_EP_LAYOUT),
+        "padding": (envs.MOONEP_EP_PADDING, envs.MOONEP_EP_PADDING),
+        "cost_profile": (profile, f"{profile} (MOONEP_EP_GPU_PROFILE={profile_setting})"),
+        "cost_overrides": (overrides, ", ".join(f"{var}={value}" for var, value in overrides) or "none"),
+        "cost_applies": (applies, f"{'yes' if applies else 'no'} (MOONEP_EP_GPU_PROFILE={profile_setting}, "
+                                  f"{'a' if _gpu_visible() else 'no'} GPU)"),
+        "max_tokens": (max_tokens, "unknown" if max_tokens is None else str(max_tokens)),
+    }
+
+
+def _gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def agree_decisions(everyone: list[dict[str, tuple[Any, str]]], rank: int) -> Decisions:
+    """The decisions of every rank (``Lockstep.gathered`` of :func:`local_decisions`), the same everywhere;
+    else :class:`ConfigError` naming each rank's value and the fix. Every rank compares the same list, so every
+    rank raises alike, before any Buffer is built: no rank is left waiting in a collective."""
+    differing, fixes = [], []
+    for name, (what, fix) in AGREED.items():
+        values = [d[name][0] for d in everyone]
+        if any(v != values[0] for v in values):
+            ranks_by_value: dict[str, list[int]] = {}
+            for r, d in enumerate(everyone):
+                ranks_by_value.setdefault(d[name][1], []).append(r)
+            differing.append(f"{what}: " + ", ".join(f"{shown} on rank(s) {ranks}"
+                                                     for shown, ranks in ranks_by_value.items()))
+            fixes.append(fix)
+    if differing:
+        raise ConfigError(f"[rank {rank}] moonep_ep: the EP ranks disagree on settings that decide which "
+                          f"collectives run, so each would wait in collectives the others never enter: "
+                          f"{'; '.join(differing)}. Fix: {'; '.join(fixes)}")
+    return Decisions(**{name: value for name, (value, _) in everyone[0].items()})
 
 
 def system_check(device_type: str, buffer_kind: str) -> dict[str, Any]:

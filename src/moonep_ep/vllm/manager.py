@@ -6,7 +6,10 @@ Imported only once vLLM's ``all2all`` module is (see ``plugin.py``).
   ``vllm.distributed.device_communicators.all2all.MoonEPAll2AllManager``
   (looked up by name when the communicator is built). It refuses sleep mode
   with the sharded layout, picks the Buffer (``MOONEP_EP_BUFFER``), runs the
-  system check, builds buffer pools that serve that Buffer, and owns the
+  system check, agrees with every EP rank on each setting that decides a
+  collective (``buffers.agree_decisions``: buffer, API, layout, padding, the
+  cost model's inputs, the pool's largest capacity; kept in ``decisions``),
+  builds buffer pools that serve that Buffer, and owns the
   expert stores (one per model, allocated at the end of the model's
   construction by ``loading.bind_model``), released by :meth:`destroy`.
 * :func:`convert_moonep_layer` replaces the MOONEP branch of
@@ -31,10 +34,9 @@ from vllm.distributed.device_communicators.all2all import MoonEPAll2AllManager
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
-from .. import envs
 from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
-from .buffers import select_buffer, system_check
+from .buffers import agree_decisions, local_decisions, select_buffer, system_check
 from .padding import real_tokens_across_dp
 from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
 from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
@@ -155,7 +157,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             self.vllm_config = get_current_vllm_config_or_none()
         except Exception:  # noqa: BLE001
             self.vllm_config = None
-        with GroupComm(cpu_group).step("MoonEP backend selection (moonep_ep system check)"):
+        comm = GroupComm(cpu_group)
+        with comm.step("MoonEP backend selection (moonep_ep system check)") as selected:
             refuse_sleep_mode(self.vllm_config)
             self.buffer_choice = select_buffer(device_type)
             if self.buffer_choice.kind == "moonep":
@@ -163,6 +166,10 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
                 check_moonep_system_support()
             self.capabilities = system_check(device_type, self.buffer_choice.kind)
+            selected.share(local_decisions(self.buffer_choice, self.vllm_config))
+        # The same step carried every rank's decisions: ranks that would run different collectives all raise
+        # here, alike, instead of hanging later. padding.py reads these, the same on every rank.
+        self.decisions = agree_decisions(selected.gathered, comm.rank)
         All2AllManagerBase.__init__(self, cpu_group, tcp_store_group)
         # Why: full GC passes over the ~700k import-time objects slow the CPU worker's start and, at
         # finalization, outlast vLLM's 5 s worker grace (gc_heap.py); destroy() closes the stores before exit.
@@ -177,7 +184,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         if stats_dir() is not None:
             STATS.set(ep_rank=self.rank, ep_size=self.world_size, buffer=self.buffer_choice.kind,
                       moonep_api=self.buffer_choice.api,
-                      device=device_type, layout=envs.MOONEP_EP_LAYOUT)
+                      device=device_type, layout=self.decisions.layout)
         logger.info("moonep_ep: MoonEP all2all manager (sharded expert layout, %s buffer) on %d EP ranks",
                     self.buffer_choice.kind, self.world_size)
 

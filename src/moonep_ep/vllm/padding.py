@@ -21,6 +21,10 @@ receive its rows, since it runs before ``Buffer.dispatch``.
 * ``own``: each rank's padding over its own experts; no collective.
 * ``vllm``: vLLM's own padding, unchanged (A/B runs).
 
+The policy and the cost model's inputs (profile, overrides, whether it applies) decide which collectives run
+(the all-gather, a larger Buffer's construction), so they are the ones every EP rank agreed at backend
+selection (``manager.decisions``, ``buffers.agree_decisions``), never re-read per rank here.
+
 Invalid (negative) top-k ids of real rows, which vLLM maps to expert 0 with
 weight 0, are mapped to the rank's own experts instead (weight 0 as well).
 The step's padding matrix is kept in :data:`LAST` for the instrumentation
@@ -43,8 +47,12 @@ from .stats import LAST_PADDING, last_padding  # noqa: F401 - last_padding: this
 LAST = LAST_PADDING
 
 
-def policy() -> str:
-    return envs.MOONEP_EP_PADDING
+def policy(manager: Any = None) -> str:
+    """The padding policy every EP rank agreed at backend selection (``manager.decisions``: ``balanced``
+    all-gathers, the others do not, so ranks must not choose apart); without that agreement (no manager,
+    one process) this process's ``MOONEP_EP_PADDING``."""
+    decided = getattr(manager, "decisions", None)
+    return decided.padding if decided is not None else envs.MOONEP_EP_PADDING
 
 
 def _group_of(manager: Any, device: torch.device) -> Any:
@@ -77,7 +85,7 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
 
     arm(self)
     manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
-    chosen = policy()
+    chosen = policy(manager)
     if chosen == "vllm" or manager is None:
         LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None, "S": capacity}
         return original(self, a1, topk_ids, topk_weights, capacity)
@@ -132,11 +140,16 @@ def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, 
     expert costs more than the extra padding rows; the same on every rank (``busiest_load`` is gathered).
 
     A home group whose real load exceeds ``S*K`` makes MoonEP's planner move entries whatever the padding;
-    doubling ``S`` adds ``S*K`` padding rows on every rank instead. Swaps the prepare step's buffer."""
+    doubling ``S`` adds ``S*K`` padding rows on every rank instead. Swaps the prepare step's buffer (building
+    one is a collective), so every input here is agreed: the load is gathered, the cost model's inputs are
+    the ones every rank agreed at backend selection (:func:`cost_inputs`)."""
     pool = self.buffer_pool
-    if busiest_load <= capacity * K or not _cost_model_applies():
+    if busiest_load <= capacity * K:
         return capacity
-    model = _cost_model(self, hidden, K, E)
+    profile, overrides, applies = cost_inputs(manager)
+    if not applies:
+        return capacity
+    model = _cost_model(self, hidden, K, E, profile=profile, overrides=overrides)
     if model is None:
         return capacity
     new = capacity
@@ -154,16 +167,34 @@ def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, 
 _COST: dict[tuple, Any] = {}
 
 
-def _cost_model_applies() -> bool:
-    """On a GPU, or where MOONEP_EP_GPU_PROFILE names a profile: the CPU engine's costs are no GPU's
-    (and its tests keep exercising the prefetch path)."""
+def cost_model_applies() -> bool:
+    """This process's view: on a GPU, or where MOONEP_EP_GPU_PROFILE names a profile: the CPU engine's costs
+    are no GPU's (and its tests keep exercising the prefetch path)."""
     if envs.MOONEP_EP_GPU_PROFILE != "auto":
         return True
     return torch.cuda.is_available()
 
 
-def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
-    """The cost model of this layer's experts in their stored format (None before the weights are bound)."""
+def cost_inputs(manager: Any = None) -> tuple[str, tuple[tuple[str, Any], ...], bool]:
+    """``(profile, overrides, applies)`` of the cost model: the ones every EP rank agreed at backend selection
+    (``manager.decisions``, ``buffers.agree_decisions``); without that agreement (no manager, one process)
+    this process's settings."""
+    decided = getattr(manager, "decisions", None)
+    if decided is not None:
+        return decided.cost_profile, decided.cost_overrides, decided.cost_applies
+    from ..ops.decode_cost import cost_overrides, detect_profile
+
+    return detect_profile(), cost_overrides(), cost_model_applies()
+
+
+def _cost_model(self: Any, hidden: int, K: int, E: int, *, profile: str | None = None,
+                overrides: tuple[tuple[str, Any], ...] | None = None) -> Any:
+    """The cost model of this layer's experts in their stored format (None before the weights are bound), on
+    ``profile`` with ``overrides`` (None: this process's, see :func:`cost_inputs`)."""
+    if profile is None or overrides is None:
+        local_profile, local_overrides, _ = cost_inputs(None)
+        profile = local_profile if profile is None else profile
+        overrides = local_overrides if overrides is None else overrides
     layout = getattr(self, "weight_layout", None) or getattr(getattr(self, "_fused_experts", None),
                                                              "weight_layout", None)
     gate = getattr(layout, "full_gate_weight", None)
@@ -173,14 +204,14 @@ def _cost_model(self: Any, hidden: int, K: int, E: int) -> Any:
     # weight [E+B, 2I, H/pack], the format on the layout. Bytes per expert, scales included, from layout.formats.
     fmt = getattr(layout, "format", None) or "bf16"
     intermediate = int(gate.shape[1]) // (1 if fmt == "bf16" else 2)
-    key = (hidden, intermediate, E, K, fmt)
+    key = (hidden, intermediate, E, K, fmt, profile, overrides)
     if key not in _COST:
         from ..models import MoEModelConfig
         from ..ops.decode_cost import cost_model
         from .stats import STATS, stats_dir
 
         shape = MoEModelConfig("vllm-moe-layer", hidden, intermediate, E, K, 1)
-        model = cost_model(shape, fmt)
+        model = cost_model(shape, fmt, profile, overrides)
         _COST[key] = model
         import logging
 
