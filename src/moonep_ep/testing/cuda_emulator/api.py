@@ -43,8 +43,8 @@ class EmulatedCudaApi(DeviceCalls, MemoryCalls, MulticastCalls):
             default: ``MOONEP_EP_CUDA_EMULATOR_HOST``, else the host named like
             this process's hostname, else host 0; see ``node.host_of_process``).
 
-    ``calls``, ``errors``, ``fail()``, ``names()``, ``calls_of()`` and
-    ``live()`` are for tests; everything named ``cu*`` is the driver API.
+    ``calls``, ``errors``, ``fail()``, ``plant_device_fault()``, ``sticky_faults()``, ``names()``,
+    ``calls_of()`` and ``live()`` are for tests; everything named ``cu*`` is the driver API.
     """
 
     # -- module surface ---------------------------------------------------------------
@@ -60,6 +60,25 @@ class EmulatedCudaApi(DeviceCalls, MemoryCalls, MulticastCalls):
         if isinstance(code, str):
             code = getattr(self._real.CUresult, code)
         self._faults[name] = [self._real.CUresult(int(code)), int(times), int(after)]
+
+    def plant_device_fault(self, code: Any = "CUDA_ERROR_ASSERT", after_calls: int = 0,
+                           why: str = "a device-side assert triggered in a kernel (planted by a test)") -> None:
+        """A kernel of this process fails on the device, as a ``torch._assert_async`` guard or a bad
+        address would: after ``after_calls`` more driver calls (0: now, if a context is current, else
+        at the first call that has one) the current context is sticky-faulted. From then on every
+        call in it -- ``cuCtxSynchronize``, ``cuMemUnmap``, ``cuMemRelease``, ``cuCtxSetCurrent``,
+        ``cuDevicePrimaryCtxRelease`` -- and every kernel launch returns ``code`` (CUDA_ERROR_ASSERT
+        = 710 by default; the driver's docs: "The context cannot be used anymore"); context-free
+        queries still answer. Nothing undoes it: the memory goes back when the process exits."""
+        code = code if isinstance(code, str) else self._real.CUresult(int(code)).name
+        getattr(self._real.CUresult, code)  # an unknown code name fails here, not at the landing
+        self._planted = [code, str(why), max(0, int(after_calls))]
+        if not after_calls:
+            self._count_toward_planted_fault()
+
+    def sticky_faults(self) -> dict[int, str]:
+        """Node GPU -> the sticky error code its context in this process returns (empty: none faulted)."""
+        return {gpu: code for gpu, (code, _) in self._sticky.items()}
 
     def names(self) -> list[str]:
         return [n for n, _ in self.calls]

@@ -58,6 +58,8 @@ def _api(n_out: int, *, context: bool = True, init: bool = True) -> Callable:
                 # What the bindings do when the driver cannot supply a symbol at their ABI version.
                 # (cuda-python's own version check still calls cuDriverGetVersion, so that one works.)
                 raise RuntimeError(f'Function "{name}" not found')
+            if self._planted is not None:
+                self._count_toward_planted_fault()
             fault = self._faults.get(name)
             if fault and fault[2] > 0:
                 fault[2] -= 1  # calls let through before the fault
@@ -114,6 +116,8 @@ class EmulatorCore:
         self._faults: dict[str, list] = {}
         #: gpu -> (code, why) of a kernel fault: every later call in that context fails with it
         self._sticky: dict[int, tuple[str, str]] = {}
+        #: a device fault planted by a test, not landed yet: [code, why, driver calls still let through]
+        self._planted: list | None = None
         self._initialized = False
         self._ctx_refs: dict[int, int] = {}             # gpu -> primary context retains
         self._thread = threading.local()
@@ -247,10 +251,36 @@ class EmulatorCore:
         if fail[2] is None or fail[2] == gpu:
             raise _Fail(fail[1], f"injected by the node spec (mc_fail={step}:{fail[1]}) on GPU {gpu}")
 
+    def _count_toward_planted_fault(self) -> None:
+        """One driver call toward the planted fault; it lands once none is left to let through and a
+        context is current (a kernel runs in one), making that context sticky-faulted."""
+        planted = self._planted
+        if planted[2] > 0:
+            planted[2] -= 1
+            return
+        gpu = getattr(self._thread, "gpu", None)
+        if gpu is None or not self._ctx_refs.get(gpu):
+            return  # no context to fault yet: the next call that has one
+        self._planted = None
+        self._sticky.setdefault(gpu, (planted[0], planted[1]))  # the first fault is the one reported
+        self.errors.append(("(device)", planted[0], "planted: " + planted[1]))
+
+    def _raise_if_faulted(self, gpu: int | None) -> None:
+        """Calls that name or act on a context (retain, release, set current) fail once it is
+        sticky-faulted too: the real driver gives the context up only when the process exits."""
+        sticky = self._sticky.get(gpu) if gpu is not None else None
+        if sticky:
+            raise _Fail(*sticky)
+
     def kernel_launched(self, module: str) -> None:
         """A kernel of ``module`` ran on the current GPU (``cuLaunchKernel``, or a library above the driver
-        API such as torch's fill): its first launch in the process lazily loads the module."""
+        API such as torch's fill): its first launch in the process lazily loads the module. In a
+        sticky-faulted context the launch fails as torch's does (``RuntimeError: CUDA error: ...``)."""
         gpu = self._current_gpu()
+        sticky = self._sticky.get(gpu)
+        if sticky:
+            raise RuntimeError(f"CUDA error: {sticky[0]} ({sticky[1]}); the context is unusable until the "
+                               "process exits (CUDA emulator)")
         self._take_driver_memory((gpu, module), gpu, self.node.lazy_load, f"module-{module}")
 
     def _take_driver_memory(self, key: tuple, gpu: int, nbytes: int, what: str) -> None:

@@ -136,6 +136,7 @@ class DeviceCalls(EmulatorCore):
     @_api(1, context=False)
     def cuDevicePrimaryCtxRetain(self, dev):
         gpu = self._gpu(dev)
+        self._raise_if_faulted(gpu)
         self._ctx_refs[gpu] = self._ctx_refs.get(gpu, 0) + 1
         return self._real.CUcontext(_CTX_BASE + gpu)
 
@@ -144,6 +145,7 @@ class DeviceCalls(EmulatorCore):
         gpu = self._gpu(dev)
         if not self._ctx_refs.get(gpu):
             raise _Fail("CUDA_ERROR_INVALID_CONTEXT", f"no retained primary context on device {int(dev)}")
+        self._raise_if_faulted(gpu)  # the retain stays: a faulted context goes with the process
         self._ctx_refs[gpu] -= 1
         if not self._ctx_refs[gpu]:
             del self._ctx_refs[gpu]
@@ -156,11 +158,13 @@ class DeviceCalls(EmulatorCore):
             return
         if not self._ctx_refs.get(gpu):
             raise _Fail("CUDA_ERROR_INVALID_CONTEXT", f"context {int(ctx):#x} is not a retained primary context")
+        self._raise_if_faulted(gpu)
         self._thread.gpu = gpu
 
     @_api(1, context=False)
     def cuCtxGetCurrent(self):
         gpu = getattr(self._thread, "gpu", None)
+        self._raise_if_faulted(gpu)
         return self._real.CUcontext(0 if gpu is None else _CTX_BASE + gpu)
 
     @_api(0)
