@@ -2,8 +2,11 @@
 # The checks a lent GPU must run: the CUDA path on real hardware, the part the CPU emulator cannot run
 # (docs/design/memory.md, "The seam"), in parts that each fit one command (<= 480 s of step limits).
 #
-#   bash scripts/gpu_check.sh --plan      every part's steps and time limits (runs nothing)
+#   bash scripts/gpu_check.sh --plan      every part's steps and time limits, and the one command (runs nothing)
 #   bash scripts/gpu_check.sh --part N    run part N; its last stdout line is one JSON object
+#   bash scripts/gpu_check.sh --one-gpu   the one command for a machine with one GPU: parts 6 and 7 and the
+#                                         one-GPU steps of parts 1-2 that matter most, within one total limit
+#                                         (ONE_GPU below); its last stdout line is one JSON object
 #
 # Runs as the lent machine is: `python3` (override: PYTHON=...) with PYTHONPATH=src -- no venv, no
 # install, nothing fetched. Part 1 alone answers the first question: does the CUDA path allocate,
@@ -23,6 +26,7 @@ OUT="${OUT:-gpu-check-out}"
 EMU=0
 [ "${MOONEP_EP_CUDA_EMULATOR:-0}" = "1" ] && EMU=1
 CLI="$PY -m moonep_ep"
+KILL_AFTER_S=5   # a step that outlives its limit gets SIGTERM, and SIGKILL this long after (rc 137)
 VLLM_PY=.venv-vllm/bin/python
 
 # part|step|limit_s|needs|modules|check over `out` (the step's JSON; "rc" = exit status only)|what it answers
@@ -47,21 +51,64 @@ PLAN=$(cat <<'EOF'
 7|k3_moe_layer|180|gpu|torch,triton|out["ok"]|one Kimi K3 MoE layer at real widths (latent 3584, I 3072) through the MXFP4 experts with SiTU against a dense fp32 reference; SiLU, no linear_beta, the bias in the weights, the norm skipped must each fail
 EOF
 )
+# The one command for a machine with one GPU (`--one-gpu`): step|limit_s|needs|modules|check|what, where "="
+# for the last four takes them from the step's PLAN row. The limits are tighter than the parts' so that their
+# sum -- the command's total limit, stated by --plan -- fits one command (ONE_GPU_MAX_S) and, with the machine's
+# start-up, a session's device time. Each step runs under `timeout` with min(its limit, what is left of the
+# total): the whole command stops within the total. Parts 6 and 7 first, then what parts 1-2 ask of one GPU.
+# needs besides PLAN's: vllm (python3 must import vllm), unbuilt (the check does not exist yet: never runs).
+ONE_GPU=$(cat <<'EOF'
+env|30|-|torch,numpy,pytest|out["ok"]|python3, torch, numpy, pytest importable (cuda-bindings and Triton reported: the steps that need them check for themselves); the GPU seen by torch
+mxfp4_experts|110|=
+mxfp4_kernel|90|=
+mxfp4_race|45|=
+k3_moe_layer|90|=
+check|30|=
+selftest|60|=
+push_layout|50|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|the push layout on GPU 0, 2 ranks over CUDA VMM (POSIX fds, gloo): the store's [2*epn] compute views and [R, epn] slot pools, a row pushed into the next rank's pool read back, handles == the plan, 0 leaks (pytest -m cuda tests/layout/test_layout_cuda.py)
+quantized_vmm|75|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|INT4 g32, MXFP4 and FP8 block experts over CUDA VMM on GPU 0, 2 ranks: weights and scales in the store, a slot fill, the project's dequantizing expert FFN against a reference from the codes; a stale scale must miss (pytest -m cuda tests/ops/test_quantized_experts_cuda.py)
+vllm_int4_fp8|0|vllm|vllm|rc|vLLM's own INT4 (Marlin) and FP8 block (DeepGEMM, Triton) MoE kernels on the store's views
+cuda_graph|0|unbuilt|-|rc|the experts captured in and replayed from a CUDA graph (issue 46)
+EOF
+)
+ONE_GPU_COMMAND="bash scripts/gpu_check.sh --one-gpu"
+ONE_GPU_MAX_S=600   # a command on the machine runs at most 10 minutes
+
+# ONE_GPU as PLAN rows (part "one"), the "=" fields filled from PLAN.
+one_gpu_rows() {
+  local name limit rest row
+  while IFS='|' read -r name limit rest; do
+    [ -n "$name" ] || continue
+    if [ "$rest" = "=" ]; then
+      row=$(printf '%s\n' "$PLAN" | awk -F'|' -v n="$name" '$2 == n {print; exit}')
+      [ -n "$row" ] || { echo "gpu_check.sh: ONE_GPU names $name, which PLAN lacks" >&2; return 2; }
+      rest=$(printf '%s' "$row" | cut -d'|' -f4-)
+    fi
+    printf 'one|%s|%s|%s\n' "$name" "$limit" "$rest"
+  done <<<"$ONE_GPU"
+}
+
 # What the lent GPU machine's python3 (3.12) has, and what it lacks, as its lender states it.
 LENT_HAS="torch triton numpy hypothesis pytest transformers safetensors"
 LENT_LACKS="vllm compressed_tensors"
 PART_LIMIT=480
 
 plan() {
-  "$PY" - "$PLAN" "$PART_LIMIT" "$LENT_HAS" "$LENT_LACKS" <<'PYEOF'
+  local one
+  one=$(one_gpu_rows) || return 2
+  "$PY" - "$PLAN" "$PART_LIMIT" "$LENT_HAS" "$LENT_LACKS" "$one" "$ONE_GPU_COMMAND" "$ONE_GPU_MAX_S" <<'PYEOF'
 import json, sys
 rows = [l.split("|") for l in sys.argv[1].splitlines() if l.strip()]
 limit = int(sys.argv[2])
 has, lacks = set(sys.argv[3].split()), set(sys.argv[4].split())
+one_rows = [l.split("|") for l in sys.argv[5].splitlines() if l.strip()]
+one_command, one_max = sys.argv[6], int(sys.argv[7])
 
 
 def on_lent(needs, mods):
     """Whether the step can run on the lent machine (python3 3.12, one GPU), from its stated list."""
+    if needs == "unbuilt":
+        return "cannot run: not built yet"
     missing = [m for m in mods if m in lacks]
     if missing:
         return f"cannot run: it has no {', '.join(missing)}"
@@ -84,6 +131,16 @@ for part in sorted({int(r[0]) for r in rows}):
     print(json.dumps({"part": part, "limit_s": total, "max_limit_s": limit,
                       "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3], "modules": r[4].split(","),
                                  "lent_machine": on_lent(r[3], r[4].split(","))} for r in steps]}))
+# The one command: its total limit is the sum of its steps' limits (each step also stops at what is left of it).
+total = sum(int(r[2]) for r in one_rows)
+print(f"one command for a machine with one GPU: {one_command}")
+print(f"  total limit {total} s = the sum of its steps' limits (at most {one_max}: one command); "
+      "each step stops at min(its limit, what is left of the total); last stdout line: one JSON object")
+for _, name, secs, needs, mods, _check, what in one_rows:
+    print(f"  {name:<14} {secs:>4} s  {'[' + needs + '] ' if needs != '-' else ''}{what}")
+print(json.dumps({"command": one_command, "limit_s": total, "max_limit_s": one_max,
+                  "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3], "modules": r[4].split(","),
+                             "lent_machine": on_lent(r[3], r[4].split(","))} for r in one_rows]}))
 PYEOF
 }
 
@@ -115,10 +172,11 @@ gpu_count() {
 run_step() {
   local name=$1 limit=$2
   case "$name" in
-    env) timeout "$limit" "$PY" - "$EMU" <<'PYEOF'
+    env) timeout -k "$KILL_AFTER_S" "$limit" "$PY" - "$EMU" "$ENV_NEEDS" <<'PYEOF'
 import importlib, json, sys
 out = {"emulated": sys.argv[1] == "1", "python": sys.version.split()[0]}
-for mod in ("torch", "cuda.bindings", "numpy", "pytest"):
+needed = sys.argv[2].split(",")
+for mod in ("torch", "cuda.bindings", "numpy", "pytest", "triton"):
     try:
         m = importlib.import_module(mod)
         out[mod] = getattr(m, "__version__", "present")
@@ -128,26 +186,30 @@ import torch
 out["torch_cuda"] = torch.version.cuda
 out["torch_sees_gpu"] = torch.cuda.is_available()
 out["gpu"] = torch.cuda.get_device_name(0) if out["torch_sees_gpu"] else None
-out["ok"] = all(not str(out[m]).startswith("missing") for m in ("torch", "cuda.bindings", "numpy", "pytest")) \
-    and (out["emulated"] or out["torch_sees_gpu"])
+out["ok"] = all(not str(out[m]).startswith("missing") for m in needed) and (out["emulated"] or out["torch_sees_gpu"])
 print(json.dumps(out))
 PYEOF
       ;;
-    check) timeout "$limit" $CLI check --json ;;
-    selftest) CUDA_VISIBLE_DEVICES=0 timeout "$limit" $CLI selftest --driver cuda --ranks 2 --chunk-mib 64 --json ;;
-    selftest_soak) CUDA_VISIBLE_DEVICES=0 timeout "$limit" $CLI selftest --driver cuda --ranks 2 --chunk-mib 16 \
+    check) timeout -k "$KILL_AFTER_S" "$limit" $CLI check --json ;;
+    selftest) CUDA_VISIBLE_DEVICES=0 timeout -k "$KILL_AFTER_S" "$limit" $CLI selftest --driver cuda --ranks 2 --chunk-mib 64 --json ;;
+    selftest_soak) CUDA_VISIBLE_DEVICES=0 timeout -k "$KILL_AFTER_S" "$limit" $CLI selftest --driver cuda --ranks 2 --chunk-mib 16 \
                      --cycles 6 --json ;;
-    gpu_tests) timeout "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" ;;
-    footprint) timeout "$limit" $CLI footprint --measure --ranks "$RANKS" --model tiny --layers 8 --driver cuda --json ;;
-    perf) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_perf --driver cuda --json ;;
-    ops_demo) timeout "$limit" $CLI demo --ranks "$RANKS" --skew 8 --driver cuda --json ;;
-    make_demo) timeout "$limit" "$VLLM_PY" -m moonep_ep vllm-demo --reload --json ;;
-    kv_accounting) TIMEOUT_S=$((limit - 10)) timeout "$limit" bash scripts/gpu_checks/kv_accounting.sh ;;
-    serve) TIMEOUT_S=$((limit - 10)) timeout "$limit" bash scripts/gpu_checks/serve.sh ;;
-    mxfp4_experts) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check experts --json ;;
-    mxfp4_kernel) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check kernel --json ;;
-    mxfp4_race) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
-    k3_moe_layer) timeout "$limit" "$PY" -m moonep_ep.tools.bench.gpu_k3 --json ;;
+    gpu_tests) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" ;;
+    footprint) timeout -k "$KILL_AFTER_S" "$limit" $CLI footprint --measure --ranks "$RANKS" --model tiny --layers 8 --driver cuda --json ;;
+    perf) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_perf --driver cuda --json \
+            --deadline-s $(( limit > 30 ? limit - 15 : limit )) ;;  # its own bound (also its ranks' waits), inside the step's
+    ops_demo) timeout -k "$KILL_AFTER_S" "$limit" $CLI demo --ranks "$RANKS" --skew 8 --driver cuda --json ;;
+    make_demo) timeout -k "$KILL_AFTER_S" "$limit" "$VLLM_PY" -m moonep_ep vllm-demo --reload --json ;;
+    kv_accounting) TIMEOUT_S=$((limit - 10)) timeout -k "$KILL_AFTER_S" "$limit" bash scripts/gpu_checks/kv_accounting.sh ;;
+    serve) TIMEOUT_S=$((limit - 10)) timeout -k "$KILL_AFTER_S" "$limit" bash scripts/gpu_checks/serve.sh ;;
+    mxfp4_experts) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check experts --json ;;
+    mxfp4_kernel) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check kernel --json ;;
+    mxfp4_race) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
+    k3_moe_layer) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_k3 --json ;;
+    push_layout) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" push_layout \
+                   tests/layout/test_layout_cuda.py ;;
+    quantized_vmm) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" quantized_vmm \
+                     tests/ops/test_quantized_experts_cuda.py ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac
 }
@@ -156,10 +218,17 @@ PYEOF
 not_applicable() {
   case "$1" in
     gpu)
-      if [ "$EMU" = 1 ] && [ "$2" = gpu_tests ]; then
+      if [ "$EMU" = 1 ] && { [ "$2" = gpu_tests ] || [ "$2" = push_layout ] || [ "$2" = quantized_vmm ]; }; then
         echo "needs a real GPU (the emulated twins of these tests run in CI: pytest -m cuda_emulated)"
       elif [ "$EMU" = 1 ]; then
         echo "needs a real GPU and Triton's GPU backend (the emulated CUDA driver runs no kernels)"
+      fi ;;
+    unbuilt) echo "not built yet: $3" ;;
+    vllm)
+      if [ -n "$(missing_modules vllm)" ]; then
+        echo "needs vLLM (these kernels are vLLM's), which $PY cannot import; the project's own INT4 and FP8 path over CUDA VMM runs in quantized_vmm"
+      else
+        echo "no one-GPU step runs them yet: vLLM's engine runs them in parts 3-5 (>= 2 GPUs)"
       fi ;;
     engine)
       if [ "$EMU" = 1 ]; then echo "needs vLLM's CUDA engine on real GPUs"
@@ -172,13 +241,15 @@ not_applicable() {
   return 0
 }
 
-run_part() {
-  local part=$1 steps_file="$OUT/part$1.jsonl"
-  : >"$steps_file"
+# Run the rows of $2 (PLAN's format) whose part is $1, appending each step's JSON line to $3. With $4 (a
+# deadline in $SECONDS), each step gets min(its limit, what is left before it less KILL_AFTER_S); a step with
+# nothing left is not started and fails.
+run_steps() {
+  local part=$1 rows=$2 steps_file=$3 deadline=${4:-}
   while IFS='|' read -r p name limit needs mods check what; do
     [ "$p" = "$part" ] || continue
     local why
-    why=$(not_applicable "$needs" "$name")
+    why=$(not_applicable "$needs" "$name" "$what")
     if [ -z "$why" ] && [ "$needs" != engine ]; then  # engine steps run in .venv-vllm, checked above
       local missing
       missing=$(missing_modules "$mods")
@@ -189,15 +260,27 @@ run_part() {
         "$name" "$why" | tee -a "$steps_file"
       continue
     fi
+    local given=$limit left
+    if [ -n "$deadline" ]; then  # a step ends within given + KILL_AFTER_S: so does the last one, by the deadline
+      left=$((deadline - SECONDS - KILL_AFTER_S))
+      [ "$left" -lt "$given" ] && given=$left
+    fi
+    if [ "$given" -le 0 ]; then
+      "$PY" -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "status": "failed", "rc": None, "seconds": 0,
+                 "limit_s": 0, "detail": "not started: the total limit was spent", "figures": {}}))' \
+        "$name" | tee -a "$steps_file"
+      continue
+    fi
     local t0=$SECONDS
-    run_step "$name" "$limit" >"$OUT/$name.out" 2>"$OUT/$name.err"
+    run_step "$name" "$given" >"$OUT/$name.out" 2>"$OUT/$name.err"
     local rc=$?
-    "$PY" - "$name" "$rc" "$check" "$OUT/$name.out" $((SECONDS - t0)) "$EMU" >>"$steps_file" <<'PYEOF'
+    "$PY" - "$name" "$rc" "$check" "$OUT/$name.out" $((SECONDS - t0)) "$EMU" "$given" >>"$steps_file" <<'PYEOF'
 import json, sys
 name, rc, check, path, seconds, emu = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6] == "1"
+given = int(sys.argv[7])
 status, detail, out = "passed", "", None
 if rc in (124, 137):
-    status, detail = "failed", "timed out"
+    status, detail = "failed", f"timed out (limit {given} s)"
 else:
     try:
         text = open(path).read()
@@ -228,9 +311,12 @@ keep = {
     "selftest_soak": ("leaked_device_bytes", "leak_measure", "rss_growth_bytes", "seconds_per_rank"),
     "footprint": ("measure", "measured_bytes_per_rank", "predicted_bytes_per_rank", "device_wide_measure",
                   "device_wide_drift_bytes_per_rank", "granularity"),
-    "perf": ("device", "measure", "slot_fill_imported_over_local", "slot_fill_gbps", "ffn_views_over_plain"),
-    "check": ("cuda",), "env": ("python", "torch", "torch_cuda", "cuda.bindings", "gpu", "torch_sees_gpu"),
+    "perf": ("device", "measure", "slot_fill_imported_over_local", "slot_fill_gbps", "ffn_views_over_plain",
+             "measure_seconds"),
+    "check": ("cuda",), "env": ("python", "torch", "torch_cuda", "cuda.bindings", "triton", "gpu", "torch_sees_gpu"),
     "gpu_tests": ("tests", "skipped", "failures"),
+    "push_layout": ("tests", "skipped", "failures", "outcomes"),
+    "quantized_vmm": ("tests", "skipped", "failures", "outcomes"),
     "ops_demo": ("max_token_rel_err", "ok"),
     "mxfp4_experts": ("device", "triton", "models"),
     "mxfp4_kernel": ("device", "triton", "models", "kernels"),
@@ -241,11 +327,17 @@ figures = {k: out[k] for k in keep if isinstance(out, dict) and k in out}
 if name == "check" and "cuda" in figures:
     figures["cuda"] = {k: figures["cuda"].get(k) for k in ("device", "device_id", "emulated", "versions", "fabric",
                                                            "multicast", "granularity", "clique", "host")}
-print(json.dumps({"step": name, "status": status, "rc": rc, "seconds": seconds, "detail": detail,
+print(json.dumps({"step": name, "status": status, "rc": rc, "seconds": seconds, "limit_s": given, "detail": detail,
                   "figures": figures}))
 PYEOF
     tail -1 "$steps_file"
-  done <<<"$PLAN"
+  done <<<"$rows"
+}
+
+run_part() {
+  local part=$1 steps_file="$OUT/part$1.jsonl"
+  : >"$steps_file"
+  ENV_NEEDS=torch,cuda.bindings,numpy,pytest run_steps "$part" "$PLAN" "$steps_file"
   "$PY" - "$steps_file" "$part" "$GPUS" "$EMU" <<'PYEOF'
 import json, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -266,21 +358,60 @@ sys.exit(0 if summary["ok"] is not False else 1)
 PYEOF
 }
 
+# The one command: every ONE_GPU step, the whole within the sum of their limits; then one JSON line.
+run_one_gpu() {
+  local steps_file="$OUT/one-gpu.jsonl" rows total start=$SECONDS
+  rows=$(one_gpu_rows) || return 2
+  total=$(printf '%s\n' "$rows" | awk -F'|' '{s += $3} END {print s}')
+  : >"$steps_file"
+  ENV_NEEDS=torch,numpy,pytest run_steps one "$rows" "$steps_file" $((start + total))
+  "$PY" - "$steps_file" "$GPUS" "$EMU" "$ONE_GPU_COMMAND" "$total" $((SECONDS - start)) <<'PYEOF'
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ran = [s for s in steps if s["status"] != "not_applicable"]
+summary = {
+    "command": sys.argv[4],
+    "ok": (all(s["status"] == "passed" for s in ran) if ran else None),
+    "emulated": sys.argv[3] == "1",
+    "gpus": int(sys.argv[2]),
+    "limit_s": int(sys.argv[5]),
+    "wall_seconds": int(sys.argv[6]),
+    "steps": {s["step"]: s["status"] for s in steps},
+    # every step's result: status, exit status, seconds, the limit it ran under, why (figures below)
+    "results": {s["step"]: {k: v for k, v in s.items() if k not in ("step", "figures")} for s in steps},
+    "failed": [s["step"] for s in ran if s["status"] != "passed"],
+    "not_applicable": {s["step"]: s["detail"] for s in steps if s["status"] == "not_applicable"},
+    "figures": {s["step"]: s["figures"] for s in ran if s.get("figures")},
+}
+print(json.dumps(summary))
+sys.exit(0 if summary["ok"] is not False else 1)
+PYEOF
+}
+
+# The machine: GPUs seen, ranks for the multi-rank steps, nvidia-smi's answer kept.
+machine() {
+  mkdir -p "$OUT"
+  [ "$EMU" = 1 ] || unset MOONEP_EP_CUDA_EMULATOR_NODE   # real hardware: no emulated node
+  GPUS=$(gpu_count)
+  GPUS=${GPUS:-0}
+  RANKS=$(( GPUS >= 4 ? 4 : (GPUS >= 2 ? 2 : 1) ))
+  [ "$EMU" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.csv" 2>&1
+}
+
 case "${1:-}" in
-  --plan) plan; exit 0 ;;
+  --plan) plan; exit $? ;;
   --part)
     part="${2:-}"
     if ! printf '%s\n' "$PLAN" | cut -d'|' -f1 | grep -qx "$part"; then
       echo "gpu_check.sh: --part takes one of: $(printf '%s\n' "$PLAN" | cut -d'|' -f1 | sort -un | tr '\n' ' ')" >&2
       exit 2
     fi
-    mkdir -p "$OUT"
-    [ "$EMU" = 1 ] || unset MOONEP_EP_CUDA_EMULATOR_NODE   # real hardware: no emulated node
-    GPUS=$(gpu_count)
-    GPUS=${GPUS:-0}
-    RANKS=$(( GPUS >= 4 ? 4 : (GPUS >= 2 ? 2 : 1) ))
-    [ "$EMU" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.csv" 2>&1
+    machine
     run_part "$part"
     ;;
-  *) echo "usage: bash scripts/gpu_check.sh --plan | --part N" >&2; exit 2 ;;
+  --one-gpu)
+    machine
+    run_one_gpu
+    ;;
+  *) echo "usage: bash scripts/gpu_check.sh --plan | --part N | --one-gpu" >&2; exit 2 ;;
 esac

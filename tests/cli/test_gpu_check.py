@@ -1,6 +1,6 @@
-"""scripts/gpu_check.sh: planned in parts that fit one command of a GPU loan, installing and fetching
-nothing, and runnable end to end on CPU over the CUDA driver emulator (MOONEP_EP_CUDA_EMULATOR=1, which
-the GPU run never sets)."""
+"""scripts/gpu_check.sh: planned in parts that fit one command of a GPU loan, plus one command for a machine
+with one GPU within a stated total limit, installing and fetching nothing, and runnable end to end on CPU over
+the CUDA driver emulator (MOONEP_EP_CUDA_EMULATOR=1, which the GPU run never sets)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,35 @@ def _last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
+def _plan_lines(stdout: str, key: str) -> list[dict]:
+    """--plan's JSON lines that carry ``key`` ("part": one per part; "command": the one-GPU command)."""
+    return [obj for obj in (json.loads(line) for line in stdout.splitlines() if line.startswith("{")) if key in obj]
+
+
+def _failed_steps(summary: dict, out_dir: Path) -> str:
+    """Every failed step's whole record and whole output (the step's stdout and stderr kept in OUT), uncut."""
+    parts = []
+    for step in summary.get("failed", []):
+        name = step["step"] if isinstance(step, dict) else step
+        parts.append(f"--- {name}: {json.dumps(step) if isinstance(step, dict) else summary['results'][name]}")
+        for suffix in ("out", "err"):
+            path = out_dir / f"{name}.{suffix}"
+            if path.exists():
+                parts.append(f"--- {path.name}:\n{path.read_text()}")
+    return "\n".join(parts) or "no failed step"
+
+
+def _one_gpu_table() -> list[tuple[str, int]]:
+    """(step, limit_s) of the ONE_GPU table as the script's text holds it."""
+    text = SCRIPT.read_text()
+    table = re.search(r"^ONE_GPU=\$\(cat <<'EOF'\n(.*?)\nEOF\n", text, re.S | re.M).group(1)
+    return [(row.split("|")[0], int(row.split("|")[1])) for row in table.splitlines() if row.strip()]
+
+
 def test_plan_lists_each_parts_steps_and_limits_within_one_command():
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
-    parts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    parts = _plan_lines(proc.stdout, "part")
     assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6, 7]
     for p in parts:
         assert p["limit_s"] == sum(s["limit_s"] for s in p["steps"]) <= 480, p   # a command gets 600 s at most
@@ -75,7 +100,7 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
     for part in (1, 2):
         proc = _run("--part", str(part), env=env, timeout=480)
         summary = _last_json(proc.stdout)
-        assert proc.returncode == 0 and summary["ok"] is True, (proc.stdout[-3000:], proc.stderr[-2000:])
+        assert proc.returncode == 0 and summary["ok"] is True, (_failed_steps(summary, tmp_path), proc.stderr)
         assert summary["part"] == part and summary["emulated"] is True and summary["gpus"] == 1
         ran = {k: v for k, v in summary["steps"].items() if v != "not_applicable"}
         assert ran and set(ran.values()) == {"passed"}
@@ -101,8 +126,7 @@ def test_plan_states_each_steps_needs_against_the_lent_machine():
     safetensors, and no vLLM and no compressed-tensors: the plan says up front which steps cannot run
     there and which depend on a module not on that list (cuda-bindings), checked before the step runs."""
     proc = _run("--plan")
-    steps = {s["step"]: s for line in proc.stdout.splitlines() if line.startswith("{")
-             for s in json.loads(line)["steps"]}
+    steps = {s["step"]: s for part in _plan_lines(proc.stdout, "part") for s in part["steps"]}
     assert "without compressed_tensors, vllm" in proc.stdout
     assert steps["env"]["lent_machine"] == "runs"
     for name in ("check", "selftest", "footprint", "perf", "ops_demo", "selftest_soak", "gpu_tests"):
@@ -115,6 +139,80 @@ def test_plan_states_each_steps_needs_against_the_lent_machine():
     for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer"):
         assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["lent_machine"] == "runs", steps[name]
         assert re.search(rf"^  {name}\s+\d+ s  \[gpu\] ", proc.stdout, re.M), name
+
+
+def test_plan_shows_the_one_command_for_a_machine_with_one_gpu_and_its_total_limit():
+    """--plan names one command (--one-gpu) and its total limit: the sum of its steps' limits in the script's
+    ONE_GPU table, under 12 minutes and within one command's 600 s. It holds parts 6 and 7, the one-GPU steps of
+    parts 1-2, the push layout and INT4/FP8 over CUDA VMM, and states what it cannot run (vLLM's kernels, the
+    CUDA-graph part not built yet)."""
+    proc = _run("--plan")
+    assert proc.returncode == 0, proc.stderr
+    [one] = _plan_lines(proc.stdout, "command")
+    table = _one_gpu_table()
+    assert one["command"] == "bash scripts/gpu_check.sh --one-gpu"
+    assert [(s["step"], s["limit_s"]) for s in one["steps"]] == table
+    total = sum(limit for _, limit in table)
+    assert one["limit_s"] == total < 720 and total <= one["max_limit_s"] == 600, one
+    assert f"one command for a machine with one GPU: {one['command']}" in proc.stdout
+    assert f"total limit {total} s = the sum of its steps' limits" in proc.stdout
+    for name, limit in table:
+        assert re.search(rf"^  {name}\s+{limit} s ", proc.stdout, re.M), name
+    steps = {s["step"]: s for s in one["steps"]}
+    parts = {s["step"]: p["part"] for p in _plan_lines(proc.stdout, "part") for s in p["steps"]}
+    assert {n for n, p in parts.items() if p in (6, 7)} <= set(steps)            # parts 6 and 7 whole
+    assert {"env", "check", "selftest", "push_layout", "quantized_vmm"} <= set(steps)
+    assert steps["vllm_int4_fp8"]["lent_machine"] == "cannot run: it has no vllm"
+    assert steps["cuda_graph"]["lent_machine"] == "cannot run: not built yet"
+    assert all(steps[n]["limit_s"] == 0 for n in ("vllm_int4_fp8", "cuda_graph"))   # they never run
+    # steps taken from a part keep that part's needs and modules, with a tighter limit
+    for s in one["steps"]:
+        if s["step"] in parts and s["step"] != "env":
+            [row] = [r for p in _plan_lines(proc.stdout, "part") for r in p["steps"] if r["step"] == s["step"]]
+            assert (s["needs"], s["modules"]) == (row["needs"], row["modules"]) and s["limit_s"] <= row["limit_s"]
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.slow
+def test_the_one_command_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_path):
+    """--one-gpu on an emulated one-H200 machine: env, check and selftest run and pass; every step that needs
+    real hardware (the Triton kernels, the cuda-marked tests), vLLM or a part not built yet says why not; the
+    last line holds every step's result, within the total limit."""
+    env = {"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": "H200x1", "PYTHON": sys.executable,
+           "OUT": str(tmp_path)}
+    proc = _run("--one-gpu", env=env, timeout=300)
+    summary = _last_json(proc.stdout)
+    assert proc.returncode == 0 and summary["ok"] is True, (_failed_steps(summary, tmp_path), proc.stderr)
+    table = _one_gpu_table()
+    assert summary["command"] == "bash scripts/gpu_check.sh --one-gpu" and summary["emulated"] is True
+    assert summary["limit_s"] == sum(limit for _, limit in table) and summary["wall_seconds"] <= summary["limit_s"]
+    assert list(summary["results"]) == list(summary["steps"]) == [name for name, _ in table]
+    assert {k for k, v in summary["steps"].items() if v == "passed"} == {"env", "check", "selftest"}
+    assert set(summary["not_applicable"]) == {name for name, _ in table} - {"env", "check", "selftest"}
+    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer", "push_layout", "quantized_vmm"):
+        assert "needs a real GPU" in summary["not_applicable"][name], name
+    assert "vLLM" in summary["not_applicable"]["vllm_int4_fp8"]
+    assert summary["not_applicable"]["cuda_graph"].startswith("not built yet")
+    for name in ("env", "check", "selftest"):
+        res = summary["results"][name]
+        assert res["rc"] == 0 and res["seconds"] <= res["limit_s"] == dict(table)[name], res
+    assert summary["figures"]["selftest"]["leaked_fds"] == 0 and summary["figures"]["env"]["gpu"] is None
+
+
+@pytest.mark.slow
+def test_perf_waits_for_a_measuring_peer_past_moonep_ep_timeout_s():
+    """gpu_perf measures one rank at a time; the other waits in the store's barrier. That wait is bounded by the
+    run's own deadline, not MOONEP_EP_TIMEOUT_S: with the latter at 1 s and a measurement longer than that, both
+    ranks finish (before, the waiting rank's barrier timed out and both ranks ended in PeerLostError)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONEP_EP_CUDA_EMULATOR")}
+    env.update(MOONEP_EP_TIMEOUT_S="1", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep.tools.bench.gpu_perf", "--driver", "host", "--json",
+                           "--reps", "21", "--deadline-s", "120"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    out = _last_json(proc.stdout)
+    assert proc.returncode == 0 and out["ok"] is True, (proc.stdout, proc.stderr[-3000:])
+    # the premise: rank 1 waited longer than MOONEP_EP_TIMEOUT_S while rank 0 measured
+    assert out["measure_seconds"][0] > 1 and out["deadline_s"] == 120, out["measure_seconds"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU part 6 runs; this checks what a CPU answers")

@@ -15,6 +15,13 @@
   (inverted: throughput ratio). The views are VMM-mapped, possibly
   multi-owner; a ratio far from 1.0 means the kernels run slower on them.
 
+Ranks measure one at a time (no contention between them); a rank whose turn it
+is not waits in the process group for the measuring peer, with the run's own
+bound ``--deadline-s`` as the group's timeout, not ``MOONEP_EP_TIMEOUT_S``
+(a peer's measurement may take longer than that on a slow or busy CPU; a peer
+that dies is still reported at once, by the launcher). Each rank's
+``measure_seconds`` is the wall time of its own turn.
+
 Trials alternate which side runs first, and both ratios compare each side's
 fastest trial (``prefetch.measure_pull``, :mod:`.timing`): another process only
 ever slows a trial, so the ratio holds on a busy machine, where a median ratio
@@ -28,12 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..args import add_moe_shape_arguments, add_run_arguments
 from .timing import fastest_ratio, interleaved_trials, timer_for
+
+
+#: Bound on a whole run (and on a rank's wait while its peer measures); the launcher's default.
+DEFAULT_DEADLINE_S = 600.0
 
 
 def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int,
@@ -87,10 +99,15 @@ def perf_rank(ctx: Any, driver_name: str, hidden: int, inter: int, experts_per_r
             remote, _ = split_by_holder(store, ctx.rank)
             out: dict[str, Any] = {"rank": ctx.rank, "device": str(driver.torch_device), "driver": driver.name,
                                    "emulated": bool(getattr(driver, "emulated", False))}
-            for turn in range(ctx.world_size):  # one rank at a time: no contention between ranks
+            # One rank at a time: no contention between ranks. The others wait in the barrier below for as
+            # long as the measuring rank takes: main() sets the group's timeout to the run's deadline, not to
+            # MOONEP_EP_TIMEOUT_S (which bounds waits on a peer that is merely answering).
+            for turn in range(ctx.world_size):
                 if turn == ctx.rank:
+                    t0 = time.perf_counter()
                     out["slot_fill"] = measure_pull(store, 0, remote[:store.num_slots], reps)
                     out["ffn"] = ffn_views_vs_plain(store, 0, tokens, reps)
+                    out["measure_seconds"] = round(time.perf_counter() - t0, 3)
                 store.finish_loading()  # a barrier: nobody unmaps while a peer still reads
             return out
         finally:
@@ -105,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts-per-rank", type=int, default=4)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
+                   help="bound on the whole run in seconds, and on a rank's wait while its peer measures "
+                        f"(default {DEFAULT_DEADLINE_S:.0f}; not MOONEP_EP_TIMEOUT_S)")
     add_run_arguments(p, driver_help=None, json_help=None)
     args = p.parse_args(argv)
     plan = plan_launch(args.driver, 2)  # two ranks; on one GPU both share it (gloo), as selftest does
     try:
         per_rank = run_ranks(perf_rank, 2, args=(plan.driver, args.hidden, args.intermediate, args.experts_per_rank,
                                                  args.tokens, args.reps),
-                             backend=plan.backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs)
+                             backend=plan.backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs,
+                             timeout_s=args.deadline_s, group_timeout_s=args.deadline_s)
     except RankFailure as exc:
         print(json.dumps({"ok": False, "errors": exc.errors}))
         return 1
@@ -126,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "slot_fill_gbps": [(r["slot_fill"]["remote_gbps"], r["slot_fill"]["local_gbps"]) for r in per_rank],
         "ffn_views_over_plain": ffns,
         "ffn_outputs_equal": [r["ffn"]["outputs_equal"] for r in per_rank],
+        "measure_seconds": [r["measure_seconds"] for r in per_rank],
+        "deadline_s": args.deadline_s,
         "per_rank": per_rank,
     }
     if args.json:
