@@ -65,7 +65,7 @@ mxfp4_race|45|=
 k3_moe_layer|90|=
 check|30|=
 selftest|60|=
-push_layout|50|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|the push layout on GPU 0, 2 ranks over CUDA VMM (POSIX fds, gloo): the store's [2*epn] compute views and [R, epn] slot pools, a row pushed into the next rank's pool read back, handles == the plan, 0 leaks (pytest -m cuda tests/layout/test_layout_cuda.py)
+push_layout|50|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|the push layout on GPU 0, 2 ranks over CUDA VMM (POSIX fds, gloo): the store's [2*epn] compute views and [R, epn] slot pools, a row pushed into the next rank's pool read back, handles == the plan, 0 leaks; Kimi K3 MXFP4 real rows at the GPU page size, every byte pushed and read back (pytest -m cuda tests/layout/test_layout_cuda.py tests/layout/test_push_layout.py)
 quantized_vmm|75|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|INT4 g32, MXFP4 and FP8 block experts over CUDA VMM on GPU 0, 2 ranks: weights and scales in the store, a slot fill, the project's dequantizing expert FFN against a reference from the codes; a stale scale must miss (pytest -m cuda tests/ops/test_quantized_experts_cuda.py)
 vllm_int4_fp8|0|vllm|vllm|rc|vLLM's own INT4 (Marlin) and FP8 block (DeepGEMM, Triton) MoE kernels on the store's views
 cuda_graph|0|unbuilt|-|rc|the experts captured in and replayed from a CUDA graph (issue 46)
@@ -207,7 +207,7 @@ PYEOF
     mxfp4_race) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
     k3_moe_layer) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_k3 --json ;;
     push_layout) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" push_layout \
-                   tests/layout/test_layout_cuda.py ;;
+                   tests/layout/test_layout_cuda.py tests/layout/test_push_layout.py ;;
     quantized_vmm) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" quantized_vmm \
                      tests/ops/test_quantized_experts_cuda.py ;;
     *) echo "unknown step $name" >&2; return 2 ;;

@@ -197,11 +197,11 @@ def push_round_trip(ctx: Any, driver_kind: str, specs: list, num_experts: int, l
                 store.push_pool(layer, p.name)[nxt].copy_(store.owner_view(layer, p.name))
             store.finish_loading()  # every push landed
             for p in specs:
-                got = store.slots(layer, p.name).contiguous().view(torch.uint8).reshape(epn, -1).clone()
+                got = store.slots(layer, p.name).contiguous().view(torch.uint8).reshape(epn, -1).cpu().clone()
                 for j in range(epn):
                     if not torch.equal(got[j], owner_bytes(p.name, layer, prev * epn + j, p.row_bytes)):
                         out["bad"].append((layer, p.name, j))
-                own = store.owner_view(layer, p.name).contiguous().view(torch.uint8).reshape(epn, -1).clone()
+                own = store.owner_view(layer, p.name).contiguous().view(torch.uint8).reshape(epn, -1).cpu().clone()
                 if not all(torch.equal(own[j], owner_bytes(p.name, layer, rank * epn + j, p.row_bytes))
                            for j in range(epn)):
                     out["bad"].append((layer, p.name, "own"))
@@ -211,7 +211,7 @@ def push_round_trip(ctx: Any, driver_kind: str, specs: list, num_experts: int, l
         if layers > 1:
             for p in specs:
                 plan = store.plans[p.name]
-                s0 = store.slots(0, p.name).contiguous().view(torch.uint8).reshape(-1).clone()
+                s0 = store.slots(0, p.name).contiguous().view(torch.uint8).reshape(-1).cpu().clone()
                 want0 = torch.cat([owner_bytes(p.name, 0, prev * epn + j, p.row_bytes) for j in range(epn)])
                 want1 = torch.cat([owner_bytes(p.name, 1, prev * epn + j, p.row_bytes) for j in range(epn)])
                 out["head_kept"][p.name] = bool(torch.equal(s0[:plan.head_bytes], want0[:plan.head_bytes]))
@@ -307,3 +307,15 @@ def test_slot_views_cover_every_slot_byte_of_the_push_layout():
     results = run_ranks(poison_covers_every_slot, 2)
     for res in results:
         assert res["counts"] == [6, 1, 1] and res["clean"] == [True] * 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_k3_mxfp4_real_row_bytes_push_layout_on_a_real_gpu():
+    """The same run as over the emulator, on GPU 0 with two ranks over CUDA VMM (POSIX fds, gloo metadata)."""
+    specs = push_store_projections("mxfp4", 3584, 3072)
+    for rank, res in enumerate(run_ranks(push_round_trip, 2, args=("cuda", specs, 4, 2), backend="gloo",
+                                         use_cuda=True, timeout_s=300)):
+        assert res["granularity"] % GPU_PAGE == 0 and res["bad"] == [], (rank, res)
+        assert all(res["head_kept"].values()) and all(res["rest_shared"].values())
+        assert res["physical"] == res["planned"] and res["leaks"] == {}, res

@@ -106,7 +106,19 @@ class GroupComm:
 
     def barrier(self, step: str) -> None:
         """Wait for every rank at ``step`` (one metadata round)."""
-        self.all_gather_object(None, step)
+        self._gather_at(step, None)
+
+    def _gather_at(self, step: str, obj: Any) -> list[Any]:
+        """One metadata round that every rank must reach at the same ``step``: a rank that meets its peers from
+        another step (a faulted rank's teardown while they wait in a barrier of the work it never finished)
+        fails every rank alike, instead of completing a round it was never part of."""
+        gathered = self.all_gather_object((step, obj), step)
+        steps = [s for s, _ in gathered]
+        if any(s != step for s in steps):
+            raise CollectiveError(step, {r: f"was at step {s!r}, not {step!r}: the ranks are out of step (a rank "
+                                            "left the step its peers are in, e.g. after a failure of its own)"
+                                         for r, s in enumerate(steps) if s != step}, rank=self.rank)
+        return [o for _, o in gathered]
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[Lockstep]:
@@ -125,7 +137,7 @@ class GroupComm:
 
     def _settle(self, state: Lockstep, error: BaseException | None) -> None:
         message = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = self.all_gather_object((message, None if error else state.payload), state.name)
+        gathered = self._gather_at(state.name, (message, None if error else state.payload))
         failures = {r: m for r, (m, _) in enumerate(gathered) if m is not None}
         if failures:
             raise CollectiveError(state.name, failures, rank=self.rank) from error
