@@ -100,8 +100,8 @@ MODULES: dict[str, dict] = {
     },
     "ops/mxfp4_moe_kernel": {   # the host side: launch parameters and the shape checks (the jitted kernel body
         # inside _kernel is Triton source, compiled or interpreted, which a Python mutation does not reach)
-        "tests": ["tests/ops/test_mxfp4_launch.py"],
-        "functions": ["mxfp4_launch_config", "mxfp4_grouped_gemm"],
+        "tests": ["tests/ops/test_mxfp4_launch.py", "tests/ops/test_mxfp4_bounds.py"],
+        "functions": ["mxfp4_launch_config", "mxfp4_grouped_gemm", "mxfp4_tile_cost", "mxfp4_within_bound"],
         "canary": None,
     },
     "vllm/gpu_experts": {   # in this process, with vLLM's kernels and lookups recorded (the interpreter tier

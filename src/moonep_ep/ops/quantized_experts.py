@@ -18,7 +18,7 @@ per expert; ``w13 = [gate; up]``):
 * ``mxfp4`` — ``weight_packed`` uint8 ``[N, K/2]``: two E2M1 codes a byte,
   the first value in the low nibble (compressed-tensors
   ``pack_fp4_to_uint8``); ``weight_scale`` E8M0 uint8 ``[N, K/32]``:
-  ``w = e2m1(code) · 2^(scale - 127)``;
+  ``w = e2m1(code) · 2^(scale - 127)``, NaN for the scale 0xFF;
 * ``fp8-block`` — ``weight`` float8_e4m3fn ``[N, K]``; ``weight_scale_inv``
   fp32 ``[ceil(N/128), ceil(K/128)]``: ``w = weight · scale_inv`` per
   128x128 block (DeepSeek-V3's ``README_WEIGHTS.md``).
@@ -124,6 +124,7 @@ def dequantize_rows(fmt: str, weight: torch.Tensor, scale: torch.Tensor, out_dty
     elif fmt == "mxfp4":
         values = _unpack_e2m1(weight)
         powers = torch.exp2(scale.to(torch.float32) - 127.0)  # E8M0: a power of two, exact in bf16 too
+        powers.masked_fill_(scale == 0xFF, float("nan"))  # E8M0's NaN (OCP MX v1.0); exp2 alone: 2^128 = inf
         if not narrow:
             values = values.to(torch.float32)
         w = _times_groups(fmt, values, powers.to(values.dtype))

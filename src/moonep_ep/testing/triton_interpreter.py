@@ -1,4 +1,4 @@
-"""Running Triton kernels on CPU: the interpreter's environment, and its bf16 ``tl.dot`` mended (tests only).
+"""Running Triton kernels on CPU: the interpreter's environment, and its bf16 ``tl.dot`` and downcasts mended.
 
 Environment: ``TRITON_INTERPRET=1`` runs every program in numpy;
 ``CUDA_VISIBLE_DEVICES=`` (set and empty) keeps vLLM 0.33.0's
@@ -17,8 +17,15 @@ bf16<->fp32 casts (``cast_impl`` special-cases them) handle that, but
 
 :func:`mend_bf16_dot` wraps ``create_dot`` to widen bf16 operands to fp32
 (exact) first, which is what a GPU's bf16 MMA computes (exact products,
-fp32 accumulation). It is applied only in the test harnesses, never by the
-library; :func:`bf16_dot_error` measures the bug and the mend (a control).
+fp32 accumulation); :func:`bf16_dot_error` measures the bug and the mend (a
+control). The test harnesses apply it, and so does the library in one place:
+``MoonEPTritonQuantizedExperts`` (``vllm/quantized_engine.py``,
+``_check_triton_here``), built in a process with ``TRITON_INTERPRET=1`` (the
+CPU engine's quantized experts with ``MOONEP_EP_QUANTIZED_EXPERTS=triton``),
+calls :func:`mend_interpreter`, which replaces ``create_dot``, ``cast_impl``
+and ``create_fp_to_fp`` on Triton's ``InterpreterBuilder`` class for the rest
+of that process. Without ``TRITON_INTERPRET=1`` (GPUs) the library patches
+nothing.
 
 Downcasts are wrong too. ``_convert_float`` (fp32 -> bf16 and -> fp8) drops
 the low mantissa bits: ``cast_impl`` (a plain ``.to(tl.bfloat16)``, e.g. a

@@ -70,7 +70,9 @@ ENGINE_INTERPRETER_CONFIG = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 512, "BLOCK_SI
 FP8_BLOCK = 128
 
 
-#: format -> (vLLM's tuned-config dtype, block shape) for ``try_get_optimal_moe_config``
+#: format -> (vLLM's tuned-config dtype, block shape) for ``try_get_optimal_moe_config``. MXFP4 has no tuned files
+#: of its own: it gets vLLM's bf16 entries (tiles for bf16 weights, up to N 256), which ``mxfp4_launch_config``
+#: holds to the MXFP4 kernel's register and shared-memory bound at the launch
 VLLM_CONFIG_KEYS = {"int4-g32": ("int4_w4a16", [0, 32]), "fp8-block": ("fp8_w8a8", [FP8_BLOCK, FP8_BLOCK]),
                     "mxfp4": (None, None)}
 
