@@ -34,7 +34,8 @@ DISAGREE = {
                    "Fix: set the same MOONEP_EP_MOONEP_API on every rank and install the same MoonEP library "
                    "on every node",
     "tflops_differs": "cost model's overrides: none on rank(s) [0], MOONEP_EP_COST_TFLOPS=500.0 on rank(s) [1]. "
-                      "Fix: set the same MOONEP_EP_COST_* variables on every rank",
+                      "Fix: set the same cost-model overrides (MOONEP_EP_COST_TFLOPS, _LINK_GBPS, _HBM_GBPS, "
+                      "_EXPERT_BYTES) on every rank",
     "profile_differs": "cost model's GPU profile: h100 (MOONEP_EP_GPU_PROFILE=h100) on rank(s) [0], "
                        "h200 (MOONEP_EP_GPU_PROFILE=h200) on rank(s) [1]. Fix: set the same MOONEP_EP_GPU_PROFILE "
                        "on every rank (auto reads each rank's own GPU name)",

@@ -157,7 +157,8 @@ AGREED: dict[str, tuple[str, str]] = {
     "padding": ("capacity padding", "set the same MOONEP_EP_PADDING on every rank"),
     "cost_profile": ("cost model's GPU profile", "set the same MOONEP_EP_GPU_PROFILE on every rank (auto reads "
                                                  "each rank's own GPU name)"),
-    "cost_overrides": ("cost model's overrides", "set the same MOONEP_EP_COST_* variables on every rank"),
+    "cost_overrides": ("cost model's overrides", "set the same cost-model overrides (MOONEP_EP_COST_TFLOPS, "
+                                                 "_LINK_GBPS, _HBM_GBPS, _EXPERT_BYTES) on every rank"),
     "cost_applies": ("cost model in use", "set the same MOONEP_EP_GPU_PROFILE on every rank (auto applies the "
                                           "model on GPU ranks only)"),
     "max_tokens": ("buffer pool's largest capacity (max_num_batched_tokens)",
