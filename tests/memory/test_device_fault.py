@@ -5,11 +5,12 @@ context for the rest of the process: every later driver call returns the same er
 documentation of CUDA_ERROR_ASSERT: "The context cannot be used anymore, and must be destroyed").
 The emulator plants one (``plant_device_fault``). Over it, three ranks build the sharded expert store
 and load it; the victim's fault lands during the load's device work and surfaces at the
-``cuCtxSynchronize`` of ``finish_loading``, outside any lockstep step, just before its barrier. The
-victim raises a ``DriverError`` naming ``CUDA_ERROR_ASSERT`` and dies without a collective teardown;
-every survivor raises ``PeerLostError`` -- at once when the victim's exit closes its connections, at
-the group timeout when it stays alive and silent -- closes, and holds nothing afterwards. Control:
-the same run without the fault succeeds. docs/design/reliability.md ("A rank that fails on the device").
+``cuCtxSynchronize`` of ``finish_loading``, inside its lockstep step: every rank raises the same
+``CollectiveError`` naming the victim and ``CUDA_ERROR_ASSERT``, at once, whether the victim then exits
+or stays alive, closes, and holds nothing afterwards. A victim that hangs on the device before it reaches
+the step (a kernel that never returns) is lost at the group timeout: ``PeerLostError``, not a hang.
+Ranks that meet at different steps fail alike instead of completing each other's round. Control: the
+same run without the fault succeeds. docs/design/reliability.md ("A rank that fails on the device").
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
-from moonep_ep.errors import DriverError
+from moonep_ep.errors import DriverError, MoonEPError
 from moonep_ep.launch import RankFailure
 from moonep_ep.memory.cuda import CudaDriver
 from moonep_ep.memory.driver import HandleType
@@ -158,26 +159,24 @@ def device_fault_in_load(ctx: Any, victim: int | None, out_dir: str, then: str =
             # the kernel writing this expert fails on the device (an index guard), asynchronously
             cuda_emulator.plant_device_fault("CUDA_ERROR_ASSERT", why="torch._assert_async: expert index in range")
             out["t_fault"] = time.time()
+            if then == "hang":  # a kernel that never returns: the victim reaches no collective
+                with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                    json.dump(out, f)
+                time.sleep(TIMEOUT_S + 5)
         return torch.full(shapes[proj], float(expert), dtype=torch.bfloat16)
 
     try:
         store.load(loader)
-    except DriverError as exc:
-        if rank != victim:
-            raise
-        out.update(error=str(exc), code=exc.code, t_raised=time.time(), sticky=driver.api.sticky_faults())
-        if then == "linger":
-            time.sleep(TIMEOUT_S + 2)  # a worker slow to die: alive, in no collective
-        elif then == "teardown":
-            try:
-                store.close()  # vLLM's destroy() closes its stores: a collective teardown
-            except MoonEPError as close_exc:
-                out["close_error"] = f"{type(close_exc).__name__}: {close_exc}"
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f)
-        raise  # dies with the error (launch.run_ranks reports it, then os._exit)
     except MoonEPError as exc:
         out.update(error=str(exc), error_type=type(exc).__name__, t_error=time.time())
+        if rank == victim:
+            cause = exc.__cause__
+            out.update(cause=str(cause), code=getattr(cause, "code", None), sticky=driver.api.sticky_faults())
+            if then == "linger":
+                time.sleep(TIMEOUT_S + 2)  # a worker slow to die: alive, in no collective
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump(out, f)
+            raise  # dies with the error (launch.run_ranks reports it, then os._exit)
     try:
         store.close()  # collective: a dead peer fails its barrier after every local release
     except MoonEPError as exc:
@@ -219,26 +218,33 @@ def _clean(res: dict) -> None:
     assert not res["context_retained"], res
 
 
-def _victim(tmp_path, errors: dict[int, str]) -> dict:
-    assert set(errors) == {VICTIM}, errors
-    assert "DriverError" in errors[VICTIM] and "CUDA_ERROR_ASSERT" in errors[VICTIM], errors[VICTIM]
+def _victim(tmp_path, errors: dict[int, str], hung: bool = False) -> dict:
     with open(tmp_path / f"rank{VICTIM}.json") as f:
         victim = json.load(f)
-    # the sticky error through the driver's check, at the first call after the fault
+    if hung:
+        return victim
+    assert set(errors) == {VICTIM}, errors
+    assert "CollectiveError" in errors[VICTIM] and "CUDA_ERROR_ASSERT" in errors[VICTIM], errors[VICTIM]
+    # the sticky error through the driver's check, at the first call after the fault, inside the step
     assert victim["code"] == "CUDA_ERROR_ASSERT" and victim["sticky"] == {str(VICTIM): "CUDA_ERROR_ASSERT"}, victim
-    assert victim["error"].startswith(f"[rank {VICTIM}] cuda driver: cuCtxSynchronize -> CUDA_ERROR_ASSERT"), victim
+    assert victim["cause"].startswith(f"[rank {VICTIM}] cuda driver: cuCtxSynchronize -> CUDA_ERROR_ASSERT"), victim
     return victim
 
 
-def _survivors_lost_the_victim(results, victim: dict, at_least_s: float, at_most_s: float) -> None:
+def _survivors_raise(results, victim: dict, kind: str, at_least_s: float, at_most_s: float) -> None:
     for rank in sorted(set(range(WORLD)) - {VICTIM}):
         res = results[rank]
-        assert res["error_type"] == "PeerLostError", res
-        assert res["error"].startswith(f"[rank {rank}] lost contact with a peer during 'finish loading'"), res
+        assert res["error_type"] == kind, res
+        if kind == "CollectiveError":  # the victim named, with its error
+            assert res["error"].startswith(f"[rank {rank}] collective step 'finish loading' failed on rank(s) "
+                                           f"[{VICTIM}]:"), res
+            assert f"rank {VICTIM}: DriverError: [rank {VICTIM}] cuda driver: cuCtxSynchronize -> " \
+                   "CUDA_ERROR_ASSERT" in res["error"], res
+        else:
+            assert res["error"].startswith(f"[rank {rank}] lost contact with a peer during 'load experts'"), res
         seconds = res["t_error"] - victim["t_fault"]
-        print(f"rank {rank}: PeerLostError {seconds:.2f} s after rank {VICTIM}'s device fault")
+        print(f"rank {rank}: {kind} {seconds:.2f} s after rank {VICTIM}'s device fault")
         assert at_least_s <= seconds <= at_most_s, (rank, seconds)
-        assert res["close_error"] == "PeerLostError", res
         _clean(res)
         assert res["victim_device_bytes"] == 0, res
 
@@ -254,30 +260,54 @@ def test_without_a_device_fault_the_same_load_succeeds(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_on_the_device_dies_and_every_survivor_raises_peer_lost_at_once(tmp_path):
-    """The victim's exit closes its connections: the survivors' barrier fails at once (measured:
-    10-40 ms after the fault on 2 cores), long before the timeout."""
+def test_a_rank_that_fails_on_the_device_is_named_by_every_survivor_at_once(tmp_path):
+    """The victim's synchronize fails inside 'finish loading': the step carries its error to every rank
+    (measured: well under a second after the fault on 2 cores), long before the timeout."""
     results, errors = _run(VICTIM, tmp_path)
-    _survivors_lost_the_victim(results, _victim(tmp_path, errors), 0, TIMEOUT_S / 2)
+    _survivors_raise(results, _victim(tmp_path, errors), "CollectiveError", 0, TIMEOUT_S / 2)
 
 
 @pytest.mark.slow
-def test_a_faulted_rank_that_stays_alive_is_lost_at_the_group_timeout(tmp_path):
-    """A victim that does not die (a worker slow to exit) and enters no collective: the survivors'
-    barrier ends at MOONEP_EP_TIMEOUT_S with PeerLostError, not a hang."""
+def test_a_faulted_rank_that_stays_alive_is_named_at_once_too(tmp_path):
+    """A victim slow to exit after its error: the survivors already know, from the step."""
     results, errors = _run(VICTIM, tmp_path, "linger")
-    _survivors_lost_the_victim(results, _victim(tmp_path, errors), TIMEOUT_S * 0.9, TIMEOUT_S + 5)
+    _survivors_raise(results, _victim(tmp_path, errors), "CollectiveError", 0, TIMEOUT_S / 2)
 
 
 @pytest.mark.slow
-def test_a_faulted_ranks_collective_teardown_does_not_pass_for_the_survivors_barrier(tmp_path):
-    """A victim that closes its store after the fault (vLLM's destroy() does) enters the teardown's
-    barrier while its peers wait in 'finish loading'. That must not complete their barrier: the victim's
-    rows were never finished. Every metadata round carries its step's name (GroupComm._gather_at), so the
-    survivors fail, naming the step the victim was in."""
-    results, errors = _run(VICTIM, tmp_path, "teardown")
-    _victim(tmp_path, errors)
-    for rank in sorted(set(range(WORLD)) - {VICTIM}):
-        assert results[rank]["error"] is not None, results[rank]
-        assert "out of step" in str(results[rank]["error"]) and "finish loading" in str(results[rank]["error"]), \
-            results[rank]
+def test_a_rank_hung_on_the_device_is_lost_at_the_group_timeout(tmp_path):
+    """A victim whose kernel never returns reaches no collective: the survivors' step ends at
+    MOONEP_EP_TIMEOUT_S with PeerLostError, not a hang."""
+    results, errors = _run(VICTIM, tmp_path, "hang")
+    _survivors_raise(results, _victim(tmp_path, errors, hung=True), "PeerLostError", TIMEOUT_S * 0.9,
+                     TIMEOUT_S + 5)
+
+
+def _different_steps(ctx: Any) -> str:
+    from moonep_ep.memory.group import GroupComm
+
+    try:
+        GroupComm().barrier("finish loading" if ctx.rank == 0 else "close: peers done")
+        return "no error"
+    except MoonEPError as exc:
+        return str(exc)
+
+
+def test_ranks_that_meet_at_different_steps_fail_alike():
+    """A rank that left its peers' step (a teardown after a failure of its own) must not complete their round:
+    every metadata round carries its step's name. Control: the same barrier name on both passes."""
+    from moonep_ep.launch import run_ranks
+
+    got = run_ranks(_different_steps, 2)
+    assert got[0].startswith("[rank 0] collective step 'finish loading' failed on rank(s) [1]:") and \
+        "rank 1: was at step 'close: peers done', not 'finish loading'" in got[0], got
+    assert got[1].startswith("[rank 1] collective step 'close: peers done' failed on rank(s) [0]:") and \
+        "rank 0: was at step 'finish loading', not 'close: peers done'" in got[1], got
+    assert run_ranks(_same_step, 2) == ["no error", "no error"]
+
+
+def _same_step(ctx: Any) -> str:
+    from moonep_ep.memory.group import GroupComm
+
+    GroupComm().barrier("finish loading")
+    return "no error"

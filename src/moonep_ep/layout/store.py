@@ -491,9 +491,10 @@ class ShardedExpertStore:
                                                       src.numel() * src.element_size())
 
     def finish_loading(self) -> None:
-        """Collective: make every rank's writes visible before anyone reads a peer's rows."""
-        self.driver.synchronize()
-        self.symm.comm.barrier("finish loading")
+        """Collective: make every rank's writes visible before anyone reads a peer's rows. The synchronize runs
+        inside the step: a device fault on one rank (a sticky CUDA error) reaches every rank, naming it."""
+        with self.symm.comm.step("finish loading"):
+            self.driver.synchronize()
 
     def _check_src(self, src: torch.Tensor, p: ProjectionSpec, where: tuple) -> None:
         if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(p.shape):

@@ -26,6 +26,11 @@ HINTS: dict[str, str] = {
         "for this exact allocation prop; a multicast unbind after the bound memory "
         "was released also reports this",
     "CUDA_ERROR_OUT_OF_MEMORY": "not enough free device memory for this allocation",
+    # Sticky errors: the driver refuses every later call in the context (docs/design/reliability.md).
+    "CUDA_ERROR_ASSERT": "a device-side assert fired in an earlier kernel; this process's CUDA context is "
+                         "unusable: restart every rank (the other ranks are told at the next step)",
+    "CUDA_ERROR_LAUNCH_FAILED": "an earlier kernel failed on the device; this process's CUDA context is unusable: "
+                                "restart every rank",
     "CUDA_ERROR_NOT_INITIALIZED": "the CUDA driver is not initialised in this process",
     "CUDA_ERROR_INVALID_CONTEXT": "no current CUDA context on this thread",
     "CUDA_ERROR_NO_DEVICE": "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)",

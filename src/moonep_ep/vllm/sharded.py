@@ -278,9 +278,10 @@ class ModelExpertStore:
         """
         p = self.pass_ if self.pass_ is not None else WeightPass("update")
         self.pass_ = None
-        self.driver.synchronize()  # this rank's copies are complete before the barrier
         try:
             with self.comm.step(f"settle MoonEP expert weights ({p.kind} pass)") as settled:
+                # This rank's copies are complete before the round; a device fault here is every rank's error.
+                self.driver.synchronize()
                 if failure is not None:
                     raise RuntimeError(f"loading failed on this rank: {type(failure).__name__}: {failure}")
                 if p.errors:
