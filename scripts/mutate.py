@@ -69,7 +69,8 @@ MODULES: dict[str, dict] = {
     },
     "layout/plan": {   # the in-process tests only: the slow ones spawn 4 ranks per test (the page plan runs
         # there, where mutmut's stats pass cannot see it), 10 of 201 mutants fitted 600 s with them
-        "tests": ["tests/layout/test_layout.py", "tests/layout/test_quantized_store.py"],
+        "tests": ["tests/layout/test_layout.py", "tests/layout/test_quantized_store.py",
+                  "tests/layout/test_push_layout.py"],
         "select": ["-m", "not slow"],
         "canary": None,
     },

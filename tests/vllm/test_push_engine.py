@@ -35,6 +35,10 @@ PUSHED = {"tiny-deepseek-v3": ("bf16", 3 * I * H * 2),
           "tiny-deepseek-v3-mxfp4": ("mxfp4", 3 * I * H // 2),          # uint8 pairs of E2M1 codes
           "tiny-deepseek-v3-fp8": ("fp8-block", 3 * I * H)}             # one e4m3 byte a value
 IN_CI = ("tiny-deepseek-v3", "tiny-kimi-k2-thinking-int4")
+#: Host pages under which each rank's rows end inside a page, so the push layout's slot heads are in use (each
+#: rank's 8 INT4 weight rows are 512 KiB = 2.67 pages of 192 KiB, its 8 scale rows 128 KiB = 0.67 page), as at a
+#: GPU's 2 MiB pages with Kimi's real rows; the other models keep the plugin's 64 KiB, where rows fill pages.
+ROWS_INSIDE_PAGES = {"tiny-kimi-k2-thinking-int4": str(192 << 10), "tiny-deepseek-v3-fp8": str(192 << 10)}
 
 
 def _engine_tier(model: str) -> list:
@@ -50,7 +54,8 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     fmt, weight_bytes = PUSHED[model]
     t0 = time.monotonic()
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--moonep-api", "push",
-                                "--runs", "dp_sharded", "--reload", "--json"], timeout=900)
+                                "--runs", "dp_sharded", "--reload", "--json"], timeout=900,
+                   env={"MOONEP_EP_HOST_GRANULARITY": ROWS_INSIDE_PAGES[model]} if model in ROWS_INSIDE_PAGES else None)
     run = out["runs"]["dp_sharded"]
     assert out["moonep_api"] == ["push"] and out["buffer"] == ["reference"] and out["layout"] == "sharded"
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"], run["oracle"]["float32"]
@@ -73,6 +78,6 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     assert out["reload_back_to_a_matches_first_load_by_rank"] == [True, True]
     assert out["reload_oracle"]["checkpoint_b"]["after_update"]["ok"]
     assert out["wrong_shape_reload_refused"] is True
-    report(f"[push engine, {model}] ok; {fills['fills']} fills from owners {fills['owners_with_real_fills']}, "
+    report(f"[push engine, {model}, host pages {ROWS_INSIDE_PAGES.get(model, 'of the plugin')}] ok; {fills['fills']} fills from owners {fills['owners_with_real_fills']}, "
            f"{fills['bytes_read_from_owners']} B pushed; quantized {out.get('quantized_fill_bytes_by_rank')}; "
            f"oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; {time.monotonic() - t0:.0f}s")

