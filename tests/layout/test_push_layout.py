@@ -110,6 +110,7 @@ def _decide(model, fmt: str, R: int, api: str, gran: int) -> tuple[str, int | No
     return ("builds" if store_error is None else f"refused: {store_error}"), store
 
 
+@pytest.mark.slow  # about 11 s: out of make mutate's in-process selection (the hand-worked tests above serve it)
 def test_every_shipped_shape_builds_in_both_layouts_and_footprint_counts_the_store(report):
     rows, old_refusals, cells = [], 0, 0
     for name in DEFAULT_MODELS:
