@@ -51,6 +51,11 @@ def test_a_clean_result_passes_and_each_broken_part_names_itself():
     bad = copy.deepcopy(GOOD)
     bad["bench"]["request_spans"].append((130.0, 2.0, 0))
     assert list(_failures(bad)) == ["valid_requests_served"]
+    bad = copy.deepcopy(GOOD)  # a client that measured nothing fails in words that say so (issue 48)
+    bad["bench"] = {}
+    assert _failures(bad) == {"valid_requests_served": [
+        "the load client measured nothing: it wrote no result file (interrupted, or it overran the window; see "
+        "bench.log), so no load request is known to have been served"]}
     bad = copy.deepcopy(GOOD)
     bad["greedy"][1]["same_as_first"] = False
     assert _failures(bad)["greedy_prompts_unchanged"] == ["greedy tokens changed or failed at [(1, 'B')]"]

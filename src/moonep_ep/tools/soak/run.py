@@ -411,9 +411,13 @@ def _verdicts(cfg: SoakConfig, r: dict[str, Any], samples: list, t0: float, done
 
     spans = (r.get("bench") or {}).get("request_spans", [])
     failed = [s for s in spans if not s[2] and s[0] < judged_until]
+    # A client that wrote no result (interrupted, or past the window) measured nothing: say so, never "0 failed".
+    served = (f"{len(failed)} load request(s) failed" if spans else
+              "the load client measured nothing: it wrote no result file (interrupted, or it overran the window; "
+              "see bench.log), so no load request is known to have been served")
     check("valid_requests_served", bool(spans) and not failed and not r.get("stopped_early"),
           "every load request started before the SIGKILL window completed", "load requests",
-          int(failed[0][0] // 60) if failed else 0, f"{len(failed)} load request(s) failed" +
+          int(failed[0][0] // 60) if failed else 0, served +
           (f"; {r['stopped_early']}" if r.get("stopped_early") else ""), {"requests": len(spans), "failed": len(failed)})
     g = r["greedy"]
     bad = [c for c in g if not c["same_as_first"] or set(c["statuses"]) != {200}]
