@@ -40,7 +40,8 @@ def test_three_minute_soak_passes_every_verdict_with_every_fault_kind(tmp_path, 
     # so the short run's one judged minute can only catch a gross leak (bound 4 GiB/h, 68 MB a minute); the
     # 64 MiB/h bound after a 5-minute warm-up is `make soak`'s (SOAK_MIN=30), docs/design/reliability.md.
     proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "soak", "--minutes", "3", "--seed", "7", "--json",
-                               "--warmup", "120", "--rss-bound", "4096", "--out", str(tmp_path)], timeout=1100)
+                               "--warmup", "120", "--rss-bound", "4096", "--fit-load", "--out", str(tmp_path)],
+                  timeout=1100)
     out = _result(proc)
     verdicts = out["verdicts"]["verdicts"]
     failing = {k: v["failures"] for k, v in verdicts.items() if not v["ok"]}
@@ -63,15 +64,21 @@ def test_three_minute_soak_passes_every_verdict_with_every_fault_kind(tmp_path, 
     assert sorted(k for k in out["digests_end"] if k.startswith("rank")) == ["rank0", "rank1"]
     # load: vLLM's client completed requests; the SIGKILL's aftermath
     assert out["bench"]["completed"] > 0 and out["bench"]["failed"] == 0
+    # the offered load was fitted to what the server served at start (half of it), so the client finishes on any
+    # CPU: every request it was given completed
+    fit = out["load_fit"]
+    assert fit["statuses"] == [200] * 4 and fit["offered_rate"] <= 0.5 * fit["measured_requests_per_s"] + 1e-3
+    assert out["bench"]["completed"] == out["offered"]["max_requests"] and not out.get("load_client_overran")
     kill = out["sigkill"]
-    assert kill["request_after_kill_status"] != 200 and kill["server_exited_s"] is not None
+    assert kill["request_after_kill_status"] != 200 and kill["request_in_flight_status"] not in (200, None) and \
+        kill["server_exited_s"] is not None
     assert any("lost rank(s) [1]" in line or "EngineCore_DP1 died" in line for line in kill["dead_engine_named"]), kill
     assert out["after_exit"] == {"processes_alive": [], "dev_shm_left": [], "memfd_bytes_held": 0}
     assert os.path.getsize(out["png"]) > 10_000
     report(f"[soak 3 min] {out['bench']['completed']} load requests, {len(out['bad_requests'])} bad requests, "
            f"{len(out['client_faults'])} client faults, updates {[u['seconds'] for u in out['updates']]} s, "
            f"RSS slope {verdicts['rss_slope']['figures']}, fds {verdicts['fds_flat']['figures']}, "
-           f"SIGKILL: server exited in {kill['server_exited_s']} s")
+           f"SIGKILL: server exited in {kill['server_exited_s']} s; load fitted: {fit}")
 
 
 @pytest.mark.skipif(not envs.MOONEP_EP_ENGINE_TIER, reason="engine tier (about 3 min each): MOONEP_EP_ENGINE_TIER=1")

@@ -24,6 +24,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--rss-bound", type=float, default=64.0, help="RSS slope bound, MiB/hour/process (default 64)")
     p.add_argument("--replicated-minutes", type=float, default=0.0,
                    help="then the same load this long against vLLM's replicated layout: the throughput ratio")
+    p.add_argument("--fit-load", action="store_true",
+                   help="offer at most half the requests/s the server is measured to serve at start (the short CI "
+                        "run: its verdicts then do not depend on how fast the CPU is); default: --rate as given")
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL of one engine core at the end")
     p.add_argument("--out", default="soak-out", help="directory for soak.json, soak.png, logs (default soak-out)")
     p.add_argument("--json", action="store_true", help="print the whole result as one JSON line")
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = SoakConfig(minutes=args.minutes, model=args.model, seed=args.seed, request_rate=args.rate,
                      max_concurrency=args.concurrency, warmup_s=args.warmup, rss_bound_mib_per_hour=args.rss_bound,
-                     replicated_minutes=args.replicated_minutes, kill=not args.no_kill, out_dir=args.out)
+                     replicated_minutes=args.replicated_minutes, kill=not args.no_kill, out_dir=args.out,
+                     fit_load=args.fit_load)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     from ..errors import ConfigError
 

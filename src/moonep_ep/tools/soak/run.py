@@ -72,6 +72,8 @@ class SoakConfig:
     #: a test build's planted fault, called once over /collective_rpc at 70 % of the run, after the update back
     #: to A (which rewrites every expert row) (a negative control)
     plant: Optional[str] = None
+    #: offer at most FIT_SHARE of the requests/s the server is measured to serve at start (``_measure_capacity``)
+    fit_load: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -85,6 +87,43 @@ class SoakConfig:
     @property
     def max_requests(self) -> int:
         return max(1, math.ceil(self.request_rate * self.duration_s))
+
+    @property
+    def client_bound_s(self) -> float:
+        """How long past the window the soak waits for the load client to finish the requests it started."""
+        return max(120.0, self.duration_s)
+
+
+#: The share of the measured capacity a fitted load offers: the rest absorbs the soak's own requests (faults,
+#: greedy prompts, updates) and whatever else the machine runs meanwhile.
+FIT_SHARE = 0.5
+
+
+def _measure_capacity(server: SoakServer, cfg: SoakConfig) -> dict[str, Any]:
+    """Requests/s the server completes with ``max_concurrency`` load-shaped requests in flight (measured: one
+    warm round, then a timed one)."""
+    body = {"model": server.served_model, "prompt": [5] * cfg.input_len, "max_tokens": cfg.output_len,
+            "ignore_eos": True, "temperature": 0}
+    url = server.url + "/v1/completions"
+
+    def round_trip() -> tuple[float, list[int]]:
+        statuses: list[int] = []
+        threads = [threading.Thread(target=lambda: statuses.append(http("POST", url, body, timeout=300)[0]))
+                   for _ in range(cfg.max_concurrency)]
+        t = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.monotonic() - t, statuses
+
+    round_trip()
+    seconds, statuses = round_trip()
+    capacity = cfg.max_concurrency / seconds if seconds > 0 else float("inf")
+    rate = min(cfg.request_rate, FIT_SHARE * capacity)
+    return {"measured_requests_per_s": round(capacity, 3), "round_s": round(seconds, 2), "statuses": statuses,
+            "offered_rate": round(rate, 3), "max_requests": max(1, math.ceil(rate * cfg.duration_s)),
+            "rule": f"min(--rate {cfg.request_rate}, {FIT_SHARE} x measured)"}
 
 
 def _free_port() -> int:
@@ -174,6 +213,11 @@ def _run_faults(server: SoakServer, plan: list[F.PlannedFault], t0: float, stop:
             out["client"].append({"t_s": round(t_s, 1), "kind": "never-read", **dataclasses.asdict(result)})
 
 
+#: How long the in-flight request runs before the SIGKILL (the engines are then stepping together), and its
+#: length: 480 tokens after a 2-token prompt fit `serve`'s 512-token context and outlast the 2 s on any CPU.
+KILL_AFTER_BUSY_S, BUSY_TOKENS = 2.0, 480
+
+
 def _kill_one_engine(server: SoakServer) -> dict[str, Any]:
     """SIGKILL the engine core of the highest DP rank; what the server did about it."""
     engines = server.engine_processes()
@@ -189,8 +233,19 @@ def _kill_one_engine(server: SoakServer) -> dict[str, Any]:
 
     pid = max(engines, key=lambda e: (title(e[0]), e[0]))[0]
     name = title(pid)
+    # The engines step together (DP batch synchronization) only while some request is in flight; an idle server
+    # when the load has ended would notice the death from its API process alone, unnamed. So one long request
+    # runs through the kill.
+    in_flight: list[int] = []
+    busy = threading.Thread(target=lambda: in_flight.append(http(
+        "POST", server.url + "/v1/completions", {"model": server.served_model, "prompt": "w5 w6",
+                                                 "max_tokens": BUSY_TOKENS, "ignore_eos": True}, timeout=120)[0]),
+        daemon=True)
+    busy.start()
+    time.sleep(KILL_AFTER_BUSY_S)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    busy.join(timeout=120)  # the in-flight request ends (fails) once the server noticed; then a new one
     after = [http("POST", server.url + "/v1/completions", {"model": server.served_model, "prompt": "w5 w6",
                                                              "max_tokens": 2}, timeout=30)[0]]
     while server.alive() and time.monotonic() - t_kill < EXIT_AFTER_KILL_S:
@@ -201,7 +256,8 @@ def _kill_one_engine(server: SoakServer) -> dict[str, Any]:
     # the surviving rank ("lost rank(s) [1] on host ...")
     named = [line.strip()[-400:] for line in log.splitlines()
              if "died unexpectedly" in line or "lost rank(s) [" in line]
-    return {"killed": {"pid": pid, "title": name}, "request_after_kill_status": after[0],
+    return {"killed": {"pid": pid, "title": name}, "request_in_flight_status": in_flight[0] if in_flight else None,
+            "request_after_kill_status": after[0],
             "server_exited_s": exited_s, "server_exit_code": server.proc.returncode,
             "dead_engine_named": named[:3]}
 
@@ -253,9 +309,17 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         greedy = _Greedy(server, mixed_prompt_ids(2))
         result["oracle_start"] = _oracle(_oracle_dir(cfg.model, path), greedy.check(0.0, "A"))
         result["digests_start"] = server.digests(os.path.join(cfg.out_dir, "digests-start"))
+        rate, max_requests = cfg.request_rate, cfg.max_requests
+        if cfg.fit_load:
+            result["load_fit"] = _measure_capacity(server, cfg)
+            rate, max_requests = result["load_fit"]["offered_rate"], result["load_fit"]["max_requests"]
+            say(f"soak: the server served {result['load_fit']['measured_requests_per_s']} requests/s at concurrency "
+                f"{cfg.max_concurrency}; offering {rate}/s ({max_requests} requests)")
+        result["offered"] = {"request_rate": rate, "max_requests": max_requests,
+                             "client_bound_s": cfg.duration_s + cfg.client_bound_s}
         load = BenchLoad(base_url=server.url, model=server.served_model, tokenizer=path, input_len=cfg.input_len,
-                         output_len=cfg.output_len, request_rate=cfg.request_rate,
-                         max_concurrency=cfg.max_concurrency, num_prompts=cfg.max_requests, seed=seed % 2**31,
+                         output_len=cfg.output_len, request_rate=rate,
+                         max_concurrency=cfg.max_concurrency, num_prompts=max_requests, seed=seed % 2**31,
                          save_detailed=True)
         bench_file = os.path.join(os.path.abspath(cfg.out_dir), "bench-sharded.json")
         t0 = time.monotonic()
@@ -274,7 +338,7 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
                 break
             if t_s >= cfg.duration_s and bench_proc.poll() is not None:
                 break
-            if t_s >= cfg.duration_s + 120:
+            if t_s >= cfg.duration_s + cfg.client_bound_s:
                 result["load_client_overran"] = True
                 break
             if t_s >= next_sample:
@@ -442,6 +506,7 @@ def _verdicts(cfg: SoakConfig, r: dict[str, Any], samples: list, t0: float, done
     if cfg.kill:
         after = r.get("after_exit") or {}
         ok = bool(kill and kill.get("killed")) and kill["request_after_kill_status"] != 200 and \
+            kill.get("request_in_flight_status") != 200 and \
             kill["server_exited_s"] is not None and bool(kill["dead_engine_named"]) and \
             not after.get("processes_alive") and not after.get("dev_shm_left") and not after.get("memfd_bytes_held")
         check("sigkill_contained", ok, "after one engine core's SIGKILL: requests fail, the server names the dead "
