@@ -20,8 +20,6 @@ import glob
 import json
 import os
 import subprocess
-import sys
-import types
 
 import pytest
 import torch
@@ -30,6 +28,7 @@ from moonep_ep.errors import ConfigError
 from moonep_ep.ops import mxfp4_moe_kernel as mk
 from moonep_ep.ops.grouped_blocks import grouped_blocks
 from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm, mxfp4_launch_config
+from tests.ops.test_mxfp4_launch import launcher  # noqa: F401 - the fixture
 from tests.support.vllm_envs import python_of
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -221,23 +220,8 @@ def test_the_default_configs_at_k2_and_k3_shapes_are_within_the_bound(model):
         assert not within_bound(128, raw_launch(prefill, 64), BF16)[0]
 
 
-class _Launcher:
-    def __init__(self) -> None:
-        self.launches: list[dict] = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append(dict(kwargs, grid=grid))
-
-
-def test_the_launch_bounds_the_row_blocks_it_is_given_and_not_the_interpreters(monkeypatch):
-    language = types.ModuleType("triton.language")
-    language.bfloat16, language.float16 = "tl.bfloat16", "tl.float16"
-    triton = types.ModuleType("triton")
-    triton.language = language
-    monkeypatch.setitem(sys.modules, "triton", triton)
-    monkeypatch.setitem(sys.modules, "triton.language", language)
-    rec = _Launcher()
-    monkeypatch.setattr(mk, "_kernel", lambda: rec)
+def test_the_launch_bounds_the_row_blocks_it_is_given_and_not_the_interpreters(launcher, monkeypatch):
+    rec = launcher  # test_mxfp4_launch's recording stand-in for Triton's launcher
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     M, N, K = 128, 128, 256
     a, out = torch.zeros(M, K, dtype=BF16), torch.zeros(M, N, dtype=BF16)
@@ -251,5 +235,5 @@ def test_the_launch_bounds_the_row_blocks_it_is_given_and_not_the_interpreters(m
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mxfp4_grouped_gemm(a, weight, scale, out, grouped_blocks(cu, M, 128))
     mxfp4_grouped_gemm(a, weight, scale, out, grouped_blocks(cu, M, 128), {"BLOCK_SIZE_N": 512})
-    assert [(x["BLOCK_M"], x["BLOCK_N"], x["grid"]) for x in rec.launches] == [
+    assert [(kw["BLOCK_M"], kw["BLOCK_N"], grid) for grid, _, kw in rec.launches] == [
         (16, 64, (8, 2)), (128, 32, (1, 4)), (128, 64, (1, 2)), (128, 512, (1, 1))]

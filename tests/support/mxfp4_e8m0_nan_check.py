@@ -12,13 +12,10 @@ The interpreter's bf16 ``tl.dot`` and downcasts are mended first (``moonep_ep.te
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from typing import Any
 
-from moonep_ep.testing.triton_interpreter import enter_interpreter
+from tests.support.mxfp4_kernel_check import run_interpreted
 
 COLUMN, ROWS, N, K = 3, 16, 32, 64
 BYTES = (0xFF, 0xFE)
@@ -46,19 +43,8 @@ def case(dtype_name: str, byte: int) -> list[list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", action="store_true")
-    p.parse_args(argv)
-    enter_interpreter()
-    from moonep_ep.testing import triton_interpreter as ti
-
-    t0 = time.perf_counter()
-    ti.mend_bf16_dot()
-    ti.mend_downcasts()
-    out: dict[str, Any] = {f"{d}_{b:#x}": case(d, b) for d in ("bfloat16", "float16") for b in BYTES}
-    out["seconds"] = round(time.perf_counter() - t0, 2)
-    print(json.dumps(out))
-    return 0
+    return run_interpreted(lambda: {f"{d}_{b:#x}": case(d, b) for d in ("bfloat16", "float16") for b in BYTES},
+                           argv)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from moonep_ep.testing.triton_interpreter import enter_interpreter
 
@@ -179,7 +179,9 @@ def launches() -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_interpreted(build: Callable[[], dict[str, Any]], argv: list[str] | None = None) -> int:
+    """A check's entry point: ``--json``, Triton's interpreter entered with its bf16 dot and downcasts mended,
+    then ``build()``'s figures and the seconds they took printed as one JSON line."""
     p = argparse.ArgumentParser()
     p.add_argument("--json", action="store_true")
     p.parse_args(argv)
@@ -189,13 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ti.mend_bf16_dot()
     ti.mend_downcasts()
-    out = {"launches": launches(),
-           "exact": [exact_case("bfloat16", 256, 128, 1), exact_case("bfloat16", 256, 64, 2),
-                     exact_case("bfloat16", 96, 128, 3), exact_case("float16", 256, 128, 4)],
-           "edges": [edge_case(x) for x in EDGE_EXPONENTS]}
+    out = build()
     out["seconds"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(out))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_interpreted(lambda: {
+        "launches": launches(),
+        "exact": [exact_case("bfloat16", 256, 128, 1), exact_case("bfloat16", 256, 64, 2),
+                  exact_case("bfloat16", 96, 128, 3), exact_case("float16", 256, 128, 4)],
+        "edges": [edge_case(x) for x in EDGE_EXPONENTS]}, argv)
 
 
 if __name__ == "__main__":
