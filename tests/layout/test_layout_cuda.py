@@ -47,10 +47,10 @@ def store_over_the_cuda_driver(ctx: Any) -> dict[str, Any]:
                             out["errors"].append(f"layer {layer} {p.name} expert {e} wrong on rank {rank}")
             # Gen B push: write our expert 0 of layer 0 into the next rank's slot pool, row = our rank's block.
             nxt = (rank + 1) % world
-            store.gen_b_pool(0, "down")[nxt, 0].copy_(store.owner_view(0, "down")[0])
+            store.push_pool(0, "down")[nxt, 0].copy_(store.owner_view(0, "down")[0])
             store.finish_loading()
             prev = (rank - 1) % world
-            pushed = store.gen_b_compute(0, "down")[epn]  # own slot pool row 0, written by prev
+            pushed = store.push_view(0, "down")[epn]  # own slot pool row 0, written by prev
             out["push_seen"] = torch.equal(pushed.cpu(), expert_value(0, "down", prev * epn, projs[2].shape))
             measured = driver_holdings(driver, rank).bytes_held - before.bytes_held
             predicted = predict_rank_bytes(num_layers=layers, num_experts=experts, ep_size=world, num_slots=epn,

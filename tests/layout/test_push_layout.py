@@ -231,12 +231,13 @@ def push_round_trip(ctx: Any, driver_kind: str, specs: list, num_experts: int, l
     return out
 
 
-def _expected_push_bytes(specs: list, epn: int, layers: int, gran: int) -> int:
-    """Written from the layout's rule: per (layer, tensor) ceil(epn*row/gran) pages; the pool the slot bytes past
-    the last page's free tail, page-rounded."""
+def expected_push_bytes(row_bytes: list[int], epn: int, layers: int, gran: int) -> int:
+    """Bytes every rank allocates in the push layout, written from the layout's rule: per (layer, tensor) a run of
+    ceil(epn*row/gran) pages of its own; the pool (shared by the layers) the slot bytes past the run's last page's
+    free tail, page-rounded."""
     total = 0
-    for p in specs:
-        own = epn * p.row_bytes
+    for row in row_bytes:
+        own = epn * row
         pages = -(-own // gran)
         head = min(pages * gran - own, own)
         total += layers * pages * gran + -(-(own - head) // gran) * gran
@@ -253,7 +254,7 @@ def test_push_layout_with_rows_inside_pages_host_driver():
         assert res["bad"] == [], (rank, res["bad"])
         assert all(res["head_kept"].values()) and all(res["rest_shared"].values())
         assert res["physical"] == res["planned"]
-        assert res["physical"]["total_bytes"] == _expected_push_bytes(specs, 3, 2, HOST_PAGE)
+        assert res["physical"]["total_bytes"] == expected_push_bytes([p.row_bytes for p in specs], 3, 2, HOST_PAGE)
         assert "has no [E+B] pull view at this page size" in res["pull_view"] and "Fix:" in res["pull_view"]
         assert res["leaks"] == {}
 
@@ -275,7 +276,7 @@ def test_k3_mxfp4_real_row_bytes_push_layout_at_2mib_cuda_emulator(report):
         assert res["bad"] == [], (rank, res["bad"])
         assert all(res["head_kept"].values()) and all(res["rest_shared"].values())
         assert res["physical"] == res["planned"]
-        assert res["physical"]["total_bytes"] == _expected_push_bytes(specs, 2, 2, GPU_PAGE)
+        assert res["physical"]["total_bytes"] == expected_push_bytes([p.row_bytes for p in specs], 2, 2, GPU_PAGE)
         assert res["leaks"] == {}
     report(f"K3 MXFP4 real rows, push layout at 2 MiB over the CUDA emulator: 2 ranks, 2 layers, "
            f"{results[0]['physical']['total_bytes'] / MIB:.0f} MiB a rank (emulator handles), every slot byte "

@@ -275,9 +275,9 @@ def push_matches_pull(ctx: Any, store: ShardedExpertStore, views: dict, E: int, 
     store.finish_loading()
     buf.prefetch_weight(plan, local_gate_weight=store.owner_view(layer, "gate"),
                         local_up_weight=store.owner_view(layer, "up"), local_down_weight=store.owner_view(layer, "down"),
-                        gate_prefetch_buffer=store.gen_b_pool(layer, "gate"),
-                        up_prefetch_buffer=store.gen_b_pool(layer, "up"),
-                        down_prefetch_buffer=store.gen_b_pool(layer, "down"))
+                        gate_prefetch_buffer=store.push_pool(layer, "gate"),
+                        up_prefetch_buffer=store.push_pool(layer, "up"),
+                        down_prefetch_buffer=store.push_pool(layer, "down"))
     pushed_equal = all(torch.equal(views[(layer, p)][E:], pulled[p]) for p in PROJ)
     y_push = grouped_ffn(hidden_nvsh, views[(layer, "gate")], views[(layer, "up")], views[(layer, "down")], cu, w_nvs)
     stats = buf.last_prefetch

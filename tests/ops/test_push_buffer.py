@@ -1,8 +1,8 @@
 """The push generation on CPU (issue 38): :class:`PushReferenceBuffer` has the contract of MoonEP's release 26/09.
 
 One spawn of 2 real gloo ranks over one sharded store (host driver; Gen A and Gen B views of one physical
-layout): dispatch → push prefetch into the ``gen_b_pool`` views → grouped FFN over the ``[2·epn]``
-``gen_b_compute`` views → combine, for a routing skewed onto rank 0's experts, so rank 1 computes some of
+layout): dispatch → push prefetch into the ``push_pool`` views → grouped FFN over the ``[2·epn]``
+``push_view`` views → combine, for a routing skewed onto rank 0's experts, so rank 1 computes some of
 them in its slots. The same tokens then go through the pull reference buffer (``[E+B]`` groups, pull
 prefetch over the Gen A views) and must give the same output bit for bit (why: see ``_check_run``). Then
 the refusals, each made on rank 1 only so that every rank must raise. The planner of the push generation
@@ -121,8 +121,8 @@ def push_and_pull(ctx: Any) -> dict:
     poison_slots()
     hidden, w_nvs, cu, plan = push.dispatch(x, w, ids, tpe)
     ev = push.prefetch_weight(plan, True, **{f"local_{p}_weight": store.owner_view(0, p) for p in PROJ},
-                              **{f"{p}_prefetch_buffer": store.gen_b_pool(0, p) for p in PROJ})
-    compute = {p: store.gen_b_compute(0, p) for p in PROJ}
+                              **{f"{p}_prefetch_buffer": store.push_pool(0, p) for p in PROJ})
+    compute = {p: store.push_view(0, p) for p in PROJ}
     y_nvsh = grouped_ffn(hidden, compute["gate"], compute["up"], compute["down"], cu, w_nvs)
     y_push, none_w, none_ev = push.combine(plan, y_nvsh)
     res["event_done"] = ev is not None and ev.query()

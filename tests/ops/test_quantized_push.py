@@ -3,7 +3,7 @@
 One fixed plan on 2 real gloo ranks: every token of both ranks is routed to experts 0..7 (rank 0's), so
 the planner hands some of them to rank 1's slots. One sharded store per run holds a BF16 set and an
 MXFP4-like set (uint8 weight ``[N, K/2]`` plus E8M0 scales padded per expert to 16 KiB, the push layout);
-its Gen A ``[E+B]`` views and Gen B views (``gen_b_pool``, ``gen_b_compute``) are one physical layout.
+its Gen A ``[E+B]`` views and Gen B views (``push_pool``, ``push_view``) are one physical layout.
 The slots are poisoned, filled by a pull through the reference buffer, poisoned again, filled by a push
 (weights and scales in the same call), and every slot row's bytes are compared, weights and scales, over
 the host driver and over the CUDA driver emulator. Controls: the poison is gone from every used slot
@@ -30,6 +30,7 @@ from moonep_ep.layout.store import ProjectionSpec, ShardedExpertStore
 from moonep_ep.models import get_model
 from moonep_ep.ops.buffer import ReferenceBuffer
 from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
+from tests.layout.test_push_layout import expected_push_bytes
 from tests.support.cli import moonep_ep_json
 from tests.support.memory import run_emulated_ranks
 
@@ -101,10 +102,10 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
 
         def push_kw(names: tuple, scales: bool) -> dict:
             kw = {f"local_{p}_weight": store.owner_view(0, n) for p, n in zip(PROJ, names)}
-            kw.update({f"{p}_prefetch_buffer": store.gen_b_pool(0, n) for p, n in zip(PROJ, names)})
+            kw.update({f"{p}_prefetch_buffer": store.push_pool(0, n) for p, n in zip(PROJ, names)})
             if scales:
                 kw.update({f"local_{p}_scale": store.owner_view(0, f"{n}_scale") for p, n in zip(PROJ, names)})
-                kw.update({f"{p}_scale_prefetch_buffer": store.gen_b_pool(0, f"{n}_scale") for p, n in zip(PROJ, names)})
+                kw.update({f"{p}_scale_prefetch_buffer": store.push_pool(0, f"{n}_scale") for p, n in zip(PROJ, names)})
             return kw
 
         bf16_names, q_names = PROJ, tuple(f"q{p}" for p in PROJ)
@@ -134,7 +135,7 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
         out["unused_still_poison"] = all(torch.equal(snap[n][b], poison_row[n]) for snap in (pulled, pushed)
                                          for n in pulled for b in unused)
         # One physical layout: the Gen B compute view's slot half shows the same bytes.
-        out["compute_view_same"] = all(torch.equal(_bytes(store.gen_b_compute(0, n)[EPN:]), pushed[n]) for n in pushed)
+        out["compute_view_same"] = all(torch.equal(_bytes(store.push_view(0, n)[EPN:]), pushed[n]) for n in pushed)
         # The kernels' reading of a padded scale row: the 2 KiB of E8M0 data, [256, 8], no copy.
         real = ProjectionSpec("qgate_scale", MXFP4_REAL_SCALE, torch.uint8, role="scale")
         view = scale_data_view(store.slots(0, "qgate_scale"), real)
@@ -169,11 +170,11 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
 def _bad_inputs(buf: ReferenceBuffer, plan: Any, store: ShardedExpertStore, rank: int) -> dict[str, str]:
     """Each bad call is made on rank 1 only (rank 0 makes a valid one): every rank must raise."""
     good = {f"local_{p}_weight": store.owner_view(0, f"q{p}") for p in PROJ}
-    good.update({f"{p}_prefetch_buffer": store.gen_b_pool(0, f"q{p}") for p in PROJ})
+    good.update({f"{p}_prefetch_buffer": store.push_pool(0, f"q{p}") for p in PROJ})
     scales = {f"local_{p}_scale": store.owner_view(0, f"q{p}_scale") for p in PROJ}
-    scales.update({f"{p}_scale_prefetch_buffer": store.gen_b_pool(0, f"q{p}_scale") for p in PROJ})
+    scales.update({f"{p}_scale_prefetch_buffer": store.push_pool(0, f"q{p}_scale") for p in PROJ})
     bf16 = {f"local_{p}_weight": store.owner_view(0, p) for p in PROJ}
-    bf16.update({f"{p}_prefetch_buffer": store.gen_b_pool(0, p) for p in PROJ})
+    bf16.update({f"{p}_prefetch_buffer": store.push_pool(0, p) for p in PROJ})
     unpadded = {f"local_{p}_scale": torch.zeros(EPN, *MXFP4_REAL_SCALE, dtype=torch.uint8) for p in PROJ}
     unpadded.update({f"{p}_scale_prefetch_buffer": torch.zeros(WORLD, EPN, *MXFP4_REAL_SCALE, dtype=torch.uint8)
                      for p in PROJ})
@@ -250,16 +251,9 @@ def _k2_pages(R: int, rows: list[int], g: int = 2 << 20, L: int = 60, E_: int = 
     return per_rank
 
 
-def _k2_push_pages(R: int, rows: list[int], g: int = 2 << 20, L: int = 60, E_: int = 384) -> int:
-    """Bytes every rank allocates in the push layout: per (layer, tensor) a run of ceil(epn*row/g) pages of its
-    own; the run's last page's free tail holds the first slot bytes, the pool shared by the layers the rest."""
-    epn = E_ // R
-    total = 0
-    for row in rows:
-        pages = -(-epn * row // g)
-        head = min(pages * g - epn * row, epn * row)
-        total += L * pages * g + -(-(epn * row - head) // g) * g
-    return total
+def _k2_push_pages(R: int, rows: list[int]) -> int:
+    """Bytes every rank allocates in the push layout at 2 MiB pages (60 layers, 384 experts)."""
+    return expected_push_bytes(rows, 384 // R, 60, 2 << 20)
 
 
 def test_fp8_block_push_layout_footprint_at_k2_ep_8_16_64():

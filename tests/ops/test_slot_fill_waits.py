@@ -184,8 +184,8 @@ def buffer_consumers_rank(ctx: Any) -> dict[str, Any]:
     out["async_after_wait"] = {"filled": filled(0), "query": event.query()}
     # Gen B: every owner's pushes land before the barrier, so this rank's slots (pushed by rank 0) are final.
     push = dict(local_gate_weight=store.owner_view(1, "gate"), local_up_weight=store.owner_view(1, "up"),
-                local_down_weight=store.owner_view(1, "down"), gate_prefetch_buffer=store.gen_b_pool(1, "gate"),
-                up_prefetch_buffer=store.gen_b_pool(1, "up"), down_prefetch_buffer=store.gen_b_pool(1, "down"))
+                local_down_weight=store.owner_view(1, "down"), gate_prefetch_buffer=store.push_pool(1, "gate"),
+                up_prefetch_buffer=store.push_pool(1, "up"), down_prefetch_buffer=store.push_pool(1, "down"))
     sentinel(1)
     buf.prefetch_weight(plan, **push)
     out["push_filled"] = filled(1)

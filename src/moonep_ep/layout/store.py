@@ -432,10 +432,6 @@ class ShardedExpertStore:
         """``[2·epn, out, in]``: own experts then own slots (what the push API's experts read)."""
         return self._view(PUSH, layer, proj)
 
-    # Upstream's names for the push views (MoonEP's release calls the push API "Gen B").
-    gen_b_pool = push_pool
-    gen_b_compute = push_view
-
     # -- loading --------------------------------------------------------------------------
     def load(self, loader: Callable[[int, str, int], torch.Tensor], progress: Callable[[str], None] | None = None) -> LoadStats:
         """Write this rank's experts: ``loader(layer, projection, expert) -> [out, in]``.

@@ -22,7 +22,7 @@ push in ``ops/push.py``); what differs is the contract and the plan:
   [epn, out, in], {gate,up,down}_prefetch_buffer [R, epn, out, in], optional
   local_*_scale + *_scale_prefetch_buffer)``: every owner pushes its experts
   into the slot pools of the ranks that need them, then a barrier (collective).
-  The experts then read ``[2*epn]`` rows: ``ShardedExpertStore.gen_b_compute``.
+  The experts then read ``[2*epn]`` rows: ``ShardedExpertStore.push_view``.
 * ``async_finish`` on every call returns an event (complete on CPU: the gloo
   collectives and the host-side push have finished on return); ``zero_copy``
   on ``dispatch``/``combine`` as in the pull generation.
@@ -144,7 +144,7 @@ class PushReferenceBuffer(ReferenceBuffer):
 
         ``local_*_weight`` ``[epn, out, in]`` contiguous (bf16, int8 or uint8),
         ``*_prefetch_buffer`` ``[R, epn, out, in]`` (every rank's slot pool,
-        ``ShardedExpertStore.gen_b_pool``); optional scales (uint8 weights only,
+        ``ShardedExpertStore.push_pool``); optional scales (uint8 weights only,
         all six or none, per-expert bytes a multiple of 16 KiB) travel in the
         same push. On return slot ``b`` of every rank ``d`` holds
         ``plan.experts_to_copy[d, b]``; returns ``None``, or with

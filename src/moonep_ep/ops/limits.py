@@ -189,7 +189,7 @@ def check_gen_b_weights(rank: Optional[int], device: torch.device, local: Mappin
         lw = check_expert_weight(rank, device, f"local_{name}_weight", local[name], epn)
         pool = pools[name]
         fix = (f"pass the [R, epn, out, in] = [{R}, {epn}, {lw.shape[1]}, {lw.shape[2]}] view of every "
-               "rank's slot pool (ShardedExpertStore.gen_b_pool)")
+               "rank's slot pool (ShardedExpertStore.push_pool)")
         if not isinstance(pool, torch.Tensor) or tuple(pool.shape) != (R, epn, *lw.shape[1:]):
             raise config_error(rank, f"{name}_prefetch_buffer has the wrong shape",
                                getattr(pool, "shape", type(pool).__name__), fix)

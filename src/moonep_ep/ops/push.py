@@ -76,7 +76,7 @@ def check_push_args(rank: int, device: torch.device, local: Mapping[str, Any], p
                                "(layout.formats.push_projections)")
         want = (R, epn, *scale.shape[1:])
         pool_fix = (f"pass the {list(want)} {scale.dtype} view of every rank's scale slot pool "
-                    "(ShardedExpertStore.gen_b_pool of the scale tensor)")
+                    "(ShardedExpertStore.push_pool of the scale tensor)")
         if not isinstance(pool, torch.Tensor) or tuple(pool.shape) != want:
             raise config_error(rank, f"{name}_scale_prefetch_buffer has the wrong shape",
                                getattr(pool, "shape", type(pool).__name__), pool_fix)

@@ -238,7 +238,7 @@ def layerwise_replay(param: torch.Tensor, store: Any, idx: int) -> bool:
         return False
     views = list(store.views(idx) if store.format == "bf16" else store.named_views(idx).values())
     if getattr(store, "gen_b", False):  # the push API binds the parameters to the [2*epn] compute views
-        views += [store.store.gen_b_compute(idx, p) for p in ("gate", "up", "down")]
+        views += [store.store.push_view(idx, p) for p in ("gate", "up", "down")]
     if any(param.data_ptr() == view.data_ptr() for view in views):
         return False
     from .stats import STATS

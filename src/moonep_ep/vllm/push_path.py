@@ -7,11 +7,11 @@ step and the weights the experts read:
 
 * ``dispatch`` returns ``cu_seqlens [2*epn]``: this rank's own experts, then
   its ``epn`` slots (§4.9), so the experts read ``[2*epn]`` rows: the store's
-  ``gen_b_compute`` views (own expert pages followed by the shared slot pool,
+  ``push_view`` views (own expert pages followed by the shared slot pool,
   one physical layout with the pull views);
 * ``prefetch_weight(plan, local_*_weight=[epn, ...], *_prefetch_buffer=[R,
   epn, ...])`` is collective: every owner pushes its experts into the slot
-  pools of the ranks that need them (``gen_b_pool`` views), then a barrier;
+  pools of the ranks that need them (``push_pool`` views), then a barrier;
 * ``dispatch`` takes exactly ``S`` tokens, which vLLM's prepare step already
   guarantees (it pads every batch to the pool buffer's capacity, one buffer
   per capacity).
@@ -76,13 +76,13 @@ def make_push_layout(store: Any, idx: int, views: dict[str, torch.Tensor] | None
     views (the release's kernel moves bf16, int8 or uint8), scales whole padded rows."""
     s = store.store
     names = PROJECTIONS if views is None else tuple(store.shapes)
-    compute = {p: s.gen_b_compute(idx, p) for p in PROJECTIONS} if views is None else views
+    compute = {p: s.push_view(idx, p) for p in PROJECTIONS} if views is None else views
     layout = push_weight_layout_class()(full_gate_weight=compute["gate"], full_up_weight=compute["up"],
                                         full_down_weight=compute["down"], num_prefetch_slots=store.num_slots)
     layout.own_groups = store.experts_per_rank
     as_bytes = (lambda t: t) if views is None else _as_push_bytes
     layout.local = {p: as_bytes(s.owner_view(idx, p)) for p in names}
-    layout.pools = {p: as_bytes(s.gen_b_pool(idx, p)) for p in names}
+    layout.pools = {p: as_bytes(s.push_pool(idx, p)) for p in names}
     return layout
 
 

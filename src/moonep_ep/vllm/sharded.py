@@ -80,7 +80,7 @@ class ModelExpertStore:
         self.index = {name: i for i, name in enumerate(self.layer_names)}
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.num_slots, self.dtype, self.device = num_slots, dtype, torch.device(device)
-        #: The push API's views too (``gen_b_pool [R, epn]``, ``gen_b_compute [2*epn]``; num_slots = E/R)
+        #: The push API's views too (``push_pool [R, epn]``, ``push_view [2*epn]``; num_slots = E/R)
         self.gen_b = gen_b
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
                 self.device.type, fmt, gen_b)
@@ -353,7 +353,7 @@ class ModelExpertStore:
         ``{gate, gate_scale, up, up_scale, down, down_scale: [2*epn, ...]}`` (push: own experts, then the
         slots; scales as their data)."""
         if self.gen_b:
-            return {name: self.data_view(self.store.gen_b_compute(idx, name), name) for name in self.shapes}
+            return {name: self.data_view(self.store.push_view(idx, name), name) for name in self.shapes}
         return {name: self.store.gen_a(idx, name) for name in self.shapes}
 
     def describe(self) -> dict[str, Any]:
