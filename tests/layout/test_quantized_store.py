@@ -25,7 +25,7 @@ from moonep_ep.layout.plan import predict_rank_bytes
 from moonep_ep.layout.store import ShardedExpertStore
 from moonep_ep.memory.accounting import snapshot
 from moonep_ep.memory.host import HostDriver
-from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
+from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
 from moonep_ep.launch import run_ranks
 from tests.support.cli import moonep_ep_json
 from tests.support.hypothesis_budget import max_examples

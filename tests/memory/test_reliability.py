@@ -67,7 +67,7 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
     from moonep_ep.errors import MoonEPError
     from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
     from moonep_ep.memory import exchange
-    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
 
     rank = ctx.rank
     driver = HostDriver(rank=rank, granularity=GRAN)

@@ -1,4 +1,4 @@
-"""The prefetch cost model (ops/decode_cost.py) and `moonep-ep bench decode` (tools/bench/decode.py)."""
+"""The prefetch cost model (ops/decode/cost.py) and `moonep-ep bench decode` (tools/bench/decode.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moonep_ep.models import get_model
-from moonep_ep.ops.decode_cost import PROFILES, cost_model, expert_bytes_for
+from moonep_ep.ops.decode.cost import PROFILES, cost_model, expert_bytes_for
 from moonep_ep.tools.bench import decode as decode_bench
 
 
@@ -29,7 +29,7 @@ def test_a_store_format_the_cost_model_does_not_price_is_refused():
     """layout.formats sizes INT4 at any group size that is a multiple of 8 (int4-g128: W4A16's default group), but
     FORMATS here prices int4-g32 only: the same refusal, listing what is priced."""
     from moonep_ep.layout.formats import get_format
-    from moonep_ep.ops.decode_cost import canonical_format
+    from moonep_ep.ops.decode.cost import canonical_format
 
     assert get_format("int4-g128").name == "int4-g128"
     with pytest.raises(ValueError) as unpriced:
@@ -119,7 +119,7 @@ def test_every_cost_override_replaces_its_input(monkeypatch):
                                           ("NVIDIA A100-SXM4-80GB", "h200"),
                                           ("NVIDIA GB 200", "gb200")])   # spaces are ignored in the match
 def test_auto_profile_follows_the_visible_gpus_name(gpu, profile, monkeypatch):
-    from moonep_ep.ops.decode_cost import detect_profile
+    from moonep_ep.ops.decode.cost import detect_profile
 
     monkeypatch.delenv("MOONEP_EP_GPU_PROFILE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""E8M0 0xFF is NaN (OCP MX spec v1.0) in the CPU experts' MXFP4 dequantization (``ops/quantized_experts.py``).
+"""E8M0 0xFF is NaN (OCP MX spec v1.0) in the CPU experts' MXFP4 dequantization (``ops/experts/quantized.py``).
 
 The kernel's side runs under Triton's interpreter in ``tests/vllm/test_mxfp4_e8m0_nan.py``.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ep.ops.quantized_experts import dequantize_rows
+from moonep_ep.ops.experts.quantized import dequantize_rows
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])

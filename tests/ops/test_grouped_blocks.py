@@ -1,4 +1,4 @@
-"""Per-block weight rows from MoonEP's ``cu_seqlens`` (``ops/grouped_blocks.py``), and the BLOCK_SIZE_M rule."""
+"""Per-block weight rows from MoonEP's ``cu_seqlens`` (``ops/experts/grouped_blocks.py``), and the BLOCK_SIZE_M rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops.grouped_blocks import check_block_size, check_segments_aligned, grouped_blocks
+from moonep_ep.ops.experts.grouped_blocks import check_block_size, check_segments_aligned, grouped_blocks
 
 
 def test_blocks_name_their_group_skip_empty_groups_and_stop_at_the_last_row():
@@ -34,7 +34,7 @@ def test_a_block_size_that_does_not_divide_the_token_padding_is_refused_naming_b
 
 
 def test_the_gpu_experts_refuse_the_block_size_before_any_kernel():
-    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     with pytest.raises(ConfigError, match="BLOCK_SIZE_M 16 does not divide MoonEP's token_padding 24"):
         gpu_grouped_ffn("mxfp4", torch.zeros(48, 64, dtype=torch.bfloat16), {}, torch.tensor([48], dtype=torch.int32),
@@ -46,7 +46,7 @@ def test_blocks_of_zero_route_weight_rows_are_skipped_and_the_rest_kept():
     rows is marked -1; one nonzero row keeps its block (the control), and the original metadata is untouched."""
     import torch
 
-    from moonep_ep.ops.grouped_blocks import grouped_blocks, skip_zero_weight_blocks
+    from moonep_ep.ops.experts.grouped_blocks import grouped_blocks, skip_zero_weight_blocks
 
     cu = torch.tensor([32, 32, 64, 96], dtype=torch.int32)       # groups: 2 blocks, empty, 2 blocks, 2 blocks
     blocks = grouped_blocks(cu, 112, 16)                         # 7 blocks: 6 in groups, 1 past the end
@@ -87,7 +87,7 @@ def test_a_misaligned_group_is_refused_in_the_library_path_without_a_host_read()
     """Groups [0, 16), [16, 24), [24, 48): the third starts at row 24, inside a 16-row block, so that block would
     be computed with group 1's weights for group 2's rows. ``grouped_blocks`` (what the GPU experts build their
     launch from) refuses it with a device-side assert: on CPU it raises at once."""
-    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     misaligned = torch.tensor([16, 24, 48], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="not a multiple of BLOCK_SIZE_M 16.*Fix: pad every group to a multiple "
@@ -118,7 +118,7 @@ def test_a_misaligned_group_is_refused_in_the_library_path_without_a_host_read()
         check_segments_aligned(meta, 16)
 
 
-# -- the exact texts and edges (what mutation testing of ops/grouped_blocks.py asks for) ----------------------------
+# -- the exact texts and edges (what mutation testing of ops/experts/grouped_blocks.py asks for) ----------------------------
 
 def _refusal(call) -> str:
     with pytest.raises(ConfigError) as e:
@@ -143,7 +143,7 @@ def test_every_refusal_of_the_block_rules_is_written_out_whole():
         "cu_seqlens must be a non-empty 1-D tensor: got (1, 2). Fix: pass dispatch's cu_seqlens [E+B]")
     assert _refusal(lambda: grouped_blocks(torch.zeros(0, dtype=torch.int32), 32, 16)) == (
         "cu_seqlens must be a non-empty 1-D tensor: got (0,). Fix: pass dispatch's cu_seqlens [E+B]")
-    from moonep_ep.ops.grouped_blocks import misaligned_message
+    from moonep_ep.ops.experts.grouped_blocks import misaligned_message
 
     assert misaligned_message(32) == (
         "cu_seqlens holds a group end that is not a multiple of BLOCK_SIZE_M 32, so a kernel block would hold rows "
@@ -174,7 +174,7 @@ def test_one_group_of_one_block_is_one_block_and_the_metadata_is_int32_on_the_in
 
 
 def test_a_live_row_at_a_block_edge_keeps_its_own_block_only():
-    from moonep_ep.ops.grouped_blocks import skip_zero_weight_blocks
+    from moonep_ep.ops.experts.grouped_blocks import skip_zero_weight_blocks
 
     blocks = grouped_blocks(torch.tensor([64], dtype=torch.int32), 64, 16)   # one group, 4 blocks
     w = torch.zeros(64)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moonep_ep.launch import run_ranks
-from moonep_ep.ops.instrument import CollectiveRecorder
+from moonep_ep.ops.moonep.instrument import CollectiveRecorder
 
 ROWS, COLS = 4, 64  # one registered "expert row" is COLS bf16 = 128 bytes
 ROW_BYTES = COLS * 2

@@ -1,4 +1,4 @@
-"""The collective recorder's decisions in this process (``ops/instrument.py``): what it wraps and restores, which
+"""The collective recorder's decisions in this process (``ops/moonep/instrument.py``): what it wraps and restores, which
 arguments it scans before and after a call, how many weight bytes a tensor holds, what one call records.
 
 A one-rank gloo group (``HashStore``, no other process) runs the real
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from moonep_ep.ops.instrument import (WRAPPED_OPS, CollectiveCall, CollectiveRecorder, _signature, _split_arguments,
+from moonep_ep.ops.moonep.instrument import (WRAPPED_OPS, CollectiveCall, CollectiveRecorder, _signature, _split_arguments,
                                       _tensors_in)
 
 ROW = 128  # bytes of one registered row (64 bf16)

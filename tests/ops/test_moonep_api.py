@@ -16,8 +16,8 @@ import pytest
 
 from moonep_ep.errors import ConfigError
 from moonep_ep.launch import run_ranks
-from moonep_ep.ops.buffer import ReferenceBuffer
-from moonep_ep.ops.moonep_api import ApiProbe, choose_moonep_api, probe_moonep_api, requested_api
+from moonep_ep.ops.moonep.pull import ReferenceBuffer
+from moonep_ep.ops.moonep.api import ApiProbe, choose_moonep_api, probe_moonep_api, requested_api
 
 
 class _DispatchAndCombine:
@@ -149,7 +149,7 @@ def test_a_buffer_that_is_neither_or_both_is_refused_naming_what_was_found(cls, 
 
 def test_the_reference_buffer_plays_either_and_the_caller_chooses():
     probe = probe_moonep_api(ReferenceBuffer)
-    assert probe.api == "either" and probe.buffer == "moonep_ep.ops.buffer.ReferenceBuffer"
+    assert probe.api == "either" and probe.buffer == "moonep_ep.ops.moonep.pull.ReferenceBuffer"
     assert choose_moonep_api(ReferenceBuffer, "auto").api == "pull"   # auto keeps what vLLM 0.33.0 calls
     assert choose_moonep_api(ReferenceBuffer, "pull").api == "pull"
     assert choose_moonep_api(ReferenceBuffer, "push").api == "push"

@@ -1,4 +1,4 @@
-"""The MXFP4 kernel's launch bound (``ops/mxfp4_moe_kernel.py``, ``mxfp4_launch_config``) over every config it
+"""The MXFP4 kernel's launch bound (``ops/experts/mxfp4_kernel.py``, ``mxfp4_launch_config``) over every config it
 can be given: vLLM 0.33.0's tuned bf16 MoE files, vLLM's defaults and the kernel's own.
 
 The GPU experts hand the kernel what ``try_get_optimal_moe_config`` returns for dtype None: vLLM's tuned
@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops import mxfp4_moe_kernel as mk
-from moonep_ep.ops.grouped_blocks import grouped_blocks
-from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm, mxfp4_launch_config
+from moonep_ep.ops.experts import mxfp4_kernel as mk
+from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
+from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_grouped_gemm, mxfp4_launch_config
 from tests.ops.test_mxfp4_launch import launcher  # noqa: F401 - the fixture
 from tests.support.vllm_envs import python_of
 

@@ -1,4 +1,4 @@
-"""The MXFP4 kernel's host side in this process (``ops/mxfp4_moe_kernel.py``): launch parameters, the shape
+"""The MXFP4 kernel's host side in this process (``ops/experts/mxfp4_kernel.py``): launch parameters, the shape
 and dtype refusals, and what one launch receives.
 
 The kernel itself runs in the vLLM environment under Triton's interpreter
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops import mxfp4_moe_kernel as mk
-from moonep_ep.ops.grouped_blocks import grouped_blocks
-from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm, mxfp4_launch_config
+from moonep_ep.ops.experts import mxfp4_kernel as mk
+from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
+from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_grouped_gemm, mxfp4_launch_config
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from moonep_ep.errors import CollectiveError, ConfigError
 from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
 from moonep_ep.memory.host import HostDriver
-from moonep_ep.ops.buffer import ReferenceBuffer
-from moonep_ep.ops.experts import (ENTRY_REL_TOL, TOKEN_REL_TOL, grouped_ffn, grouped_mm, reference_moe,
+from moonep_ep.ops.moonep.pull import ReferenceBuffer
+from moonep_ep.ops.experts.grouped import (ENTRY_REL_TOL, TOKEN_REL_TOL, grouped_ffn, grouped_mm, reference_moe,
                                    reference_moe_bf16, reference_rows_bf16, token_rel_errors)
-from moonep_ep.ops.instrument import CollectiveRecorder
-from moonep_ep.ops.planner import entry_dst, nvs_rows
+from moonep_ep.ops.moonep.instrument import CollectiveRecorder
+from moonep_ep.ops.moonep.planner import entry_dst, nvs_rows
 from moonep_ep.launch import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""Capacity padding in a dispatch plan (``ops/padding.py``): which slot fills serve real tokens."""
+"""Capacity padding in a dispatch plan (``ops/moonep/padding.py``): which slot fills serve real tokens."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from moonep_ep.ops.padding import (classify_slot_fills, padding_entries, real_entries, replan_without_padding)
-from moonep_ep.ops.planner import plan_dispatch
+from moonep_ep.ops.moonep.padding import (classify_slot_fills, padding_entries, real_entries, replan_without_padding)
+from moonep_ep.ops.moonep.planner import plan_dispatch
 
 S, K, E, R = 8, 2, 4, 2
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops.planner import DispatchPlan, entry_dst, nvs_rows, plan_dispatch
+from moonep_ep.ops.moonep.planner import DispatchPlan, entry_dst, nvs_rows, plan_dispatch
 from tests.support.hypothesis_budget import max_examples
 
 SETTINGS = settings(max_examples=max_examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])

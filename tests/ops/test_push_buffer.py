@@ -21,12 +21,12 @@ from moonep_ep.errors import CollectiveError, ConfigError
 from moonep_ep.launch import run_ranks
 from moonep_ep.layout.store import ShardedExpertStore, ffn_projections
 from moonep_ep.memory.host import HostDriver
-from moonep_ep.ops.buffer import ReferenceBuffer
-from moonep_ep.ops.buffer_push import PushReferenceBuffer
-from moonep_ep.ops.experts import TOKEN_REL_TOL, grouped_ffn, reference_moe_bf16, token_rel_errors
-from moonep_ep.ops.moonep_api import choose_moonep_api, probe_moonep_api, reference_buffer_class
-from moonep_ep.ops.planner import entry_dst, plan_dispatch
-from moonep_ep.ops.planner_push import plan_push_dispatch
+from moonep_ep.ops.moonep.pull import ReferenceBuffer
+from moonep_ep.ops.moonep.push import PushReferenceBuffer
+from moonep_ep.ops.experts.grouped import TOKEN_REL_TOL, grouped_ffn, reference_moe_bf16, token_rel_errors
+from moonep_ep.ops.moonep.api import choose_moonep_api, probe_moonep_api, reference_buffer_class
+from moonep_ep.ops.moonep.planner import entry_dst, plan_dispatch
+from moonep_ep.ops.moonep.planner_push import plan_push_dispatch
 
 PROJ = ("gate", "up", "down")
 # H=256, I=128 bf16: 64 KiB rows = one page of the 64 KiB host granularity, so the Gen B views are aligned.
@@ -225,7 +225,7 @@ def test_push_generation_refusals_raise_on_every_rank_naming_rank_value_and_fix(
 
 def test_the_probe_calls_the_push_reference_buffer_push():
     probe = probe_moonep_api(PushReferenceBuffer)
-    assert probe.api == "push" and probe.buffer == "moonep_ep.ops.buffer_push.PushReferenceBuffer"
+    assert probe.api == "push" and probe.buffer == "moonep_ep.ops.moonep.push.PushReferenceBuffer"
     assert "__init__ has no B" in probe.evidence
     assert choose_moonep_api(PushReferenceBuffer, "auto").api == "push"
     with pytest.raises(ConfigError, match="contradicts"):

@@ -1,4 +1,4 @@
-"""The CPU quantized expert FFN (``ops/quantized_experts.py``) in the main environment.
+"""The CPU quantized expert FFN (``ops/experts/quantized.py``) in the main environment.
 
 Packing here is written from the formats' definitions (compressed-tensors'
 ``pack_to_int32``: value ``i`` of a word at bits ``4i``, stored ``+8``;
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ep.ops.experts import ENTRY_REL_TOL, reference_rows_bf16
-from moonep_ep.ops.quantized_experts import E2M1_VALUES, dequantize_rows, quantized_grouped_ffn, used_groups
+from moonep_ep.ops.experts.grouped import ENTRY_REL_TOL, reference_rows_bf16
+from moonep_ep.ops.experts.quantized import E2M1_VALUES, dequantize_rows, quantized_grouped_ffn, used_groups
 
 G, H, I = 5, 256, 128
 
@@ -180,7 +180,7 @@ def test_the_dequantize_fallback_peak_at_k2_fp8_with_96_used_rows_is_within_the_
     here), its allocations measured by the storage tracker (which the test above checks against the CPU
     allocator). The bound is the module docstring's, worked out here: ``c = floor(2^27 / (3·I·H)) = 3`` rows a
     chunk, ``β = 9`` bytes per FP8 value (1 for the e4m3 copy, 4 for the fp32 values, 4 for the fp32 product)."""
-    from moonep_ep.ops.quantized_experts import rows_per_chunk
+    from moonep_ep.ops.experts.quantized import rows_per_chunk
     from tests.support.alloc_tracker import tracked_peak
 
     Hk, Ik, E, B = 7168, 2048, 384, 4

@@ -25,8 +25,8 @@ import torch
 
 from moonep_ep.layout.formats import expert_projections, get_format
 from moonep_ep.layout.store import ShardedExpertStore
-from moonep_ep.ops.prefetch import pull_slots
-from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
+from moonep_ep.ops.moonep.prefetch import pull_slots
+from moonep_ep.ops.experts.quantized import quantized_grouped_ffn, views_of
 from tests.support.memory import run_emulated_ranks
 
 pytestmark = pytest.mark.slow

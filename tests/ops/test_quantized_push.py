@@ -28,8 +28,8 @@ from moonep_ep.layout.footprint import FootprintOptions, scheme_bytes
 from moonep_ep.layout.formats import expert_projections, push_projections, push_store_projections, scale_data_view
 from moonep_ep.layout.store import ProjectionSpec, ShardedExpertStore
 from moonep_ep.models import get_model
-from moonep_ep.ops.buffer import ReferenceBuffer
-from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
+from moonep_ep.ops.moonep.pull import ReferenceBuffer
+from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
 from tests.layout.test_push_layout import expected_push_bytes
 from tests.support.cli import moonep_ep_json
 from tests.support.memory import run_emulated_ranks

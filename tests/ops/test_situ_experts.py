@@ -4,7 +4,7 @@ Paths: ``ops.experts.grouped_ffn`` (bf16), ``ops.quantized_experts.quantized_gro
 MXFP4), ``vllm.overlap.apply`` (own experts first, then slots; and its E-rows case vLLM's SiLU-only code cannot
 serve). The reference (``tests/support/situ_experts.py``) is written from vLLM 0.33.0's
 ``SituAndMul.forward_native`` formula, beta 4 and linear_beta 25 (K3's), on dense weights computed from each
-format's definition, and never calls ``ops/activation.py``. Inputs put a stated share of gate entries past ±4 and
+format's definition, and never calls ``ops/experts/activation.py``. Inputs put a stated share of gate entries past ±4 and
 of up entries past ±25; each path must match within :data:`BOUND`, and two controls must miss it: SiLU in place
 of SiTU, and SiTU with ``linear_beta`` dropped. The Triton experts' run is ``tests/vllm/test_situ_gpu_experts.py``.
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops.activation import SILU, GatedActivation
-from moonep_ep.ops.experts import grouped_ffn, grouped_mm, reference_moe, reference_rows_bf16
-from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
-from moonep_ep.vllm import overlap
-from moonep_ep.vllm.activation import activation_name, activation_of
+from moonep_ep.ops.experts.activation import SILU, GatedActivation
+from moonep_ep.ops.experts.grouped import grouped_ffn, grouped_mm, reference_moe, reference_rows_bf16
+from moonep_ep.ops.experts.quantized import quantized_grouped_ffn, views_of
+from moonep_ep.vllm.experts import overlap
+from moonep_ep.vllm.experts.activation import activation_name, activation_of
 from tests.support import situ_experts as S
 
 #: per-row ``max|out - ref| / max|ref|``: about twice the largest measured (8.5e-3 here, 8.3e-3 on the Triton

@@ -1,7 +1,7 @@
 """Slot fills land only where they are waited for, on CPU as on a GPU (issue 36), and the event audit.
 
 How CUDA orders it, which the CPU emulation follows: each slot copy is a ``cudaMemcpyAsync`` issued on a
-side stream (``ops/prefetch.py`` ``_run_copies``), then ``cudaEventRecord`` on that stream; a kernel on
+side stream (``ops/moonep/prefetch.py`` ``_run_copies``), then ``cudaEventRecord`` on that stream; a kernel on
 another stream may read the slot only after ``cudaStreamWaitEvent(reader, event)`` — PyTorch's
 ``torch.cuda.Event.wait(stream)`` / ``Stream.wait_event``, DeepEP's ``EventOverlap.current_stream_wait()``
 (``EventHandle::current_stream_wait``: ``getCurrentCUDAStream().wait(event)``). Until then the copy may
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from moonep_ep.ops.prefetch import DoneEvent, PendingCopies, SideStreams, land_all, pull_slots, wait_for_slots
+from moonep_ep.ops.moonep.prefetch import DoneEvent, PendingCopies, SideStreams, land_all, pull_slots, wait_for_slots
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "moonep_ep"
 TESTS = pathlib.Path(__file__).resolve().parents[1]
@@ -138,8 +138,8 @@ def test_a_cuda_fill_is_waited_by_the_current_stream():
 def buffer_consumers_rank(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from moonep_ep.ops import buffer as buffer_module
-    from moonep_ep.ops.buffer import ReferenceBuffer
+    from moonep_ep.ops.moonep import pull as buffer_module
+    from moonep_ep.ops.moonep.pull import ReferenceBuffer
     from tests.ops.test_ops import PROJ, SENTINEL, _skewed_plan, build_store, expert_weight
     from tests.support.memory import GRAN
 
@@ -254,82 +254,82 @@ TIMING = "timing event: the host synchronizes the end event before reading elaps
 #: ``(file, function, call)`` -> ``(who waits, (file, function) that waits and the call it waits with, checks)``.
 #: The waiter is checked in the syntax tree; every named check must exist.
 INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str, ...]]] = {
-    ("ops/prefetch.py", "_run_copies", "cuda.Event"): (
+    ("ops/moonep/prefetch.py", "_run_copies", "cuda.Event"): (
         "CUDA copy stream's event (cudaEventRecord after the copies), returned by pull_slots/push_slots",
-        ("ops/prefetch.py", "wait_for_slots", "wait_event"),
+        ("ops/moonep/prefetch.py", "wait_for_slots", "wait_event"),
         (f"{OPS_TEST}::test_a_cuda_fill_is_waited_by_the_current_stream",)),
-    ("ops/prefetch.py", "_run_copies", "issue"): (
+    ("ops/moonep/prefetch.py", "_run_copies", "issue"): (
         "CPU deferred copies: a PendingCopies event, landed by its wait",
-        ("ops/prefetch.py", "PendingCopies.wait", "land_through"),
+        ("ops/moonep/prefetch.py", "PendingCopies.wait", "land_through"),
         (f"{OPS_TEST}::test_a_cpu_fill_lands_only_when_its_event_is_waited_on",
          f"{OPS_TEST}::test_copies_land_in_issue_order_and_read_their_source_when_they_land")),
-    ("ops/prefetch.py", "_HostCopyQueue.issue", "PendingCopies"): (
+    ("ops/moonep/prefetch.py", "_HostCopyQueue.issue", "PendingCopies"): (
         "the CPU side stream's event; teardown lands the queue",
-        ("ops/prefetch.py", "SideStreams.close", "land_through"),
+        ("ops/moonep/prefetch.py", "SideStreams.close", "land_through"),
         (f"{OPS_TEST}::test_teardown_lands_what_is_queued",)),
-    ("ops/prefetch.py", "_run_copies", "DoneEvent"): (
-        "copies made at issue (switch off): complete", ("ops/prefetch.py", "_run_copies", "copy_"),
+    ("ops/moonep/prefetch.py", "_run_copies", "DoneEvent"): (
+        "copies made at issue (switch off): complete", ("ops/moonep/prefetch.py", "_run_copies", "copy_"),
         (f"{OPS_TEST}::test_the_switch_off_copies_at_issue",)),
-    ("ops/prefetch.py", "pull_slots", "_run_copies"): (
-        "returned to the caller (buffer, quantized prefetch, tools)", ("ops/prefetch.py", "pull_slots", "_run_copies"),
+    ("ops/moonep/prefetch.py", "pull_slots", "_run_copies"): (
+        "returned to the caller (buffer, quantized prefetch, tools)", ("ops/moonep/prefetch.py", "pull_slots", "_run_copies"),
         (f"{OPS_TEST}::test_a_cpu_fill_lands_only_when_its_event_is_waited_on",)),
-    ("ops/prefetch.py", "push_slots", "_run_copies"): (
+    ("ops/moonep/prefetch.py", "push_slots", "_run_copies"): (
         "returned to the buffer's push step, which synchronizes it before its barrier",
-        ("ops/push.py", "run_push", "synchronize"),
+        ("ops/moonep/push_step.py", "run_push", "synchronize"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "pull_slots"): (
+    ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "pull_slots"): (
         "blocking: the buffer waits (wait_for_slots); async_finish: returned to the caller, who waits",
-        ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "wait_for_slots"),
+        ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/push.py", "run_push", "push_slots"): (
+    ("ops/moonep/push_step.py", "run_push", "push_slots"): (
         "the host synchronizes the pushes (weights and scales), then the barrier releases the readers",
-        ("ops/push.py", "run_push", "synchronize"),
+        ("ops/moonep/push_step.py", "run_push", "synchronize"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer._event", "cuda.Event"): (
+    ("ops/moonep/pull.py", "ReferenceBuffer._event", "cuda.Event"): (
         "async_finish of dispatch/combine/Gen B: recorded on the current stream after the work; returned to the "
         "Buffer API's caller (vLLM 0.33.0 never asks), who waits with wait_for_slots",
-        ("ops/prefetch.py", "wait_for_slots", "wait_event"), (),),
-    ("ops/buffer.py", "ReferenceBuffer._event", "DoneEvent"): (
+        ("ops/moonep/prefetch.py", "wait_for_slots", "wait_event"), (),),
+    ("ops/moonep/pull.py", "ReferenceBuffer._event", "DoneEvent"): (
         "CPU dispatch/combine/Gen B: complete on return (gloo collectives, pushes synchronized)",
-        ("ops/prefetch.py", "wait_for_slots", "wait"),
+        ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer.dispatch", "_event"): (
-        "returned to the caller with async_finish", ("ops/prefetch.py", "wait_for_slots", "wait"),
+    ("ops/moonep/pull.py", "ReferenceBuffer.dispatch", "_event"): (
+        "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer.combine", "_event"): (
-        "returned to the caller with async_finish", ("ops/prefetch.py", "wait_for_slots", "wait"),
+    ("ops/moonep/pull.py", "ReferenceBuffer.combine", "_event"): (
+        "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/buffer.py", "ReferenceBuffer.prefetch_weight", "_event"): (
+    ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "_event"): (
         "Gen B with async_finish: complete (run_push synchronized the pushes before the barrier)",
-        ("ops/push.py", "run_push", "synchronize"), ()),
-    ("ops/buffer_push.py", "PushReferenceBuffer.prefetch_weight", "prefetch_weight"): (
+        ("ops/moonep/push_step.py", "run_push", "synchronize"), ()),
+    ("ops/moonep/push.py", "PushReferenceBuffer.prefetch_weight", "prefetch_weight"): (
         "the reference buffer's Gen B prefetch: run_push synchronizes the pushes before its barrier; async_finish "
-        "returns a complete event", ("ops/push.py", "run_push", "synchronize"),
+        "returns a complete event", ("ops/moonep/push_step.py", "run_push", "synchronize"),
         ("tests/ops/test_push_buffer.py::"
          "test_push_generation_computes_the_dense_moe_and_the_pull_generation_bit_for_bit",)),
-    ("vllm/push_path.py", "push_prepare_finalize_class.MoonEPPushPrepareAndFinalize.prepare", "prefetch_weight"): (
+    ("vllm/prepare_finalize/push.py", "push_prepare_finalize_class.MoonEPPushPrepareAndFinalize.prepare", "prefetch_weight"): (
         "the plugin's InstrumentedBuffer: overlap.prefetch hands the push's event to the experts' apply",
-        ("vllm/overlap.py", "prefetch", "deliver"),
+        ("vllm/experts/overlap.py", "prefetch", "deliver"),
         ("tests/vllm/test_push_path.py::test_push_path_equals_pull_and_dense_with_remote_fills",)),
-    ("vllm/overlap.py", "prefetch", "prefetch_weight"): (
+    ("vllm/experts/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
-        ("vllm/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
-    ("vllm/overlap.py", "prefetch", "deliver"): (
-        "stored for the experts' apply", ("vllm/overlap.py", "deliver", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
+    ("vllm/experts/overlap.py", "prefetch", "deliver"): (
+        "stored for the experts' apply", ("vllm/experts/overlap.py", "deliver", "wait_for_slots"),
         (f"{VLLM_TEST}::test_deliver_hands_the_event_to_the_caller_the_experts_or_the_current_stream",)),
-    ("vllm/overlap.py", "deliver", "stores .event"): (
+    ("vllm/experts/overlap.py", "deliver", "stores .event"): (
         "taken by the experts' apply (overlap.apply, _QuantizedExperts.apply), which waits",
-        ("vllm/overlap.py", "apply", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
-    ("vllm/overlap.py", "take_event", "stores .event"): (
-        "clears the stored event as it hands it over", ("vllm/overlap.py", "apply", "wait_for_slots"),
+    ("vllm/experts/overlap.py", "take_event", "stores .event"): (
+        "clears the stored event as it hands it over", ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_deliver_hands_the_event_to_the_caller_the_experts_or_the_current_stream",)),
-    ("vllm/overlap.py", "apply", "take_event"): (
+    ("vllm/experts/overlap.py", "apply", "take_event"): (
         "BF16 experts: own groups, wait_for_slots, then the slot groups",
-        ("vllm/overlap.py", "apply", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",
          f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it")),
-    ("vllm/quantized_engine.py", "prefetch_quantized", "pull_slots"): (
+    ("vllm/quantized/engine.py", "prefetch_quantized", "pull_slots"): (
         "weights' and scales' events returned together ('event')",
         ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight", "deliver"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
@@ -339,14 +339,14 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
     ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight", "deliver"): (
         "the experts' apply, or the caller with async_finish, or the current stream now",
-        ("vllm/overlap.py", "deliver", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "deliver", "wait_for_slots"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
-    ("vllm/quantized_engine.py", "_build_experts_class._QuantizedExperts.apply", "take_event"): (
+    ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "take_event"): (
         "quantized experts (dequant and Triton): wait_for_slots before any slot row is read",
-        ("vllm/quantized_engine.py", "_build_experts_class._QuantizedExperts.apply", "wait_for_slots"),
+        ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
     ("tools/commands/demo.py", "demo_rank", "prefetch_weight"): (
-        "blocking call: the buffer waits before returning", ("ops/buffer.py", "ReferenceBuffer.prefetch_weight",
+        "blocking call: the buffer waits before returning", ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight",
                                                             "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("tools/bench/gpu_mxfp4.py", "check_experts", "pull_slots"): (

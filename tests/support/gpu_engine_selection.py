@@ -83,7 +83,7 @@ def tuned_config() -> dict[str, Any]:
     64) with MoonEP's token padding 128 and 32 (it must come down to 32), and M 2 (8: below tl.dot's 16)."""
     import vllm.model_executor.layers.fused_moe.fused_moe as fm
 
-    from moonep_ep.vllm.gpu_experts import kernel_config
+    from moonep_ep.vllm.experts.gpu import kernel_config
 
     name = "E=384,N=128,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
     with open(os.path.join(os.path.dirname(fm.__file__), "configs", name)) as f:

@@ -159,9 +159,9 @@ def _check_format(fmt: str, views: dict[str, Any], oracle: dict[str, Any], dtype
                   controls: bool) -> dict[str, Any]:
     import torch
 
-    from moonep_ep.ops.grouped_blocks import check_segments_aligned, grouped_blocks
-    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
-    from moonep_ep.vllm.gpu_experts import INTERPRETER_CONFIG, gpu_grouped_ffn
+    from moonep_ep.ops.experts.grouped_blocks import check_segments_aligned, grouped_blocks
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.vllm.experts.gpu import INTERPRETER_CONFIG, gpu_grouped_ffn
 
     cu = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0).to(torch.int32)
     check_segments_aligned(cu, INTERPRETER_CONFIG["BLOCK_SIZE_M"])
@@ -226,7 +226,7 @@ def push_layout_views(fmt: str, views: dict[str, Any]) -> dict[str, Any]:
 
     from moonep_ep.layout.formats import scale_data_view
     from moonep_ep.layout.store import ProjectionSpec
-    from moonep_ep.ops.quantized_experts import views_of
+    from moonep_ep.ops.experts.quantized import views_of
 
     w13, s13, w2, s2 = views_of(fmt, views)
 

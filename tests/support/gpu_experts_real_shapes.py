@@ -45,8 +45,8 @@ def check_format(fmt: str, dtypes: list[str], controls: bool) -> dict[str, Any]:
     from moonep_ep.layout.store import ShardedExpertStore
     from moonep_ep.memory.host import HostDriver
     from moonep_ep.models import get_model
-    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
-    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
     from tests.support.gpu_experts_check import bound, oracle_rows, quantized_experts, row_errors
 
     model = get_model(MODELS[fmt])

@@ -43,8 +43,8 @@ def tile_choices() -> dict[str, Any]:
     import torch
     import vllm.model_executor.layers.fused_moe.fused_moe as fm
 
-    from moonep_ep.vllm import gpu_experts
-    from moonep_ep.vllm.quantized_engine import experts_class
+    from moonep_ep.vllm.experts import gpu as gpu_experts
+    from moonep_ep.vllm.quantized.engine import experts_class
 
     cls = experts_class("triton")
     seen: list[dict[str, int]] = []

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from moonep_ep.tools.bench import gpu_k3
-    from moonep_ep.vllm.gpu_experts import INTERPRETER_CONFIG
+    from moonep_ep.vllm.experts.gpu import INTERPRETER_CONFIG
 
     dims = gpu_k3.K3Dims(**TINY)
     cpu = torch.device("cpu")

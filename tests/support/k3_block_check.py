@@ -100,12 +100,12 @@ def block_rank(ctx: Any, kinds: tuple[str, ...] = CPU_KINDS) -> dict[str, Any]:
     from moonep_ep.layout.formats import expert_projections, store_projections
     from moonep_ep.layout.store import ShardedExpertStore
     from moonep_ep.memory.host import HostDriver
-    from moonep_ep.ops.activation import GatedActivation
-    from moonep_ep.ops.buffer import ReferenceBuffer
-    from moonep_ep.ops.experts import grouped_ffn
-    from moonep_ep.ops.prefetch import wait_for_slots
-    from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
-    from moonep_ep.vllm.quantized_engine import prefetch_quantized
+    from moonep_ep.ops.experts.activation import GatedActivation
+    from moonep_ep.ops.moonep.pull import ReferenceBuffer
+    from moonep_ep.ops.experts.grouped import grouped_ffn
+    from moonep_ep.ops.moonep.prefetch import wait_for_slots
+    from moonep_ep.ops.experts.quantized import quantized_grouped_ffn, views_of
+    from moonep_ep.vllm.quantized.engine import prefetch_quantized
 
     rank, R = ctx.rank, ctx.world_size
     epn = E // R
@@ -150,7 +150,7 @@ def block_rank(ctx: Any, kinds: tuple[str, ...] = CPU_KINDS) -> dict[str, Any]:
                 """dispatch (the plan's rows again) -> experts -> combine: the K-summed latent [T, L] bf16."""
                 hidden, w_nvs, _, _ = buf.dispatch(latent, route_weights, plan=plan)  # reuse: no new cu_seqlens
                 if experts == "triton":
-                    from moonep_ep.vllm.gpu_experts import INTERPRETER_CONFIG, gpu_grouped_ffn
+                    from moonep_ep.vllm.experts.gpu import INTERPRETER_CONFIG, gpu_grouped_ffn
 
                     y = gpu_grouped_ffn(fmt, hidden, views, cu, w_nvs, token_padding=buf.token_padding,
                                         config=INTERPRETER_CONFIG, activation=act)

@@ -58,7 +58,8 @@ def main() -> int:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))   # a one-process gloo world
     from moonep_ep.tools.checkpoints.tiny_kimi_k3 import TinyKimiK3Config, hf_config
-    from moonep_ep.vllm import cpu_k3, hooks
+    from moonep_ep.vllm.cpu import k3 as cpu_k3
+    from moonep_ep.vllm import hooks
 
     cfg = dict(hf_config(TinyKimiK3Config()), hidden_act="silu")
     out: dict[str, Any] = {}

@@ -29,7 +29,7 @@ deliberately wrong variants the issue's controls name (SiLU for SiTU, ``linear_b
 weights as well as the choice, the norm skipped); the oracle is always called without them, and the tests run
 the *path under test* with each bug (``tests/ops/test_k3_moe_block.py``).
 
-The quantizers follow the formats' definitions, independently of ``ops/quantized_experts.py``: INT4 g32
+The quantizers follow the formats' definitions, independently of ``ops/experts/quantized.py``: INT4 g32
 (compressed-tensors ``pack_to_int32``, symmetric: value ``i`` of a word in bits ``4i..4i+3``, stored ``+8``;
 bf16 scale per 32), MXFP4 (OCP MX v1.0: E2M1 from its bit fields, E8M0 ``2^(e-127)`` per 32, the even element
 in the low nibble), FP8 block (e4m3 times an fp32 ``scale_inv`` per 128x128 block, DeepSeek-V3's formula).

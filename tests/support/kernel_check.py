@@ -160,10 +160,10 @@ def _kernel_rank(ctx: Any, case_dict: dict[str, Any], stats_dir: str) -> dict[st
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
     from moonep_ep.memory.accounting import own_physical_bytes
-    from moonep_ep.ops.instrument import CollectiveRecorder
+    from moonep_ep.ops.moonep.instrument import CollectiveRecorder
     from tests.support.vllm_moe_model import build, checkpoint
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
-    from moonep_ep.vllm.stats import STATS
+    from moonep_ep.vllm.observe.stats import STATS
 
     out: dict[str, Any] = {"rank": rank, "plugin": plugin.state()["patched"]}
     ep = get_ep_group()
@@ -290,7 +290,7 @@ def bad_config_rank(ctx: Any, case: str) -> str:
     import torch
 
     from moonep_ep.errors import MoonEPError
-    from moonep_ep.vllm.sharded import ModelExpertStore
+    from moonep_ep.vllm.store.sharded import ModelExpertStore
 
     kwargs: dict[str, Any] = dict(layer_names=["a", "b"], num_experts=8, hidden=256, intermediate=128, num_slots=4,
                                   group=None, device=torch.device("cpu"))

@@ -121,9 +121,9 @@ def _load_rank(ctx: Any, case: KernelCase, work: str) -> dict[str, Any]:
     from vllm.distributed import get_ep_group
     from vllm.model_executor.model_loader.reload import inplace
 
-    from moonep_ep.vllm import loading
+    from moonep_ep.vllm.store import loading
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
-    from moonep_ep.vllm.stats import STATS
+    from moonep_ep.vllm.observe.stats import STATS
 
     ep = get_ep_group()
     manager = ShardedMoonEPAll2AllManager(ep.cpu_group, device_group=ep.device_group)

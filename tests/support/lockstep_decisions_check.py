@@ -142,7 +142,7 @@ def hot_path(ctx: Any, manager_cls: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from moonep_ep.vllm import padding
+    from moonep_ep.vllm.prepare_finalize import padding
 
     os.environ["MOONEP_EP_GPU_PROFILE"] = "h200"
     os.environ["MOONEP_EP_PADDING"] = "balanced"

@@ -181,7 +181,7 @@ class Deployment:
 
 
 def _stats(stats_dir: str) -> list[dict[str, Any]]:
-    from moonep_ep.vllm.stats import read_stats
+    from moonep_ep.vllm.observe.stats import read_stats
 
     out = []
     for s in read_stats(stats_dir):

@@ -24,8 +24,8 @@ BYTES = (0xFF, 0xFE)
 def case(dtype_name: str, byte: int) -> list[list[float]]:
     import torch
 
-    from moonep_ep.ops.grouped_blocks import grouped_blocks
-    from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
+    from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
+    from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_grouped_gemm
 
     dtype = getattr(torch, dtype_name)
     packed = torch.full((2, N, K // 2), 0x22, dtype=torch.uint8)    # code 2 in both nibbles: +1.0, +1.0

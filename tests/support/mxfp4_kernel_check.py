@@ -66,7 +66,7 @@ def dequantized_fp32(codes: Any, exps: Any) -> Any:
 def _blocks(rows_per_group: list[int], block_m: int = 16) -> tuple[Any, Any]:
     import torch
 
-    from moonep_ep.ops.grouped_blocks import grouped_blocks
+    from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
 
     cu = torch.tensor(rows_per_group, dtype=torch.int32).cumsum(0).to(torch.int32)
     return cu, grouped_blocks(cu, int(cu[-1]), block_m)
@@ -86,7 +86,7 @@ def _reference(a: Any, w: Any, rows_per_group: list[int]) -> Any:
 def exact_case(dtype_name: str, K: int, block_k: int, seed: int) -> dict[str, Any]:
     import torch
 
-    from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
+    from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_grouped_gemm
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
@@ -107,7 +107,7 @@ def exact_case(dtype_name: str, K: int, block_k: int, seed: int) -> dict[str, An
 def edge_case(x: int) -> dict[str, Any]:
     import torch
 
-    from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_grouped_gemm
+    from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_grouped_gemm
 
     gen = torch.Generator().manual_seed(x)
     K, N, M = 64, 32, 16
@@ -136,8 +136,8 @@ def launches() -> dict[str, Any]:
     """Every launch's parameters, recorded at the jitted kernel's ``run``."""
     import torch
 
-    from moonep_ep.ops import mxfp4_moe_kernel as mk
-    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+    from moonep_ep.ops.experts import mxfp4_kernel as mk
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     kernel = mk._kernel()
     calls: list[dict[str, Any]] = []

@@ -31,7 +31,7 @@ def compile_one(block_m: int, block_n: int, block_k: int, warps: int, stages: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from moonep_ep.ops.mxfp4_moe_kernel import _kernel
+    from moonep_ep.ops.experts.mxfp4_kernel import _kernel
 
     fn = _kernel()
     names = list(fn.arg_names)

@@ -57,7 +57,7 @@ def _perturb(model: Any, bug: str) -> None:
 
 class EngineRouting:
     """What an HF "engine"'s routers chose, row by row as it decodes (the prompt's rows, then one a step): the
-    ``routing`` a vLLM engine records (``vllm/routing_record.py``), for the oracle's near-tie evidence."""
+    ``routing`` a vLLM engine records (``vllm/observe/routing_record.py``), for the oracle's near-tie evidence."""
 
     ROUTERS = ("DeepseekV3TopkRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
 

@@ -68,7 +68,7 @@ def _push_rank(ctx: Any, case: KernelCase) -> dict[str, Any]:
     from vllm.distributed import get_ep_group
 
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
-    from moonep_ep.vllm.overlap import TRACE
+    from moonep_ep.vllm.experts.overlap import TRACE
     from tests.support.vllm_moe_model import build
 
     ep = get_ep_group()

@@ -78,9 +78,9 @@ def check_rank(ctx: Any, name: str, path: str, oracle_path: str) -> dict[str, An
     from moonep_ep.layout.formats import expert_projections, projection_bytes
     from moonep_ep.memory.host import HostDriver
     from moonep_ep.layout.store import ShardedExpertStore
-    from moonep_ep.ops.experts import ENTRY_REL_TOL, reference_rows_bf16
-    from moonep_ep.ops.prefetch import pull_slots, wait_for_slots
-    from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
+    from moonep_ep.ops.experts.grouped import ENTRY_REL_TOL, reference_rows_bf16
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.ops.experts.quantized import quantized_grouped_ffn, views_of
     from moonep_ep.tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
 
     rank, world = ctx.rank, ctx.world_size

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from moonep_ep.layout.formats import expert_projections, get_format
-from moonep_ep.vllm.loading import BINDING_ATTR, _checkpoint_problems
+from moonep_ep.vllm.store.loading import BINDING_ATTR, _checkpoint_problems
 
 H, I, E = 256, 256, 2
 CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],

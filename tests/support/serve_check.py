@@ -47,7 +47,7 @@ from typing import Any, Optional
 from moonep_ep.memory.accounting import is_moonep_memfd, system_shmem_bytes
 from moonep_ep.memory.exchange import SOCKET_DIR_PREFIX
 from moonep_ep.memory.host import MEMFD_PREFIX
-from moonep_ep.vllm.stats import read_stats
+from moonep_ep.vllm.observe.stats import read_stats
 from moonep_ep.tools.engine.harness import free_port
 from moonep_ep.launch import proc_stat, descendants
 from moonep_ep.tools.soak.shm import dev_shm_scan, orphaned_dev_shm, settled_orphans  # noqa: F401 (re-exported)

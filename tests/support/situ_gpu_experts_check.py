@@ -1,4 +1,4 @@
-"""The GPU experts (``vllm/gpu_experts.gpu_grouped_ffn``) with SiTU, on CPU under the Triton interpreter.
+"""The GPU experts (``vllm/experts/gpu.gpu_grouped_ffn``) with SiTU, on CPU under the Triton interpreter.
 
 ``python -m tests.support.situ_gpu_experts_check`` runs in the vllm==0.33.0 environment, one process, no store:
 for INT4 g32, FP8 block and MXFP4 it calls the format's kernels over ``[E]`` views drawn as codes and scales
@@ -28,8 +28,8 @@ def vllm_facts() -> dict:
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
     from vllm.model_executor.layers.fused_moe.experts import moonep_experts
 
-    from moonep_ep.vllm import overlap
-    from moonep_ep.vllm.activation import activation_of
+    from moonep_ep.vllm.experts import overlap
+    from moonep_ep.vllm.experts.activation import activation_of
 
     cls = moonep_experts.MoonEPExperts
     before = {a.value: bool(cls._supports_activation(a)) for a in (MoEActivation.SILU, MoEActivation.SITU,
@@ -54,9 +54,9 @@ def main() -> int:
     enter_interpreter()
     import torch
 
-    from moonep_ep.ops.activation import SILU, GatedActivation
+    from moonep_ep.ops.experts.activation import SILU, GatedActivation
     from moonep_ep.testing.triton_interpreter import mend_interpreter
-    from moonep_ep.vllm.gpu_experts import gpu_grouped_ffn
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
     from tests.support import situ_experts as S
 
     mend_interpreter()

@@ -67,8 +67,9 @@ QUANT_REL_BOUND = {"fp8-block/dequant": 2.0 ** -5, "fp8-block/triton": 2.0 ** -4
 def waits(mode: str, counter: dict[str, int]) -> Iterator[None]:
     """``all``: the library's wait (counted); ``none``: no wait where the experts read the slots;
     ``weights``: of a (weights, scales) pair of events only the weights' is waited on."""
-    from moonep_ep.ops import prefetch
-    from moonep_ep.vllm import overlap, quantized_engine
+    from moonep_ep.ops.moonep import prefetch
+    from moonep_ep.vllm.experts import overlap
+    from moonep_ep.vllm.quantized import engine as quantized_engine
 
     real = prefetch.wait_for_slots
 
@@ -156,7 +157,7 @@ def _forward(kernel: Any, layer: Any, x: Any, ids: Any, w: Any, E: int) -> Any:
 def bf16_rank(rank: int, world: int) -> dict[str, Any]:
     import torch
 
-    from moonep_ep.vllm import overlap
+    from moonep_ep.vllm.experts import overlap
     from tests.support.kernel_check import TOLERANCE, dense_reference, routing
     from tests.support.vllm_moe_model import KernelCase, build, checkpoint
 
@@ -191,9 +192,9 @@ def quantized_rank(rank: int, world: int, manager: Any, fmt: str, kind: str, mat
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
-    from moonep_ep.vllm.loading import BINDING_ATTR
-    from moonep_ep.vllm.quantized_engine import bind_quantized_layer
-    from moonep_ep.vllm.sharded import ModelExpertStore
+    from moonep_ep.vllm.store.loading import BINDING_ATTR
+    from moonep_ep.vllm.quantized.engine import bind_quantized_layer
+    from moonep_ep.vllm.store.sharded import ModelExpertStore
     from tests.support.kernel_check import routing
     from tests.support.vllm_moe_model import KernelCase, fused_moe_config
 

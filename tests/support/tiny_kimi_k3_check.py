@@ -30,7 +30,7 @@ def main() -> None:
     from moonep_ep.tools.checkpoints.tiny_kimi_k3 import (K3_IGNORE, build_tiny_kimi_k3, expert_module_names,
                                                           saturation_fractions, TinyKimiK3Config)
     from moonep_ep.tools.checkpoints.tiny_quantized import decompress_tensors
-    from moonep_ep.vllm.quantized import _ct_matches, checkpoint_module_names, classify
+    from moonep_ep.vllm.checkpoint.schemes import _ct_matches, checkpoint_module_names, classify
 
     root = sys.argv[1]
     bf16_dir = build_tiny_kimi_k3("tiny-k3", os.path.join(root, "bf16"))

@@ -117,7 +117,8 @@ def build(case: KernelCase, rank: int, prefix: str = "model") -> Any:
     """What ``base_loader.initialize_model`` does with the plugin active: construct, record, bind."""
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
-    from moonep_ep.vllm import loading, plugin
+    from moonep_ep.vllm.store import loading
+    from moonep_ep.vllm import plugin
 
     model = model_class()(case, rank, prefix)
     record_metadata_for_reloading(model)

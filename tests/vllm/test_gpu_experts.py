@@ -1,4 +1,4 @@
-"""Kernel tier of the GPU experts (``vllm/gpu_experts.py``) on CPU, under the Triton interpreter.
+"""Kernel tier of the GPU experts (``vllm/experts/gpu.py``) on CPU, under the Triton interpreter.
 
 Runs ``python -m tests.support.gpu_experts_check`` in the ``vllm==0.33.0``
 environment: two gloo ranks over the host driver, one sharded store per

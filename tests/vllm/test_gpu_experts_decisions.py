@@ -1,4 +1,4 @@
-"""The GPU experts' decisions in this process (``vllm/gpu_experts.py``): block sizes, the kernel each format
+"""The GPU experts' decisions in this process (``vllm/experts/gpu.py``): block sizes, the kernel each format
 gets and what it is handed, the FFN around the two grouped GEMMs.
 
 The kernels run for real in the vLLM environment under Triton's interpreter
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops import mxfp4_moe_kernel as mk
-from moonep_ep.ops.grouped_blocks import grouped_blocks
-from moonep_ep.vllm import gpu_experts as ge
-from moonep_ep.vllm.gpu_experts import (fit_block_m, gpu_grouped_ffn, gpu_grouped_gemm, int4_kernel_view,
+from moonep_ep.ops.experts import mxfp4_kernel as mk
+from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
+from moonep_ep.vllm.experts import gpu as ge
+from moonep_ep.vllm.experts.gpu import (fit_block_m, gpu_grouped_ffn, gpu_grouped_gemm, int4_kernel_view,
                                         kernel_config, kernel_views, quantize_activations_fp8)
 from tests.support.mxfp4_kernel_check import e2m1_values
 from tests.support.vllm_stubs import install

@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not envs.MOONEP_EP_ENGINE_TIER,
                                  reason="engine tier costs 70-112 s a model on 2 cores: set MOONEP_EP_ENGINE_TIER=1")]
 
-#: model -> (format, kernel named in vllm/gpu_experts.py's GPU_KERNELS, weight bytes per scale byte)
+#: model -> (format, kernel named in vllm/experts/gpu.py's GPU_KERNELS, weight bytes per scale byte)
 MODELS = {"tiny-kimi-k2-thinking-int4": ("int4-g32", "vllm fused_moe_kernel_gptq_awq", 8),
           "tiny-deepseek-v3-mxfp4": ("mxfp4", "moonep_ep mxfp4_grouped_gemm_kernel", 16),
           "tiny-deepseek-v3-fp8": ("fp8-block", "vllm fused_moe_kernel (block 128x128)", 4096)}

@@ -1,4 +1,4 @@
-"""The MXFP4 kernel's launch parameters and arithmetic under the Triton interpreter (``ops/mxfp4_moe_kernel.py``).
+"""The MXFP4 kernel's launch parameters and arithmetic under the Triton interpreter (``ops/experts/mxfp4_kernel.py``).
 
 Runs ``python -m tests.support.mxfp4_kernel_check --json`` in the
 ``vllm==0.33.0`` environment (torch and Triton only; about 15 s on the 2-core

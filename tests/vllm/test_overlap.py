@@ -1,4 +1,4 @@
-"""Own experts before the prefetch wait, slot experts after (vllm/overlap.py), on CPU: order and arithmetic."""
+"""Own experts before the prefetch wait, slot experts after (vllm/experts/overlap.py), on CPU: order and arithmetic."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from moonep_ep.vllm import overlap
+from moonep_ep.vllm.experts import overlap
 
 E, B, H, I = 4, 2, 128, 64
 SILU = types.SimpleNamespace(name="SILU")

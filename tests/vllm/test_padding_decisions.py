@@ -1,4 +1,4 @@
-"""The plugin's capacity padding (vllm/padding.py) never makes MoonEP's planner move weights.
+"""The plugin's capacity padding (vllm/prepare_finalize/padding.py) never makes MoonEP's planner move weights.
 
 Every EP rank's prepare step runs here in one process: the plugin's
 ``_pad_to_capacity`` on each rank's real tokens (the one collective, the
@@ -15,10 +15,10 @@ import types
 import pytest
 import torch
 
-from moonep_ep.ops.decode_padding import expert_padding, group_padding, padding_ids
-from moonep_ep.ops.padding import real_entries
-from moonep_ep.ops.planner import plan_dispatch
-from moonep_ep.vllm import padding as plugin_padding
+from moonep_ep.ops.decode.padding import expert_padding, group_padding, padding_ids
+from moonep_ep.ops.moonep.padding import real_entries
+from moonep_ep.ops.moonep.planner import plan_dispatch
+from moonep_ep.vllm.prepare_finalize import padding as plugin_padding
 
 E, K, R = 64, 4, 8
 EPN = E // R

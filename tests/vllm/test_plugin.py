@@ -94,7 +94,7 @@ def test_sleep_mode_is_refused_with_the_sharded_layout_only(monkeypatch):
     from types import SimpleNamespace
 
     from moonep_ep.errors import ConfigError
-    from moonep_ep.vllm.loading import refuse_sleep_mode
+    from moonep_ep.vllm.store.loading import refuse_sleep_mode
 
     sleepy = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True))
     monkeypatch.delenv("MOONEP_EP_LAYOUT", raising=False)
@@ -251,7 +251,8 @@ def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
 
     from moonep_ep.errors import PeerLostError
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:44191: Connection reset by peer"
     module = types.ModuleType("fake_dp_utils")
@@ -308,7 +309,8 @@ def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_h
 
     from moonep_ep.errors import PeerLostError
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     gloo = "[../gloo/transport/tcp/pair.cc:537] Read error [10.1.2.3]:44191: Connection reset by peer"
     monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "1")
@@ -358,7 +360,8 @@ def test_a_peer_entry_that_cannot_be_published_logs_one_warning(caplog):
     still runs (vLLM's own error, unchanged)."""
     import logging
 
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     module, cls = _fake_engine_core("RuntimeError: the loop's own error")
     module.DPEngineCoreProc = cls
@@ -388,7 +391,8 @@ def engine_core_meets_a_killed_peer(ctx) -> dict:
     import torch
     import torch.distributed as dist
 
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     class DPEngineCoreProc:
         def __init__(self):
@@ -438,7 +442,7 @@ def test_named_loss_reads_the_groups_own_table_and_never_names_the_rank_itself(m
     """Two registered tables: the group's own decides (another group's would name nobody here); the address of
     the rank itself names nobody (the transport reports its own end too)."""
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming
+    from moonep_ep.vllm.observe import peer_naming
 
     monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
     monkeypatch.setattr(group_mod, "_PEERS", {})
@@ -480,7 +484,8 @@ def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_inst
 
     from moonep_ep.errors import PeerLostError
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     peer_naming.patch_dp_batch_sync(types.ModuleType("no_run_ar"), install=plugin._install, note={})  # nothing
     module = types.ModuleType("fake_dp_utils")
@@ -518,7 +523,7 @@ def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_inst
 def test_serves_moonep_needs_the_moonep_backend_and_a_dp_store():
     import types
 
-    from moonep_ep.vllm.peer_naming import _serves_moonep
+    from moonep_ep.vllm.observe.peer_naming import _serves_moonep
 
     ns = types.SimpleNamespace
     moonep = ns(parallel_config=ns(all2all_backend="moonep"))
@@ -535,7 +540,8 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
     import types
 
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     peer_naming.patch_engine_core(types.ModuleType("no_class"), install=plugin._install, note={})   # nothing
     module = types.ModuleType("no_loop")
@@ -591,7 +597,8 @@ def test_the_engine_core_names_the_peer_from_its_dp_groups_table_not_another_gro
 
     from moonep_ep.errors import PeerLostError
     from moonep_ep.memory import group as group_mod
-    from moonep_ep.vllm import peer_naming, plugin
+    from moonep_ep.vllm.observe import peer_naming
+    from moonep_ep.vllm import plugin
 
     monkeypatch.setenv("MOONEP_EP_TIMEOUT_S", "7")
     monkeypatch.setattr(group_mod, "_PEERS", {})

@@ -1,4 +1,4 @@
-"""The quantized engine's decisions in this process (``vllm/quantized_engine.py``): which methods it binds,
+"""The quantized engine's decisions in this process (``vllm/quantized/engine.py``): which methods it binds,
 the loader's routing of each checkpoint tensor, the binding of the store's views, the experts classes and
 their ``apply``, and the quantized slot fill.
 
@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.ops.activation import SILU, GatedActivation
-from moonep_ep.ops.prefetch import wait_for_slots
-from moonep_ep.vllm import quantized_engine as qe
-from moonep_ep.vllm.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, ZERO_COPY_FLAG
-from moonep_ep.vllm.stats import STATS
+from moonep_ep.ops.experts.activation import SILU, GatedActivation
+from moonep_ep.ops.moonep.prefetch import wait_for_slots
+from moonep_ep.vllm.quantized import engine as qe
+from moonep_ep.vllm.store.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, ZERO_COPY_FLAG
+from moonep_ep.vllm.observe.stats import STATS
 from tests.support.vllm_stubs import Calls, install
 
 PF = "vllm.model_executor.layers.fused_moe.prepare_finalize.moonep"
@@ -467,14 +467,14 @@ def _meta(counts: list[int]) -> Any:
 
 
 def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_it_is_given(vllm, monkeypatch):
-    from moonep_ep.ops import quantized_experts
-    from moonep_ep.vllm import overlap
+    from moonep_ep.ops.experts import quantized as quantized_experts
+    from moonep_ep.vllm.experts import overlap
 
     order: list[str] = []
     ffn = Calls(compute=True, result=lambda *a, **k: (order.append("ffn"), torch.full((6, 4), 7.0))[1])
     monkeypatch.setattr(quantized_experts, "quantized_grouped_ffn", ffn)
     cls = qe.experts_class("dequant")
-    assert getattr(cls, overlap.WAITS_ATTR) is True and cls.__module__ == "moonep_ep.vllm.quantized_engine"
+    assert getattr(cls, overlap.WAITS_ATTR) is True and cls.__module__ == "moonep_ep.vllm.quantized.engine"
     assert cls.experts_kind == "dequant" and cls._supports_current_device()
     assert cls._supports_quant_scheme("any weight key", None) and not cls._supports_quant_scheme("w", "a")
     experts = cls(moe_config=types.SimpleNamespace(intermediate_size_per_partition=48), quant_config=None)
@@ -537,7 +537,7 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
 
 
 def test_triton_experts_pick_tiles_from_the_steps_real_tokens_once_per_shape(vllm, monkeypatch):
-    from moonep_ep.vllm import gpu_experts
+    from moonep_ep.vllm.experts import gpu as gpu_experts
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import moonep_ep.testing.triton_interpreter as ti

@@ -1,4 +1,4 @@
-"""Where vLLM's quantized MoE methods are patched (``vllm/quantized_hooks.py``), in this process.
+"""Where vLLM's quantized MoE methods are patched (``vllm/quantized/hooks.py``), in this process.
 
 Each patch is applied to a stand-in of its vLLM module: a class with the method
 class's name and an original ``create_weights`` / ``process_weights_after_loading``
@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from moonep_ep.vllm import hooks, quantized_engine
-from moonep_ep.vllm import quantized_hooks as qh
+from moonep_ep.vllm import hooks
+from moonep_ep.vllm.quantized import engine as quantized_engine
+from moonep_ep.vllm.quantized import hooks as qh
 from tests.support.vllm_stubs import Calls, install
 
 ORACLE = "vllm.model_executor.layers.fused_moe.oracle"

@@ -1,4 +1,4 @@
-"""The exact verdicts of ``vllm/quantized.py``: each refusal's whole text, and ``check_vllm_config`` in this process.
+"""The exact verdicts of ``vllm/checkpoint/schemes.py``: each refusal's whole text, and ``check_vllm_config`` in this process.
 
 A refusal is what a user reads and acts on, so each is written out here in full (typed from the wording the
 module is meant to print, not taken from it) and compared whole with the scheme's format, quant_method and
@@ -20,8 +20,8 @@ import types
 import pytest
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.vllm import quantized
-from moonep_ep.vllm.quantized import QuantizedScheme, check_vllm_config, checkpoint_module_names, classify, refusal
+from moonep_ep.vllm.checkpoint import schemes as quantized
+from moonep_ep.vllm.checkpoint.schemes import QuantizedScheme, check_vllm_config, checkpoint_module_names, classify, refusal
 from tests.vllm.test_quantized_schemes import (FP8_BLOCK, IGNORE, MXFP4, W4A16, _exact_ignore, _safetensors_header_only,
                                                _tiny_deepseek_module_names, _with, ct)
 

@@ -1,6 +1,6 @@
 """Which quantized checkpoints ``--all2all-backend moonep`` recognises, and the refusal of every other one.
 
-Pure Python (``vllm/quantized.py`` reads ``quantization_config`` dicts); the
+Pure Python (``vllm/checkpoint/schemes.py`` reads ``quantization_config`` dicts); the
 configs are the shapes compressed-tensors' ``ModelCompressor`` and DeepSeek's
 FP8 checkpoints write (the tiny checkpoints' own configs are checked in the
 engine tier, ``test_quantized_checkpoints.py``).
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from moonep_ep.vllm.model_check import check_model_dir
-from moonep_ep.vllm.quantized import ENGINE_FORMATS, classify, refusal
+from moonep_ep.vllm.checkpoint.model_check import check_model_dir
+from moonep_ep.vllm.checkpoint.schemes import ENGINE_FORMATS, classify, refusal
 
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$",
           r"re:.*mlp\.gate$"]
@@ -195,7 +195,7 @@ def _safetensors_header_only(path, names):
 
 
 def test_model_check_reads_the_module_names_from_the_index_or_the_safetensors_headers(tmp_path):
-    from moonep_ep.vllm.quantized import checkpoint_module_names
+    from moonep_ep.vllm.checkpoint.schemes import checkpoint_module_names
 
     names = _tiny_deepseek_module_names()
     tensors = [n + (".weight_packed" if ".mlp.experts." in n else ".weight") for n in names]
@@ -231,7 +231,7 @@ def test_the_reload_precheck_refuses_on_every_rank_with_the_first_problem_and_th
     import types
 
     from moonep_ep.errors import ConfigError
-    from moonep_ep.vllm.loading import MODEL_STORES_ATTR, precheck_reload
+    from moonep_ep.vllm.store.loading import MODEL_STORES_ATTR, precheck_reload
     from tests.support.reload_precheck import served, write
 
     class Step:
@@ -268,7 +268,7 @@ def test_the_reload_precheck_refuses_on_every_rank_with_the_first_problem_and_th
 
 
 def test_the_reload_precheck_names_expert_tensors_from_checkpoint_keys(tmp_path):
-    from moonep_ep.vllm.loading import _expert_tensor_of, _format_problems, _torch_dtype_name
+    from moonep_ep.vllm.store.loading import _expert_tensor_of, _format_problems, _torch_dtype_name
 
     modules = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     assert _expert_tensor_of("model.layers.1.mlp.experts.7.gate_proj.weight", modules) == "gate.weight"
@@ -294,7 +294,7 @@ def test_the_reload_precheck_on_bf16_checks_the_checkpoints_dtype_and_skips_othe
     import torch
     from safetensors.torch import save_file
 
-    from moonep_ep.vllm.loading import _checkpoint_problems, _expert_tensor_of, _format_problems
+    from moonep_ep.vllm.store.loading import _checkpoint_problems, _expert_tensor_of, _format_problems
     from tests.support.reload_precheck import CT_INT4, H, I, served
 
     # An fp16 checkpoint of the bf16 model, with a non-expert tensor first (sorted) and a fused one.
@@ -355,7 +355,7 @@ def test_the_reload_precheck_on_bf16_checks_the_checkpoints_dtype_and_skips_othe
 def test_the_reload_precheck_of_a_quantized_store_checks_the_formats_dtypes_not_the_loaded_ones(tmp_path):
     """A quantized store's tensors are checked against the format's own dtypes (int32 packed weights, bf16
     scales); the loaded checkpoint's dtype set is a bf16 store's rule and must not refuse a valid INT4 reload."""
-    from moonep_ep.vllm.loading import _checkpoint_problems
+    from moonep_ep.vllm.store.loading import _checkpoint_problems
     from tests.support.reload_precheck import served, write
 
     model, store = served("int4-g32")
@@ -372,7 +372,7 @@ def test_a_reload_into_weights_the_attention_backend_released_is_refused_before_
     import torch
 
     from moonep_ep.errors import ConfigError
-    from moonep_ep.vllm.loading import MODEL_STORES_ATTR, released_weights, wrap_reload_weights
+    from moonep_ep.vllm.store.loading import MODEL_STORES_ATTR, released_weights, wrap_reload_weights
 
     calls = []
 

@@ -14,7 +14,7 @@ import torch
 
 from moonep_ep.errors import CollectiveError
 from moonep_ep.launch import run_ranks
-from moonep_ep.vllm.sharded import ModelExpertStore
+from moonep_ep.vllm.store.sharded import ModelExpertStore
 from tests.support.memory import GRAN
 
 pytestmark = pytest.mark.slow
@@ -176,9 +176,9 @@ def _int4_rows(seed: int, layer: int, expert: int) -> dict:
 
 def quantized_rank(ctx, skip_up: bool) -> dict:
     from moonep_ep.memory.host import HostDriver
-    from moonep_ep.ops.prefetch import wait_for_slots
-    from moonep_ep.ops.quantized_experts import quantized_grouped_ffn, views_of
-    from moonep_ep.vllm.quantized_engine import prefetch_quantized
+    from moonep_ep.ops.moonep.prefetch import wait_for_slots
+    from moonep_ep.ops.experts.quantized import quantized_grouped_ffn, views_of
+    from moonep_ep.vllm.quantized.engine import prefetch_quantized
 
     rank, epn, out = ctx.rank, E // 2, {}
     store = ModelExpertStore(layer_names=[f"l{i}" for i in range(L)], num_experts=E, hidden=H, intermediate=I,

@@ -1,4 +1,4 @@
-"""The GPU experts (``vllm/gpu_experts.gpu_grouped_ffn``: INT4 g32, FP8 block, MXFP4) compute SiTU, under the
+"""The GPU experts (``vllm/experts/gpu.gpu_grouped_ffn``: INT4 g32, FP8 block, MXFP4) compute SiTU, under the
 Triton interpreter in the vllm==0.33.0 environment (``tests/support/situ_gpu_experts_check.py``).
 
 Same inputs, reference and bound as ``tests/ops/test_situ_experts.py`` (dense fp32 SiTU with beta 4 and

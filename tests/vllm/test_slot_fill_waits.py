@@ -25,8 +25,8 @@ import types
 import pytest
 import torch
 
-from moonep_ep.ops.prefetch import SideStreams, pull_slots
-from moonep_ep.vllm import overlap
+from moonep_ep.ops.moonep.prefetch import SideStreams, pull_slots
+from moonep_ep.vllm.experts import overlap
 
 E, B, H, I = 4, 2, 128, 64
 SILU = types.SimpleNamespace(name="SILU")

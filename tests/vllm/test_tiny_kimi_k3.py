@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from moonep_ep.vllm.quantized import classify
+from moonep_ep.vllm.checkpoint.schemes import classify
 from tests.support.vllm_envs import run_json
 
 H, L, I, E, V, HEADS, KDA_HEADS, KDA_D, CONV = 256, 128, 128, 16, 1024, 2, 2, 128, 4

@@ -19,7 +19,7 @@ SCRIPT = """
 import json, sys
 from moonep_ep.tools.checkpoints.tiny_deepseek_v3 import TinyDeepseekV3Config, build_tiny_deepseek_v3
 from moonep_ep.tools.engine.demo import ModelChoice, workload
-from moonep_ep.vllm.model_check import require_servable
+from moonep_ep.vllm.checkpoint.model_check import require_servable
 from tests.support.hf_checkpoint import save_with_transformers
 
 out, root = {}, sys.argv[1]

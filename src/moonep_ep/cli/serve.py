@@ -1,7 +1,7 @@
 """``moonep-ep serve``: vLLM's OpenAI server, DP=2 expert parallel, ``--all2all-backend moonep``.
 
 A thin wrapper: it builds a tiny model if asked, checks the checkpoint
-before any engine starts (``vllm/model_check.py``), prints the URL and a
+before any engine starts (``vllm/checkpoint/model_check.py``), prints the URL and a
 ``curl`` to try, then replaces itself with the server:
 
 * ``vllm==0.33.0`` (GPUs): ``vllm serve MODEL --data-parallel-size N
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     from ..tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
     from ..tools.engine.demo import TINY_MODELS, model_path
-    from ..vllm.model_check import require_servable
+    from ..vllm.checkpoint.model_check import require_servable
 
     try:
         path = model_path(args.model)

@@ -75,7 +75,7 @@ scheme's load sequence (``row`` = one expert, all projections):
 ``moonep_ep``
     final: the store is allocated before any weight is read and vLLM's
     loader writes each rank's experts straight into its pages
-    (``moonep_ep.vllm.loading``). ``copy_in_load_peak_bytes`` keeps the
+    (``moonep_ep.vllm.store.loading``). ``copy_in_load_peak_bytes`` keeps the
     figure of the design it replaced (store allocated at the first layer
     while every layer's local parameters were alive: final + ``L*E/R``
     rows), for comparison.

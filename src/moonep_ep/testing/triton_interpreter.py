@@ -19,7 +19,7 @@ bf16<->fp32 casts (``cast_impl`` special-cases them) handle that, but
 (exact) first, which is what a GPU's bf16 MMA computes (exact products,
 fp32 accumulation); :func:`bf16_dot_error` measures the bug and the mend (a
 control). The test harnesses apply it, and so does the library in one place:
-``MoonEPTritonQuantizedExperts`` (``vllm/quantized_engine.py``,
+``MoonEPTritonQuantizedExperts`` (``vllm/quantized/engine.py``,
 ``_check_triton_here``), built in a process with ``TRITON_INTERPRET=1`` (the
 CPU engine's quantized experts with ``MOONEP_EP_QUANTIZED_EXPERTS=triton``),
 calls :func:`mend_interpreter`, which replaces ``create_dot``, ``cast_impl``

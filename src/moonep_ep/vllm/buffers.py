@@ -5,12 +5,12 @@
 * ``moonep``: the real CUDA library; must be importable, expose the pull
   (Gen A) API vLLM 0.33.0 calls (a ``B`` constructor argument), and report
   NVSwitch multicast (``moonep._C.nvl_multicast_supported()``);
-* ``reference``: :class:`moonep_ep.ops.buffer.ReferenceBuffer` (pure
+* ``reference``: :class:`moonep_ep.ops.moonep.pull.ReferenceBuffer` (pure
   PyTorch over the EP process group: gloo on CPU, NCCL on GPU);
 * ``auto``: ``moonep`` when usable, else ``reference``.
 
 One log line per process says which one serves and why. ``MOONEP_EP_MOONEP_API=push``
-(the API of MoonEP's release) serves :class:`moonep_ep.ops.buffer_push.PushReferenceBuffer`
+(the API of MoonEP's release) serves :class:`moonep_ep.ops.moonep.push.PushReferenceBuffer`
 through ``push_path.py``; the real push library is refused until checked on a GPU.
 
 The expert store (:class:`moonep_ep.layout.store.ShardedExpertStore`) needs,
@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from .. import envs
 from ..errors import ConfigError
-from ..ops.moonep_api import PUSH, choose_moonep_api, probe_moonep_api
+from ..ops.moonep.api import PUSH, choose_moonep_api, probe_moonep_api
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -96,7 +96,7 @@ def select_buffer(device_type: str) -> BufferChoice:
     if real is not None:
         choice = BufferChoice("moonep", real, f"MOONEP_EP_BUFFER={pref}: the moonep library is usable")
     else:
-        from ..ops.buffer import ReferenceBuffer
+        from ..ops.moonep.pull import ReferenceBuffer
 
         choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
     # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks; this rank's view only: the manager's
@@ -110,7 +110,7 @@ def select_buffer(device_type: str) -> BufferChoice:
                               "runs the reference buffer only so far (not yet checked on a GPU with the "
                               "release's kernels). Fix: MOONEP_EP_BUFFER=reference, or MOONEP_EP_MOONEP_API=pull "
                               "with MoonEP at the commit vLLM pins")
-        from ..ops.buffer_push import PushReferenceBuffer
+        from ..ops.moonep.push import PushReferenceBuffer
 
         # The release's contract (no B, exactly S tokens, cu_seqlens [2*epn], collective push): push_path.py
         choice = dataclasses.replace(choice, cls=PushReferenceBuffer)
@@ -169,8 +169,8 @@ AGREED: dict[str, tuple[str, str]] = {
 def local_decisions(choice: BufferChoice, vllm_config: Any = None) -> dict[str, tuple[Any, str]]:
     """This rank's decisions, ``{name: (value, shown)}`` (``shown`` adds the setting behind the value), to be
     shared in the backend-selection step and compared by :func:`agree_decisions`."""
-    from ..ops.decode_cost import cost_overrides, detect_profile
-    from .padding import cost_model_applies
+    from ..ops.decode.cost import cost_overrides, detect_profile
+    from .prepare_finalize.padding import cost_model_applies
 
     profile_setting = envs.MOONEP_EP_GPU_PROFILE
     overrides = cost_overrides()

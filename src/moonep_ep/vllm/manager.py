@@ -37,11 +37,11 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm
 from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
 from .buffers import agree_decisions, local_decisions, select_buffer, system_check
-from .padding import real_tokens_across_dp
+from .prepare_finalize.padding import real_tokens_across_dp
 from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
-from .loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
-from .sharded import ModelExpertStore
-from .stats import STATS, stats_dir
+from .store.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
+from .store.sharded import ModelExpertStore
+from .observe.stats import STATS, stats_dir
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -77,14 +77,14 @@ class InstrumentedBuffer:
         if not self._checked:
             self._manager.check_ready_for_prefetch()
             self._checked = True
-        from .quantized_engine import prefetch_quantized, quantized_views_for
+        from .quantized.engine import prefetch_quantized, quantized_views_for
 
         quantized = quantized_views_for(weights.get("full_gate_weight"))
         copied = None
         if quantized is not None and plan is not None:
             # Quantized views: each slot's weights and scales pulled through the mapped rows (the
             # reference/real buffer's prefetch moves bf16/int8/uint8 weights with 16 KiB-multiple scales only).
-            from .overlap import deliver
+            from .experts.overlap import deliver
 
             _, views, num_experts = quantized
             rank = self._manager.rank
@@ -94,7 +94,7 @@ class InstrumentedBuffer:
             out = deliver(filled.pop("event"), async_finish)
             copied = types.SimpleNamespace(**filled)
         else:
-            from .overlap import prefetch
+            from .experts.overlap import prefetch
 
             out = prefetch(self._inner, plan, async_finish, weights)  # own experts overlap it (overlap.py)
         if stats_dir() is not None and plan is not None:
@@ -212,7 +212,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def new_model_store(self, layers: list[Any]) -> ModelExpertStore:
         """Collective: the store for one model's MoonEP layers (``loading.bind_model`` calls it)."""
-        from .quantized_engine import FORMAT_ATTR
+        from .quantized.engine import FORMAT_ATTR
 
         first = layers[0]
         fmt = getattr(first, FORMAT_ATTR, "bf16")
@@ -262,8 +262,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
 
     def destroy(self) -> None:
         super().destroy()  # the buffer pools first: they may still reference the views
-        from ..ops.prefetch import land_all
-        from .quantized_engine import forget_layouts
+        from ..ops.moonep.prefetch import land_all
+        from .quantized.engine import forget_layouts
 
         land_all()  # slot fills still queued on the default side stream (CPU) land before the stores close
         forget_layouts()
@@ -297,7 +297,7 @@ def convert_moonep_layer(layer: Any, moe_config: Any, w13_weight: torch.Tensor,
                           "fills no store). Fix: load a real checkpoint with vLLM's default loader, or set "
                           "MOONEP_EP_LAYOUT=replicated")
     if store.gen_b:  # the push API: the experts read [2*epn] rows (own experts, then slots)
-        from .push_path import make_push_layout
+        from .prepare_finalize.push import make_push_layout
 
         if getattr(layer, "_moonep_weight_layout", None) is None:
             layer._moonep_weight_layout = make_push_layout(store, idx)

@@ -90,7 +90,10 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import cpu_isa, cpu_k3, hooks, peer_naming, quantized_hooks, routing_record
+from .cpu import isa as cpu_isa, k3 as cpu_k3
+from . import hooks
+from .observe import peer_naming, routing_record
+from .quantized import hooks as quantized_hooks
 from .compat import check_vllm
 from .hooks import is_wrapped, mark_wrapped, when_imported
 
@@ -168,7 +171,7 @@ def _wrap_convert(module: ModuleType) -> None:
                                              w2_weight: Any, layer: Any = None) -> Any:
         from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-        from .loading import ZERO_COPY_FLAG
+        from .store.loading import ZERO_COPY_FLAG
 
         zero_copy = getattr(layer, ZERO_COPY_FLAG, False)
         if (unquantized_backend != UnquantizedMoeBackend.MOONEP or layout_mode() != "sharded" or layer is None
@@ -200,7 +203,7 @@ def _wrap_gather(module: ModuleType) -> None:
         return
 
     def gather_moonep_weight_layout(w13_local: Any, w2_local: Any, *args: Any, **kwargs: Any) -> Any:
-        from .stats import STATS
+        from .observe.stats import STATS
 
         STATS.count_vllm_gather(w13_local, w2_local)
         return orig(w13_local, w2_local, *args, **kwargs)
@@ -210,7 +213,7 @@ def _wrap_gather(module: ModuleType) -> None:
     make = module.make_moonep_weight_layout
 
     def make_moonep_weight_layout(w13_weight: Any, w2_weight: Any, *args: Any, **kwargs: Any) -> Any:
-        from .stats import STATS
+        from .observe.stats import STATS
 
         layout = make(w13_weight, w2_weight, *args, **kwargs)
         # Sampled here, inside the all-gather: its [E]-row outputs are still alive.
@@ -222,14 +225,14 @@ def _wrap_gather(module: ModuleType) -> None:
 
 
 def _patch_padding(module: ModuleType) -> None:
-    from .padding import patch_prepare
+    from .prepare_finalize.padding import patch_prepare
 
     if patch_prepare(module):
         _mark("MoonEPPrepareAndFinalize._pad_to_capacity (MOONEP_EP_PADDING)")
 
 
 def _patch_overlap(module: ModuleType) -> None:
-    from .overlap import patch_experts
+    from .experts.overlap import patch_experts
 
     if patch_experts(module):
         _mark("MoonEPExperts.apply (own experts before the prefetch wait, SiLU or SiTU)")
@@ -255,7 +258,7 @@ def _check_activation_at_build(module: ModuleType) -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
-        from .activation import activation_of
+        from .experts.activation import activation_of
 
         activation_of(self.moe_config)   # ConfigError naming the activation (or the missing beta) and the fix
 
@@ -272,13 +275,13 @@ def _patch_create_weights(module: ModuleType) -> None:
     def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
         moonep = getattr(self, "unquantized_backend", None) == UnquantizedMoeBackend.MOONEP and _ep_size() > 1
         if moonep and layout_mode() == "sharded":
-            from .loading import create_placeholder_weights
+            from .store.loading import create_placeholder_weights
 
             create_placeholder_weights(orig, self, layer, *args, **kwargs)
             return
         orig(self, layer, *args, **kwargs)
         if moonep:
-            from .stats import STATS
+            from .observe.stats import STATS
 
             for name in ("w13_weight", "w2_weight"):
                 STATS.watch_expert_tensor(getattr(layer, name, None), "vLLM local parameters")
@@ -293,7 +296,7 @@ def _patch_initialize_model(module: ModuleType) -> None:
 
     def initialize_model(*args: Any, **kwargs: Any) -> Any:
         model = orig(*args, **kwargs)
-        from .loading import bind_model, zero_copy_layers
+        from .store.loading import bind_model, zero_copy_layers
 
         if zero_copy_layers(model):
             bind_model(model, _sharded_manager().new_model_store)
@@ -323,7 +326,7 @@ def _patch_reload(module: ModuleType) -> None:
     orig = getattr(module, "reload_weights", None)
     if orig is None or is_wrapped(orig):
         return
-    from .loading import wrap_reload_weights
+    from .store.loading import wrap_reload_weights
 
     inplace = sys.modules.get(MOD_RELOAD)
     if inplace is not None and getattr(inplace.reload_weights, "__wrapped__", None) is orig:
@@ -378,7 +381,7 @@ def _bind_pf_names(module: ModuleType) -> None:
 def _bind_push_choice(module: ModuleType) -> None:
     """``all2all_utils.MoonEPPrepareAndFinalize`` builds the push prepare/finalize for a push pool
     (``MOONEP_EP_MOONEP_API=push``, push_path.py) and vLLM's class otherwise."""
-    from .push_path import choose_prepare_finalize
+    from .prepare_finalize.push import choose_prepare_finalize
 
     original = module.MoonEPPrepareAndFinalize
     if not is_wrapped(original):
@@ -443,7 +446,7 @@ def _patch_config_check(module: ModuleType) -> None:
     engine = check_vllm().distribution or "vllm"
 
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        from .quantized import check_vllm_config
+        from .checkpoint.schemes import check_vllm_config
 
         _keep_k3_compressed_tensors(self)
         if not check_vllm_config(self, engine):

@@ -2,14 +2,14 @@
 
 For Kimi K2 / K3 shapes, EP sizes and ``n`` real tokens per rank (random
 top-k routing, seeded), every figure comes from running the project's planner
-(``ops/planner.py``, MoonEP's algorithm) on the padded counts, as the plugin's
+(``ops/moonep/planner.py``, MoonEP's algorithm) on the padded counts, as the plugin's
 prepare step would hand them to ``Buffer.dispatch``. Policies:
 
 * ``vllm-0.33.0``: capacity padding routed to expert 0 (vLLM's ``_pad_to_capacity``);
-* ``padding-fixed``: the plugin's balanced padding (``ops/decode_padding.py``);
+* ``padding-fixed``: the plugin's balanced padding (``ops/decode/padding.py``);
 * ``fixed+cost-model``: balanced padding, and the capacity (``S`` or ``2S``) whose
   derived step time is lower; the slot budget ``B`` of that capacity from the
-  cost model (``ops/decode_cost.py``).
+  cost model (``ops/decode/cost.py``).
 
 Per plan: remote experts (a destination computing entries of an expert another
 rank owns: the expert's bytes leave the owner, into a slot or read by the
@@ -32,10 +32,10 @@ from typing import Any, Sequence
 import torch
 
 from ...models import get_model
-from ...ops.decode_cost import FORMATS, PROFILES, cost_model
-from ...ops.decode_padding import expert_padding
-from ...ops.padding import real_entries
-from ...ops.planner import plan_dispatch
+from ...ops.decode.cost import FORMATS, PROFILES, cost_model
+from ...ops.decode.padding import expert_padding
+from ...ops.moonep.padding import real_entries
+from ...ops.moonep.planner import plan_dispatch
 
 __all__ = ["add_arguments", "run", "plan_step", "sweep"]
 
@@ -222,7 +222,7 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...ops.decode_cost import detect_profile
+    from ...ops.decode.cost import detect_profile
 
     profile = args.profile or detect_profile()
     eps, ns = _ints(args.ep), _ints(args.n)

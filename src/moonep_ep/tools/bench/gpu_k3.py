@@ -180,7 +180,7 @@ def system_block(x: torch.Tensor, w: dict[str, torch.Tensor], views: dict[str, t
                  cfg: dict[str, int], *, activation: Any, bias_in_weights: bool = False, skip_norm: bool = False,
                  slot_expert: int = 0) -> torch.Tensor:
     """The layer as served: harness steps at bf16 around ``gpu_grouped_ffn`` (see the module docstring)."""
-    from ...vllm.gpu_experts import gpu_grouped_ffn
+    from ...vllm.experts.gpu import gpu_grouped_ffn
 
     device = x.device
     ids, weights = _route(x, w["router"], w["bias"], dims.top_k, bias_in_weights)
@@ -209,7 +209,7 @@ def system_block(x: torch.Tensor, w: dict[str, torch.Tensor], views: dict[str, t
 def run_layer(dims: K3Dims, views: dict[str, torch.Tensor], device: torch.device, cfg: dict[str, int],
               seed: int = 0) -> dict[str, Any]:
     """Draw the layer, run the path and the four controls, judge each against the reference."""
-    from ...ops.activation import GatedActivation
+    from ...ops.experts.activation import GatedActivation
 
     w = draw_layer(dims, views, device, seed)
     slot_expert = 0
@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.cuda.set_device(device)
         dims = dataclasses.replace(REAL, experts=args.experts, tokens=args.tokens)
         cfg = gpu_mxfp4.vllm_default_config(dims.tokens, dims.experts)
-        from ...vllm.gpu_experts import fit_block_m
+        from ...vllm.experts.gpu import fit_block_m
 
         cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], dims.padding)
         t0 = time.perf_counter()

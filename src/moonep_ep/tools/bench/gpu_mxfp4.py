@@ -147,7 +147,7 @@ def vllm_default_config(tokens: int, experts: int) -> dict[str, int]:
 
 def _config(shape: Shape, rows: int, token_padding: int) -> dict[str, int]:
     """The config for ``rows`` grouped rows (``rows / top_k`` tokens), M tiles brought to divide the padding."""
-    from ...vllm.gpu_experts import fit_block_m
+    from ...vllm.experts.gpu import fit_block_m
 
     cfg = vllm_default_config(max(1, rows // shape.top_k), shape.E)
     cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], token_padding)
@@ -273,8 +273,8 @@ def check_experts(views: dict[str, torch.Tensor], shape: Shape, dtypes: tuple[to
                   (torch.bfloat16, torch.float16), rows: int = ROWS, seed: int = 0) -> dict[str, Any]:
     """Expert 0, expert ``E-1`` and slot 0 (filled from expert 1) through ``gpu_grouped_ffn`` against the
     reference, per dtype; then the negative control (see the module docstring)."""
-    from ...ops.prefetch import pull_slots, wait_for_slots
-    from ...vllm.gpu_experts import gpu_grouped_ffn
+    from ...ops.moonep.prefetch import pull_slots, wait_for_slots
+    from ...vllm.experts.gpu import gpu_grouped_ffn
 
     E, last = shape.E, shape.E - 1
     device = next(iter(views.values())).device
@@ -380,9 +380,9 @@ def compiled_kernels(kernel_name: str) -> list[dict[str, Any]]:
 def measure_kernel(views: dict[str, torch.Tensor], shape: Shape, loads: dict[str, int] = LOADS, trials: int = 20,
                    seed: int = 0) -> dict[str, Any]:
     """The MXFP4 grouped GEMM (both projections) against a dense bf16 grouped GEMM of the same weights."""
-    from ...ops.experts import grouped_mm, grouped_mm_supported
-    from ...ops.grouped_blocks import grouped_blocks
-    from ...vllm.gpu_experts import gpu_grouped_gemm
+    from ...ops.experts.grouped import grouped_mm, grouped_mm_supported
+    from ...ops.experts.grouped_blocks import grouped_blocks
+    from ...vllm.experts.gpu import gpu_grouped_gemm
     from .timing import fastest_ratio, interleaved_trials, timer_for
 
     device = next(iter(views.values())).device
@@ -441,8 +441,8 @@ def measure_kernel(views: dict[str, torch.Tensor], shape: Shape, loads: dict[str
 def run_race(views: dict[str, torch.Tensor], shape: Shape, trials: int = 20, rows: int = 16, seed: int = 0,
              hold_cycles: int = HOLD_CYCLES) -> dict[str, Any]:
     """Slot fills then the experts, without a wait and with ``wait_for_slots``, trial after trial (alternating)."""
-    from ...ops.prefetch import pull_slots, wait_for_slots
-    from ...vllm.gpu_experts import gpu_grouped_ffn
+    from ...ops.moonep.prefetch import pull_slots, wait_for_slots
+    from ...vllm.experts.gpu import gpu_grouped_ffn
 
     E, B = shape.E, shape.B
     device = next(iter(views.values())).device
@@ -518,7 +518,7 @@ def run_check(check: str, models: list[str], trials: int, vmm: bool = True) -> d
     """One check over each model's views on GPU 0."""
     import triton
 
-    from ...vllm.gpu_experts import GPU_KERNELS
+    from ...vllm.experts.gpu import GPU_KERNELS
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 products stay fp32
     device = torch.device("cuda", 0)

@@ -53,7 +53,7 @@ def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int,
     """Grouped FFN over the store's ``[E+B]`` views vs over ``torch.empty`` copies of the same shapes:
     throughput ratio ``views / plain`` from each side's fastest of ``reps`` interleaved trials
     (``timer``: seconds of one call; default CUDA events on a GPU, the wall clock on CPU)."""
-    from ...ops.experts import grouped_ffn
+    from ...ops.experts.grouped import grouped_ffn
 
     views = {p.name: store.gen_a(layer, p.name) for p in store.projections}
     plain = {name: torch.empty_like(v).copy_(v) for name, v in views.items()}

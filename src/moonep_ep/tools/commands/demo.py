@@ -36,7 +36,7 @@ import torch
 
 from ... import envs
 from ...models import MoEModelConfig, get_model
-from ...ops.experts import ENTRY_REL_TOL, TOKEN_REL_TOL
+from ...ops.experts.grouped import ENTRY_REL_TOL, TOKEN_REL_TOL
 
 __all__ = ["DemoConfig", "demo_rank", "run_demo", "format_report", "expert_weight", "resolve_config"]
 
@@ -108,9 +108,9 @@ def demo_rank(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """Rank body of ``moonep-ep demo``; returns this rank's report (plain data)."""
     from ...layout.store import ShardedExpertStore, ffn_projections
     from ...memory import make_driver
-    from ...ops.buffer import ReferenceBuffer
-    from ...ops.experts import grouped_ffn, reference_moe, reference_moe_bf16, token_rel_errors
-    from ...ops.instrument import CollectiveRecorder
+    from ...ops.moonep.pull import ReferenceBuffer
+    from ...ops.experts.grouped import grouped_ffn, reference_moe, reference_moe_bf16, token_rel_errors
+    from ...ops.moonep.instrument import CollectiveRecorder
     from ..bench.prefetch import measure_pull, page_holders, split_by_holder
 
     cfg = DemoConfig(**cfg_dict)
@@ -258,7 +258,7 @@ def _check_entries(cfg: DemoConfig, entries: list, NvS: int, shapes: dict[str, t
     is checked as strictly as a hot one's, whatever its route weight."""
     import torch.distributed as dist
 
-    from ...ops.experts import reference_rows_bf16, token_rel_errors
+    from ...ops.experts.grouped import reference_rows_bf16, token_rel_errors
 
     out = []
     for layer, (x, ids, weights, dst, y_nvsh) in enumerate(entries):

@@ -19,8 +19,8 @@ each ("high" words route to owner 1's experts, "low" words to owner 0's), two
 per DP rank, plus six mixed prompts (4 to 200 tokens), round-robin: a rank's
 step then holds one overloaded home group, the planner prefetches that
 group's experts onto the other rank, and the counts per ``(owner, expert)``
-come from the workers (``vllm/stats.py``), capacity-padding fills apart
-(``ops/padding.py``). Other models get the six mixed prompts.
+come from the workers (``vllm/observe/stats.py``), capacity-padding fills apart
+(``ops/moonep/padding.py``). Other models get the six mixed prompts.
 
 :func:`run_demo` returns the JSON summary; :data:`FIGURE_SOURCES` says where
 each figure comes from.
@@ -125,7 +125,7 @@ def _reload_checkpoints(spec: str) -> tuple[str, str]:
 
 def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     """Build a tiny model or take a checkpoint directory; check it before any engine starts."""
-    from ...vllm.model_check import require_servable
+    from ...vllm.checkpoint.model_check import require_servable
 
     from ..checkpoints.tiny_quantized import QUANTIZED_MODELS
 

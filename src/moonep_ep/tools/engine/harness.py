@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 from ... import envs
 from ...testing.triton_interpreter import triton_experts_env
-from ...vllm.stats import read_stats
+from ...vllm.observe.stats import read_stats
 from ...launch import ProcessSet, cpu_threads_bind, descendants
 from ..args import add_moe_shape_arguments
 
@@ -270,7 +270,7 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
 def _with_routing(run: Callable[[dict[str, str]], Any], progress: Progress) -> Any:
     """``run(env)`` with every engine process recording its routers' choices, then each generated sequence of the
     result given its own (``routing``: the oracle's near-tie evidence, ``tools/engine/near_ties.py``)."""
-    from ...vllm.routing_record import read_records
+    from ...vllm.observe.routing_record import read_records
     from .near_ties import attach_routing
 
     directory = tempfile.mkdtemp(prefix="moonep-ep-routing-")

@@ -15,7 +15,7 @@ So the oracle explains a divergence (and a position over ``abs_max``) with
 measured quantities, never with a wider bound:
 
 1. the engine recorded the experts every MoE layer chose for every row it
-   computed (``vllm/routing_record.py``); the oracle runs one forward of the
+   computed (``vllm/observe/routing_record.py``); the oracle runs one forward of the
    sequence with those choices **forced** into its own routers (its own
    arithmetic, the engine's experts; the route weights are the oracle's own
    scores at the forced experts, normalized as the model does);

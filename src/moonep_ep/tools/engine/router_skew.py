@@ -13,7 +13,7 @@ its picks, over all MoE layers, on one owner.
 
 This reads the residual stream as the embedding alone (attention and earlier
 layers add to it); the workload is a choice of prompts, not a claim about
-routing: the engine's own counts (``vllm/stats.py``) report what was moved.
+routing: the engine's own counts (``vllm/observe/stats.py``) report what was moved.
 Only the embedding, the norms and the routers are read (safetensors), never
 the experts.
 """

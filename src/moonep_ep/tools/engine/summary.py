@@ -62,7 +62,7 @@ FIGURE_SOURCES: dict[str, str] = {
                                          "the copy (reference buffer: pull, rows read from the owner's memory; "
                                          "push, rows the owner wrote into the slots, counted by the owner); "
                                          "padding_only and absent_without_padding derived from the plan and "
-                                         "vLLM's per-rank real token counts (ops/padding.py)",
+                                         "vLLM's per-rank real token counts (ops/moonep/padding.py)",
     "remote_prefetch_fills": "measured: totals of remote_prefetches_by_owner_expert; padding_only derived as "
                              "above",
     "prefetch_calls_by_rank": "measured: prefetch_weight calls per rank (first generation)",

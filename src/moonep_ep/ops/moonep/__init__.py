@@ -1,0 +1,1 @@
+"""The reference MoonEP library in pure PyTorch: one buffer class per API generation (pull, push) over a shared base, their planners, the probe that tells which generation a Buffer class speaks, and the choice."""

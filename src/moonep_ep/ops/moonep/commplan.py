@@ -1,0 +1,118 @@
+"""One dispatch plan as a rank sees it, and what a prefetch did.
+
+:class:`CommPlan` carries MoonEP's ``MoonEPCommPlan`` fields (moonep.md §3)
+plus the reference buffer's own state: the global :class:`DispatchPlan` and
+this rank's :class:`~moonep_ep.ops.moonep.routing.Routing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .planner import DispatchPlan
+from .routing import Routing
+
+__all__ = ["CommPlan", "PrefetchStats"]
+
+
+@dataclasses.dataclass(eq=False)
+class CommPlan:
+    """This rank's view of one dispatch plan: MoonEP's ``MoonEPCommPlan`` fields plus reference state.
+
+    MoonEP fields (int32, contiguous, on the buffer's device; ``G = E + B``):
+
+    * ``dst`` ``[n]`` (``n = s*K``): entry ``i = t*K + k`` goes to
+      ``raw = dest_rank*NvS + loff``; the first entry of a token on a
+      destination is stored ``raw`` (primary), later ones ``-raw-1``.
+    * ``experts_to_copy`` ``[R, B]``: the whole slot table, identical on every
+      rank; row ``d`` = experts prefetched into rank ``d``'s slots, ``-1``
+      unused.
+    * ``zero_fill_ranges`` ``[G, 2]``: this rank's ``(pad_start, n_pad)``
+      per group.
+    * ``remote_stats`` ``[2]``: ``[#remote experts with entries here,
+      #slots on all ranks holding this rank's experts]``.
+    * ``dup_groups`` ``[NvS, 3]``, ``dup_loffs`` ``[NvS]``, ``dup_counts``
+      ``[2]``: for every source token with several entries on this rank,
+      ``(primary_loff, dup_start, dup_count)`` (valid prefix
+      ``dup_counts[0]`` rows) and the duplicates' rows (prefix
+      ``dup_counts[1]``). Ordered by received row; MoonEP's order is arrival
+      order, so compare as sets.
+    * ``N = s*K`` (varlen meaning), ``R``, ``E``, ``NvS``, ``K``, ``B``,
+      ``nvs_s``; ``num_tokens = N // K``.
+
+    Reference extras: ``rank``; ``cu_seqlens`` ``[G]`` int32 (also returned by
+    dispatch); ``global_plan`` (the :class:`DispatchPlan`, CPU);
+    ``num_received`` (entries this rank computes); the routing tables.
+    """
+
+    dst: torch.Tensor
+    experts_to_copy: torch.Tensor
+    zero_fill_ranges: torch.Tensor
+    remote_stats: torch.Tensor
+    dup_groups: torch.Tensor
+    dup_loffs: torch.Tensor
+    dup_counts: torch.Tensor
+    N: int
+    R: int
+    E: int
+    NvS: int
+    K: int
+    B: int
+    nvs_s: int
+    rank: int
+    cu_seqlens: torch.Tensor
+    global_plan: DispatchPlan
+    num_received: int
+    routing: Routing
+    buffer_uid: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.N // self.K
+
+    @property
+    def slot_sources(self) -> list[tuple[int, int, int]]:
+        """``(slot, expert, owner rank)`` of every used slot of this rank."""
+        row = self.global_plan.experts_to_copy[self.rank].tolist()
+        owners = self.global_plan.copy_owner[self.rank].tolist()
+        return [(b, e, o) for b, (e, o) in enumerate(zip(row, owners)) if e >= 0]
+
+    def clone(self) -> "CommPlan":
+        fields = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            fields[f.name] = v.clone() if isinstance(v, (torch.Tensor, Routing)) else v
+        return CommPlan(**fields)
+
+
+@dataclasses.dataclass
+class PrefetchStats:
+    """What the last ``prefetch_weight`` call did on this rank, counted at the copies."""
+
+    generation: str          # "A" (pull) or "B" (push)
+    copies: int              # row copies issued (used slots x tensors)
+    bytes: int               # bytes copied
+    seconds: Optional[float]  # wall time of the copies (None when left asynchronous on CUDA)
+    slots: list[tuple[int, int, int]]  # (slot, expert, owner) filled on this rank (Gen A)
+    #: Bytes per owner rank of the source row (``e // epn``): Gen A what each copy read; Gen B what this
+    #: rank (the owner) pushed.
+    bytes_by_owner: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: The part of ``bytes`` that crossed ranks: Gen A read from rows another rank owns; Gen B all of it
+    #: (a rank pushes only into other ranks' slots).
+    remote_bytes: int = 0
+    #: Bytes by source expert (global id): Gen A read by this rank; Gen B pushed by this rank (its own experts).
+    bytes_by_expert: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: Gen B: bytes pushed per tensor name (weights and scales apart), counted at the copies.
+    bytes_by_tensor: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_copies(cls, generation: str, copies: int, bytes_by_expert: dict[int, int], seconds: Optional[float],
+                    slots: list[tuple[int, int, int]], epn: int, rank: int) -> "PrefetchStats":
+        by_owner: dict[int, int] = {}
+        for expert, nbytes in bytes_by_expert.items():
+            by_owner[expert // epn] = by_owner.get(expert // epn, 0) + nbytes
+        return cls(generation, copies, sum(by_owner.values()), seconds, slots, by_owner,
+                   sum(n for owner, n in by_owner.items() if owner != rank), dict(bytes_by_expert))

@@ -1,0 +1,108 @@
+"""The reference buffer's Gen B (push) prefetch: argument checks and the push step, weights with their scales.
+
+MoonEP's release moves each rank's own experts into the slot pools of the
+ranks that need them (``prefetch_weight(plan, local_*_weight, *_prefetch_buffer)``,
+docs/design/moonep.md §2.3). Its prefetch kernel takes bf16, int8 or uint8
+weights, and optionally one scale tensor per projection, allowed only with
+uint8 weights (``local_*_scale [epn, ...]`` + ``*_scale_prefetch_buffer
+[R, epn, ...]``); it re-tiles each expert's scales to ``[128, nbytes/128]``
+bytes, so one expert's scale bytes must be a multiple of 16 KiB. Weights and
+scales of a slot move in the same call and land before the same barrier, so
+no rank ever reads a fresh weight with a stale scale.
+
+Formats whose scale rows do not meet the 16 KiB rule (FP8 block) are stored
+in the push layout (``layout.formats.push_projections``: scale rows padded
+per expert), and push those padded rows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ...errors import config_error
+from .commplan import CommPlan, PrefetchStats
+from .limits import SCALE_TILE_BYTES, check_gen_b_weights
+from .prefetch import push_slots
+
+__all__ = ["PROJECTIONS", "check_push_args", "run_push"]
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def check_push_args(rank: int, device: torch.device, local: Mapping[str, Any], pools: Mapping[str, Any],
+                    local_scales: Mapping[str, Any], scale_pools: Mapping[str, Any], R: int, epn: int,
+                    B: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Check a Gen B call; return ``({name: local [epn, ...]}, {name: pool [R, epn, ...]})`` with the
+    scales (when given) as ``gate_scale``, ``up_scale``, ``down_scale``.
+
+    Weights: ``limits.check_gen_b_weights``. Scales: all six tensors or none; uint8 weights only; each
+    ``local_*_scale`` a contiguous ``[epn, ...]`` tensor whose per-expert bytes are a multiple of 16384;
+    each ``*_scale_prefetch_buffer`` ``[R, epn, ...]`` of the same trailing shape and dtype, each rank's
+    rows contiguous (gaps between ranks allowed, as for the weights).
+    """
+    check_gen_b_weights(rank, device, local, pools, R, epn, B)
+    out_local = {name: local[name] for name in PROJECTIONS}
+    out_pools = {name: pools[name] for name in PROJECTIONS}
+    given = [f"local_{n}_scale" for n in PROJECTIONS if local_scales.get(n) is not None] + \
+            [f"{n}_scale_prefetch_buffer" for n in PROJECTIONS if scale_pools.get(n) is not None]
+    if not given:
+        return out_local, out_pools
+    if len(given) != 2 * len(PROJECTIONS):
+        raise config_error(rank, "Gen B scales must be given for all three projections, local and pool, or none",
+                           given, "pass local_{gate,up,down}_scale and {gate,up,down}_scale_prefetch_buffer "
+                           "together, or none of them")
+    for name in PROJECTIONS:
+        weight = local[name]
+        if weight.dtype != torch.uint8:
+            raise config_error(rank, f"scales need uint8 weights (MoonEP's prefetch kernel); local_{name}_weight is",
+                               weight.dtype, "pass the quantized weights as uint8 views (t.view(torch.uint8)), "
+                               "or drop the scales for bf16/int8 weights")
+        scale, pool = local_scales[name], scale_pools[name]
+        fix = (f"pass this rank's [epn, ...] = [{epn}, ...] contiguous scale rows on {device} "
+               "(ShardedExpertStore.owner_view of the scale tensor)")
+        if not isinstance(scale, torch.Tensor) or scale.dim() < 2 or scale.shape[0] != epn \
+                or not scale.is_contiguous() or scale.device != device:
+            raise config_error(rank, f"local_{name}_scale must be a contiguous [{epn}, ...] tensor on {device}",
+                               getattr(scale, "shape", type(scale).__name__), fix)
+        per_expert = scale[0].numel() * scale.element_size()
+        if per_expert % SCALE_TILE_BYTES:
+            padded = -(-per_expert // SCALE_TILE_BYTES) * SCALE_TILE_BYTES
+            raise config_error(rank, f"local_{name}_scale: per-expert scale bytes must be a multiple of "
+                               f"{SCALE_TILE_BYTES} (MoonEP re-tiles scales to [128, nbytes/128])", per_expert,
+                               f"store the scales in the push layout, padded per expert to {padded} bytes "
+                               "(layout.formats.push_projections)")
+        want = (R, epn, *scale.shape[1:])
+        pool_fix = (f"pass the {list(want)} {scale.dtype} view of every rank's scale slot pool "
+                    "(ShardedExpertStore.push_pool of the scale tensor)")
+        if not isinstance(pool, torch.Tensor) or tuple(pool.shape) != want:
+            raise config_error(rank, f"{name}_scale_prefetch_buffer has the wrong shape",
+                               getattr(pool, "shape", type(pool).__name__), pool_fix)
+        if pool.dtype != scale.dtype or pool.device != device:
+            raise config_error(rank, f"{name}_scale_prefetch_buffer must match local_{name}_scale's dtype and device",
+                               (pool.dtype, pool.device), pool_fix)
+        if pool[0].stride() != scale.stride() or pool.stride(0) < scale.numel():
+            raise config_error(rank, f"{name}_scale_prefetch_buffer rows must be contiguous within each rank's pool",
+                               tuple(pool.stride()), pool_fix)
+        out_local[f"{name}_scale"], out_pools[f"{name}_scale"] = scale, pool
+    return out_local, out_pools
+
+
+def run_push(buffer: Any, plan: CommPlan, local: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
+             t0: Optional[float] = None) -> PrefetchStats:
+    """The push step of ``buffer`` (a checked Gen B call): every tensor of every slot this rank owns the expert
+    of, weights and scales in one issue, then the host waits for them and a barrier: on return every rank's
+    slots are final. Collective."""
+    t0 = time.perf_counter() if t0 is None else t0
+    by_tensor: dict[str, int] = {}
+    by_expert: dict[int, int] = {}
+    copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, buffer.rank, buffer.epn,
+                                       streams=buffer._streams, bytes_by_tensor=by_tensor, bytes_by_expert=by_expert)
+    event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
+    buffer.comm.barrier("prefetch_weight (Gen B): every push landed")
+    # Counted at the pusher, which is the owner of every expert it pushes (into other ranks' slots)
+    return PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources,
+                         bytes_by_owner={buffer.rank: nbytes} if nbytes else {}, remote_bytes=nbytes,
+                         bytes_by_expert=by_expert, bytes_by_tensor=by_tensor)

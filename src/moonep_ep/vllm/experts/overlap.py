@@ -1,0 +1,184 @@
+"""Own experts first, slot experts after the prefetch: the prefetch overlaps the expert compute.
+
+vLLM 0.33.0's prepare step calls ``Buffer.prefetch_weight`` synchronously and
+``MoonEPExperts.apply`` runs one grouped GEMM over all ``E + B`` groups, so
+the weight copies and the compute of the rank's own experts run one after
+the other. Here:
+
+* :func:`prefetch` (the plugin's buffer wrapper calls it) asks the buffer for
+  ``async_finish=True`` and keeps the returned event for this thread's next
+  expert compute, in a step the prepare step armed (:func:`arm`) because the
+  layer's experts run :func:`apply`; other experts get the blocking call;
+* :func:`apply` (in place of ``MoonEPExperts.apply``) computes groups
+  ``[0, E)`` (own experts; on the sharded store also remote experts without a
+  slot, read in place), then waits on the event, then computes the slot
+  groups ``[E, E + B)``. Same arithmetic per row as vLLM's single grouped
+  GEMM (every group is an independent ``a[seg] @ w[g].T``), with the layer's
+  activation (``vllm/experts/activation.py``): SiLU as vLLM computes it, or SiTU
+  (Kimi K3), which vLLM's ``MoonEPExperts`` refuses; :func:`patch_experts`
+  makes that class declare SiTU too (``_supports_activation``), so vLLM's
+  backend oracle keeps MoonEP for a SiTU layer and this ``apply`` serves it.
+
+On a GPU the wait (``ops.prefetch.wait_for_slots``, the one wait of every
+path) makes the current stream wait on the event: the own groups' kernels are
+queued before it, the copies run on the buffer's copy stream meanwhile. On
+CPU the slot copies are deferred (``MOONEP_EP_CPU_DEFERRED_COPIES``) and land
+at that wait, so a missing wait reads stale slots there too; :data:`TRACE`
+records the order (``own``, ``waited``, ``slots``) for the tests. Splitting
+needs the row where the slot groups start on the host (one ``int`` read per
+layer): vLLM's MoonEP path is eager-only.
+
+The quantized layers' prefetch (``quantized_engine.prefetch_quantized``)
+hands its weight and scale events over with :func:`deliver`; their experts
+take them with :func:`take_event` and wait before any slot row is read.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ...ops.experts.activation import SILU, SUPPORTED_ACTIVATIONS, GatedActivation
+from ...ops.moonep.prefetch import wait_for_slots
+from .activation import activation_name, activation_of
+from ..hooks import install, is_wrapped
+
+__all__ = ["arm", "prefetch", "deliver", "take_event", "apply", "patch_experts", "TRACE"]
+#: Set on an experts class whose ``apply`` takes this thread's pending event (:func:`take_event`) and waits.
+WAITS_ATTR = "_moonep_ep_waits_for_slot_fills"
+
+_pending = threading.local()
+#: Per thread, when ``TRACE.events`` is a list: the order of the steps of :func:`apply`.
+TRACE = threading.local()
+
+
+def _trace(step: str) -> None:
+    events = getattr(TRACE, "events", None)
+    if events is not None:
+        events.append(step)
+
+
+def arm(prepare: Any) -> None:
+    """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
+    layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
+    experts = getattr(prepare, "_fused_experts", None)
+    _pending.armed = is_wrapped(getattr(type(experts), "apply", None)) or getattr(type(experts), WAITS_ATTR, False)
+
+
+def _take_armed() -> bool:
+    armed, _pending.armed = getattr(_pending, "armed", False), False
+    return armed
+
+
+def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
+    """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked."""
+    if not getattr(_pending, "armed", False) or async_finish:
+        _pending.armed = False
+        return buffer.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
+    return deliver(buffer.prefetch_weight(plan=plan, async_finish=True, **weights), async_finish=False)
+
+
+def deliver(event: Any, async_finish: bool) -> Any:
+    """An issued slot fill's event, to whoever reads the slots first: the caller when it asked for
+    ``async_finish``; else this thread's next experts ``apply`` in an armed step; else the current stream, now."""
+    armed = _take_armed()
+    if async_finish:
+        return event
+    if armed:
+        _pending.event = event
+        _trace("prefetch issued")
+    else:
+        wait_for_slots(event)
+    return None
+
+
+def take_event() -> Any:
+    """The slot-fill event this thread's last armed prefetch left for the experts (None if none); taken once."""
+    event = getattr(_pending, "event", None)
+    _pending.event = None
+    return event
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+def _mlp(a: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, offs: torch.Tensor,
+         route_weights: torch.Tensor | None, *, activation: GatedActivation = SILU) -> torch.Tensor:
+    act = activation(_grouped(a, gate_w, offs), _grouped(a, up_w, offs))
+    if route_weights is not None:
+        act.mul_(route_weights.to(act.dtype).unsqueeze(-1))
+    return _grouped(act, down_w, offs)
+
+
+def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+          topk_weights: torch.Tensor, topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any,
+          a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any, expert_tokens_meta: Any,
+          apply_router_weight_on_input: bool, *, original: Any = None) -> None:
+    """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after, and the
+    layer's activation (SiLU or SiTU, its betas from ``self.moe_config``)."""
+    event = take_event()
+    layout = getattr(self, "_weight_layout", None)
+    # Pull: [E+B] rows, the own part ends at E; push (push_path.PushWeightLayout): [2*epn], it ends at epn
+    E = int(getattr(layout, "own_groups", global_num_experts))
+    act = activation_of(activation, getattr(self, "moe_config", None))   # refuses what the experts cannot compute
+    known = layout is not None and expert_tokens_meta is not None
+    # [E+B] rows: split; E rows (no slots) with SiTU: the split's own part is all of it (vLLM's code is SiLU only)
+    ours = known and (w1.size(0) > E or (w1.size(0) == E and act.name != "silu"))
+    if original is not None and not ours:
+        wait_for_slots(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
+        return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                        global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                        expert_tokens_meta, apply_router_weight_on_input)
+    cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
+    assert cu.numel() == w1.size(0)
+    weights = None if apply_router_weight_on_input else topk_weights
+    up = layout.full_up_weight
+    own_end, end = (int(x) for x in cu[[E - 1, -1]].tolist())
+    output[own_end:].zero_()
+    if own_end:
+        own = _mlp(hidden_states[:own_end], w1[:E], up[:E], w2[:E], cu[:E],
+                   None if weights is None else weights[:own_end], activation=act)
+        output[:own_end].copy_(own)
+    _trace("own")
+    if event is not None:
+        wait_for_slots(event)
+        _trace("waited")
+    if end > own_end:
+        offs = (cu[E:] - own_end).to(torch.int32)
+        slots = _mlp(hidden_states[own_end:end], w1[E:], up[E:], w2[E:], offs,
+                     None if weights is None else weights[own_end:end], activation=act)
+        output[own_end:end].copy_(slots)
+    _trace("slots")
+
+
+def supports_activation(activation: Any) -> bool:
+    """``MoonEPExperts._supports_activation`` once patched: the activations :func:`apply` computes (SiLU, SiTU)."""
+    return activation_name(activation) in SUPPORTED_ACTIVATIONS
+
+
+def patch_experts(module: Any) -> bool:
+    """Put :func:`apply` in place of ``MoonEPExperts.apply`` and let the class declare SiTU
+    (:func:`supports_activation`); False if already done."""
+    cls = module.MoonEPExperts
+    while getattr(cls, "_moonep_ep_cpu", False) and cls.__bases__:  # the plugin's CPU subclass: patch vLLM's
+        cls = cls.__bases__[0]
+    orig = cls.apply
+    if is_wrapped(orig):
+        return False
+
+    def overlapped_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        return apply(self, *args, **kwargs, original=orig)
+
+    install(cls, "apply", overlapped_apply, orig, doc=apply.__doc__)
+    # vLLM's oracle asks the class (``cls._supports_activation(moe_config.activation)``, modular_kernel.py) and,
+    # MoonEP being the only backend it allows under --all2all-backend moonep, refuses SiTU layers otherwise
+    def supports(activation: Any) -> bool:
+        return supports_activation(activation)
+
+    install(cls, "_supports_activation", supports, getattr(cls, "_supports_activation", None),
+            doc=supports_activation.__doc__)
+    cls._supports_activation = staticmethod(supports)   # static, as vLLM declares it (called on the class)
+    return True
