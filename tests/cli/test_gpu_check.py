@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: planned in parts that fit one command of a GPU loan, plus one command for a machine
+"""scripts/gpu_check.sh: planned in parts that fit one command on a GPU machine, plus one command for a machine
 with one GPU within a stated total limit, installing and fetching nothing, and runnable end to end on CPU over
 the CUDA driver emulator (MOONEP_EP_CUDA_EMULATOR=1, which the GPU run never sets)."""
 
@@ -72,7 +72,7 @@ def test_plan_lists_each_parts_steps_and_limits_within_one_command():
 
 
 def test_the_script_installs_and_fetches_nothing():
-    """What the lent machine lacks (a registry, vLLM) must not be reached for: no pip/uv/make install,
+    """What the GPU machine lacks (a registry, vLLM) must not be reached for: no pip/uv/make install,
     no downloads, no venv; make only in question mode (-q) to see whether environments are up to date."""
     texts = {p.name: p.read_text() for p in [SCRIPT, *sorted((ROOT / "scripts" / "gpu_checks").iterdir())]}
     forbidden = re.compile(r"pip install|\buv\b|make install|curl |wget |git clone|--index-url|snapshot_download"
@@ -91,7 +91,7 @@ def test_the_script_installs_and_fetches_nothing():
 @pytest.mark.cuda_emulated
 @pytest.mark.slow
 def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_path):
-    """Parts 1 and 2 on an emulated one-H200 machine (the loan's): every step that can run passes; the
+    """Parts 1 and 2 on an emulated machine with one GPU (an H200): every step that can run passes; the
     GPU-marked pytest step says why it cannot run here. Parts 3-5 (vLLM's CUDA engine), 6 and 7 (Triton kernels
     on the GPU) report what they need and "ok": null. Negative control: a driver older than the bindings
     fails part 1."""
@@ -121,23 +121,23 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
     assert {"check", "selftest"} <= {s["step"] for s in summary["failed"]}
 
 
-def test_plan_states_each_steps_needs_against_the_lent_machine():
-    """The lent GPU machine's python3 (3.12) has torch, Triton, numpy, hypothesis, pytest, transformers and
+def test_plan_states_each_steps_needs_against_the_gpu_machine():
+    """The GPU machine's python3 (3.12) has torch, Triton, numpy, hypothesis, pytest, transformers and
     safetensors, and no vLLM and no compressed-tensors: the plan says up front which steps cannot run
     there and which depend on a module not on that list (cuda-bindings), checked before the step runs."""
     proc = _run("--plan")
     steps = {s["step"]: s for part in _plan_lines(proc.stdout, "part") for s in part["steps"]}
     assert "without compressed_tensors, vllm" in proc.stdout
-    assert steps["env"]["lent_machine"] == "runs"
+    assert steps["env"]["gpu_machine"] == "runs"
     for name in ("check", "selftest", "footprint", "perf", "ops_demo", "selftest_soak", "gpu_tests"):
         assert "cuda.bindings" in steps[name]["modules"], name
-        assert steps[name]["lent_machine"].startswith("runs if python3 has cuda.bindings"), steps[name]
+        assert steps[name]["gpu_machine"].startswith("runs if python3 has cuda.bindings"), steps[name]
     assert "hypothesis" in steps["gpu_tests"]["modules"]
-    assert steps["make_demo"]["lent_machine"] == "cannot run: it has no vllm, compressed_tensors"
-    assert all(steps[n]["lent_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))
-    # Parts 6 and 7 need nothing the lent machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
+    assert steps["make_demo"]["gpu_machine"] == "cannot run: it has no vllm, compressed_tensors"
+    assert all(steps[n]["gpu_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))
+    # Parts 6 and 7 need nothing the GPU machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
     for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer"):
-        assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["lent_machine"] == "runs", steps[name]
+        assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["gpu_machine"] == "runs", steps[name]
         assert re.search(rf"^  {name}\s+\d+ s  \[gpu\] ", proc.stdout, re.M), name
 
 
@@ -162,8 +162,8 @@ def test_plan_shows_the_one_command_for_a_machine_with_one_gpu_and_its_total_lim
     parts = {s["step"]: p["part"] for p in _plan_lines(proc.stdout, "part") for s in p["steps"]}
     assert {n for n, p in parts.items() if p in (6, 7)} <= set(steps)            # parts 6 and 7 whole
     assert {"env", "check", "selftest", "push_layout", "quantized_vmm"} <= set(steps)
-    assert steps["vllm_int4_fp8"]["lent_machine"] == "cannot run: it has no vllm"
-    assert steps["cuda_graph"]["lent_machine"] == "cannot run: not built yet"
+    assert steps["vllm_int4_fp8"]["gpu_machine"] == "cannot run: it has no vllm"
+    assert steps["cuda_graph"]["gpu_machine"] == "cannot run: not built yet"
     assert all(steps[n]["limit_s"] == 0 for n in ("vllm_int4_fp8", "cuda_graph"))   # they never run
     # steps taken from a part keep that part's needs and modules, with a tighter limit
     for s in one["steps"]:
@@ -201,12 +201,12 @@ def test_the_one_command_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line
 
 @pytest.mark.slow
 def test_perf_waits_for_a_measuring_peer_past_moonep_ep_timeout_s():
-    """gpu_perf measures one rank at a time; the other waits in the store's barrier. That wait is bounded by the
-    run's own deadline, not MOONEP_EP_TIMEOUT_S: with the latter at 1 s and a measurement longer than that, both
-    ranks finish (before, the waiting rank's barrier timed out and both ranks ended in PeerLostError)."""
+    """``bench store`` (part 2) measures one rank at a time; the other waits in the store's barrier. That wait is
+    bounded by the run's own deadline, not MOONEP_EP_TIMEOUT_S: with the latter at 1 s and a measurement longer
+    than that, both ranks finish (before, the waiting rank's barrier timed out and both ranks ended in PeerLostError)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONEP_EP_CUDA_EMULATOR")}
     env.update(MOONEP_EP_TIMEOUT_S="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, "-m", "moonep_ep.tools.bench.gpu_perf", "--driver", "host", "--json",
+    proc = subprocess.run([sys.executable, "-m", "moonep_ep", "bench", "store", "--driver", "host", "--json",
                            "--reps", "21", "--deadline-s", "120"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
     out = _last_json(proc.stdout)
@@ -229,7 +229,7 @@ def test_a_step_that_finds_a_precondition_missing_itself_is_not_applicable(tmp_p
     # the step ran (its output is kept), unlike a step the script itself found not applicable
     assert json.loads((tmp_path / "mxfp4_race.out").read_text()) == {
         "check": "race", "not_applicable": "torch sees no CUDA GPU", "ok": None}
-    # Part 7 (the K3 layer, gpu_k3.py) answers the same way.
+    # Part 7 (the K3 layer, checks/gpu/k3.py) answers the same way.
     proc = _run("--part", "7", env=env, timeout=120)
     summary = _last_json(proc.stdout)
     assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == [], proc.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""``gpu_check.sh`` part 6 (``moonep_ep.tools.bench.gpu_mxfp4``) where there is no GPU: its reference, its block
+"""``gpu_check.sh`` part 6 (``checks.gpu.mxfp4``) where there is no GPU: its reference, its block
 configs, its answer when a precondition is missing, and its checks on CPU under the Triton interpreter."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moonep_ep.tools.bench import gpu_mxfp4
+from checks.gpu import mxfp4 as gpu_mxfp4
 from tests.support.vllm_envs import run_json
 
 #: OCP Microscaling Formats (MX) v1.0, FP4 E2M1: code -> value (codes 8..15 the same with the sign bit set)

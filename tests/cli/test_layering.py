@@ -1,8 +1,10 @@
-"""No import circles among moonep_ep modules and the test support code (``tests/support``), read statically (every import: module level, inside
-functions, under ``TYPE_CHECKING``), so a circle that only closes at run time is caught too.
+"""No import circles among moonep_ep modules, the tooling beside the package (``checks``) and the test support code
+(``tests/support``), read statically (every import: module level, inside functions, under ``TYPE_CHECKING``), so
+a circle that only closes at run time is caught too.
 
-The same graph shows that the package ships nothing only tests use (every module is reached from a
-command, the vLLM plugin or what ``make`` runs).
+The same graph shows that the package ships nothing only tests or tooling use (every module is reached from what
+a user of the library runs: a command, the vLLM plugin, what another program loads by name), and that the
+package imports neither ``checks`` nor ``tests``.
 
 One circle is allowed and named: ``memory.cuda`` imports ``cuda_probe`` and ``multimem`` at run time,
 and those two name ``cuda``'s classes in annotations only (under ``TYPE_CHECKING``, never executed).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -23,7 +26,7 @@ ALLOWED = {frozenset({"moonep_ep.memory.cuda", "moonep_ep.memory.cuda_probe", "m
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
     out = {}
-    for base, folder in ((SRC, SRC / "moonep_ep"), (ROOT, ROOT / "tests" / "support")):
+    for base, folder in ((SRC, SRC / "moonep_ep"), (ROOT, ROOT / "checks"), (ROOT, ROOT / "tests" / "support")):
         for path in folder.rglob("*.py"):
             parts = list(path.relative_to(base).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
@@ -50,7 +53,8 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
 
 
 def import_graph() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
-    """``module -> modules it imports`` (moonep_ep only) and the edges that exist only under TYPE_CHECKING."""
+    """``module -> modules it imports`` (of the graph's own modules only) and the edges that exist only under
+    TYPE_CHECKING."""
     modules = _modules()
     edges: dict[str, set[str]] = {}
     typing_only: set[tuple[str, str]] = set()
@@ -133,6 +137,8 @@ def test_no_import_circle_but_the_named_one():
     unexpected = [sorted(c) for c in circles(edges) if c not in ALLOWED]
     assert unexpected == [], f"import circles: {unexpected}"
     assert "tests.support.vllm_moe_model" in edges["tests.support.kernel_check"]  # the graph sees tests/support
+    assert "checks.soak.sampler" in edges["checks.soak.run"]  # ... and checks
+    assert "moonep_ep.memory.accounting" in edges["checks.soak.sampler"]
 
 
 def test_the_allowed_circle_closes_only_under_type_checking():
@@ -172,7 +178,8 @@ def test_no_library_file_is_over_600_lines():
 #: Modules another program loads by name rather than by an import our code writes: Triton loads the
 #: backend package ``testing/triton_interpreter`` registers as an entry point, then that package's
 #: ``compiler.py`` and ``driver.py`` (``triton/backends/__init__.py``: ``_load_module(name,
-#: os.path.join(root, "compiler.py"))``).
+#: os.path.join(root, "compiler.py"))``). A user's engine needs them: the engine's Triton experts run under the
+#: interpreter there (``serve`` and ``vllm-demo`` import ``triton_interpreter``).
 LOADED_BY_NAME = {"moonep_ep.testing.triton_interpreter": {"moonep_ep.testing.triton_cpu",
                                                             "moonep_ep.testing.triton_cpu.compiler",
                                                             "moonep_ep.testing.triton_cpu.driver"}}
@@ -199,25 +206,78 @@ def unreached(edges: dict[str, set[str]], roots: set[str], named: dict[str, set[
     return {m for m in edges if m.startswith("moonep_ep")} - seen
 
 
-def test_the_package_ships_nothing_only_tests_use():
-    """Every module of the package is reached from what users run: the ``moonep-ep`` command (and ``python -m
-    moonep_ep``) and each of its subcommands, the vLLM plugin entry point, and what ``make`` and ``scripts/``
-    run with ``-m``. A module only tests reach belongs in ``tests/support`` (the house rule)."""
+def user_roots() -> set[str]:
+    """What a user of the library runs: the ``moonep-ep`` command (and ``python -m moonep_ep``) and each of its
+    subcommands, the vLLM plugin's entry point, and the modules another program loads by name. Not the Makefile
+    or ``scripts/``: what they run beyond these is test and release tooling (``checks``, ``tests/support``)."""
     from moonep_ep.cli.main import SUBCOMMANDS
 
+    return ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"}
+            | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()} | set(LOADED_BY_NAME))
+
+
+def test_the_package_ships_nothing_only_tests_use():
+    """Every module of the package is reached from what users run (:func:`user_roots`). A module only tests or
+    tooling reach belongs in ``tests/support`` or ``checks`` (the house rule)."""
     edges, _ = import_graph()
     names = set(edges)
     named = {name: _named_modules(path, names) for name, (path, _) in _modules().items()}
     for package, loaded in LOADED_BY_NAME.items():
         named[package] = named.get(package, set()) | loaded
-    run_by_make = set()
-    for path in [ROOT / "Makefile", *(p for p in (ROOT / "scripts").rglob("*") if p.is_file())]:
-        run_by_make |= {m for m in path.read_text().split() if m in names}
-    roots = ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"}
-             | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()} | run_by_make)
-    assert {"moonep_ep.tools.bench.gpu_perf", "moonep_ep.testing.triton_interpreter"} <= run_by_make
+    roots = user_roots()
+    assert not {r for r in roots if not r.startswith("moonep_ep.")}  # checks and tests are never roots
     assert unreached(edges, roots, named) == set()
-    # Control: a module that only a tests/support file imports is reported.
-    edges_with_stray = {**edges, "moonep_ep.stray": set(),
-                        "tests.support.hosts": edges["tests.support.hosts"] | {"moonep_ep.stray"}}
-    assert unreached(edges_with_stray, roots, named) == {"moonep_ep.stray"}
+    # Control: a module that only a tests/support file imports is reported, and so is one only checks imports.
+    edges_with_stray = {**edges, "moonep_ep.stray": set(), "moonep_ep.stray_tool": set(),
+                        "tests.support.hosts": edges["tests.support.hosts"] | {"moonep_ep.stray"},
+                        "checks.soak.run": edges["checks.soak.run"] | {"moonep_ep.stray_tool"}}
+    assert unreached(edges_with_stray, roots, named) == {"moonep_ep.stray", "moonep_ep.stray_tool"}
+
+
+#: A whole dotted module path in a string (``"tests.support.soak_plants.PlantedProbe"``): something loaded by name.
+MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def tooling_imports(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """``module -> the checks/tests names it imports or names whole in a string``, for every package module that
+    has any (``checks`` or ``tests``), and every ``checks`` module that names ``tests`` (``gpu_check.sh`` runs the
+    checks with ``src`` on the path, not the tests). Read from the syntax tree, not the graph: a package module that
+    imports ``tests.cli`` or a module not yet written must be named too."""
+    out = {}
+    for name, tree in trees.items():
+        banned = {"checks", "tests"} if name.startswith("moonep_ep") else {"tests"} if name.startswith("checks") \
+            else set()
+        hits = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:  # a relative import stays in its package
+                named = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_PATH.fullmatch(node.value):
+                named = [node.value]
+            else:
+                continue
+            hits |= {n for n in named if n.split(".")[0] in banned}
+        if hits:
+            out[name] = hits
+    return out
+
+
+def test_the_package_imports_neither_checks_nor_tests():
+    """The package stands alone: a user's install has neither folder. ``checks`` imports the package, never the
+    tests."""
+    trees = {name: _tree(path) for name, (path, _) in _modules().items()}
+    assert tooling_imports(trees) == {}
+    assert any(t.startswith("moonep_ep.") for t in import_graph()[0]["checks.soak.run"])  # checks is read too
+    # Control: a package module importing checks, one importing a test module, one naming a test class to be
+    # loaded by name, and a check importing tests/support are each named; a relative import of a package module
+    # called ``checks``, prose that starts with "tests" and tests/support importing checks are not.
+    planted = {**trees, "moonep_ep.errors": ast.parse("from checks.soak import shm"),
+               "moonep_ep.envs": ast.parse("import tests.cli.test_envs"),
+               "moonep_ep.launch": ast.parse("EXTENSION = 'tests.support.soak_plants.PlantedProbe'"),
+               "checks.gpu.k3": ast.parse("from tests.support.k3_moe_reference import e2m1_from_bits"),
+               "moonep_ep.models": ast.parse("from . import checks\nHELP = 'tests. Fix: run them'"),
+               "tests.support.hosts": ast.parse("from checks.soak.shm import dev_shm_scan")}
+    assert tooling_imports(planted) == {"moonep_ep.errors": {"checks.soak"}, "moonep_ep.envs": {"tests.cli.test_envs"},
+                                        "moonep_ep.launch": {"tests.support.soak_plants.PlantedProbe"},
+                                        "checks.gpu.k3": {"tests.support.k3_moe_reference"}}

@@ -1,9 +1,9 @@
-"""README.md's "Layout of the code" names every Python file of the package and of ``tests/support``,
+"""README.md's "Layout of the code" names every Python file of the package, of ``checks`` and of ``tests/support``,
 and no file that is not there (as ``test_envs`` keeps the README's variable table equal to ``envs.py``).
 
 The list is the first fenced block after the section's heading: a line at column 0 whose first word ends in
-``/`` is a root (``src/moonep_ep/``, ``tests/``); an indented line whose first word ends in ``/`` is a folder
-inside the nearest less indented folder; any other indented line continues the nearest less indented
+``/`` is a root (``src/moonep_ep/``, ``checks/``, ``tests/``); an indented line whose first word ends in ``/`` is a
+folder inside the nearest less indented folder; any other indented line continues the nearest less indented
 folder; every ``NAME.py`` on a line is a file of that folder. ``__init__.py`` and ``__main__.py`` are
 not listed.
 """
@@ -14,8 +14,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-#: The trees the list must cover: every module of the package and of the test support code.
-TREES = ("src/moonep_ep", "tests/support")
+#: The trees the list must cover: every module of the package, of the tooling beside it and of the test support code.
+TREES = ("src/moonep_ep", "checks", "tests/support")
 UNLISTED = {"__init__.py", "__main__.py"}
 
 

@@ -37,7 +37,7 @@ def layout_checks(ctx: Any, hidden: int, inter: int, experts: int, layers: int, 
     store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs,
                                num_slots=epn, driver=driver, api=api)
     out: dict[str, Any] = {"errors": []}
-    before_load = {(layer, p.name): store.gen_a(layer, p.name)[:experts].clone()
+    before_load = {(layer, p.name): store.pull_view(layer, p.name)[:experts].clone()
                    for layer in range(layers) for p in projs}
     store.symm.comm.barrier("test: every rank saw zero rows")  # before anyone writes
 
@@ -51,11 +51,11 @@ def layout_checks(ctx: Any, hidden: int, inter: int, experts: int, layers: int, 
     out["bytes_written"] = stats.bytes_written
     out["max_transient_bytes"] = stats.max_transient_bytes
     out["all_zero_before_load"] = all(bool((v == 0).all()) for v in before_load.values())
-    # Row e of every rank's Gen A view equals the owner's data, for all e.
+    # Row e of every rank's pull view equals the owner's data, for all e.
     bad = 0
     for layer in range(layers):
         for p in projs:
-            view = store.gen_a(layer, p.name)
+            view = store.pull_view(layer, p.name)
             assert view.is_contiguous() and tuple(view.shape) == (experts + epn, *p.shape)
             for e in range(experts):
                 if not torch.equal(view[e], expert_value(layer, p.name, e, p.shape)):

@@ -25,7 +25,7 @@ def store_over_the_cuda_driver(ctx: Any) -> dict[str, Any]:
     rank, world = ctx.rank, ctx.world_size
     experts, layers = 8, 2
     epn = experts // world
-    projs = ffn_projections(1024, 512)  # 1 MiB bf16 rows: epn rows fill whole 2 MiB pages (Gen B)
+    projs = ffn_projections(1024, 512)  # 1 MiB bf16 rows: epn rows fill whole 2 MiB pages (push)
     out: dict[str, Any] = {"errors": []}
     with make_driver("cuda", rank=rank) as driver:
         before = driver_holdings(driver, rank)
@@ -40,12 +40,12 @@ def store_over_the_cuda_driver(ctx: Any) -> dict[str, Any]:
             store.load(lambda layer, proj, e: expert_value(layer, proj, e, shapes[proj]).to(driver.torch_device))
             for layer in range(layers):
                 for p in projs:
-                    view = store.gen_a(layer, p.name)
+                    view = store.pull_view(layer, p.name)
                     assert view.device == driver.torch_device and view.shape == (experts + epn, *p.shape)
                     for e in range(experts):
                         if not torch.equal(view[e].cpu(), expert_value(layer, p.name, e, p.shape)):
                             out["errors"].append(f"layer {layer} {p.name} expert {e} wrong on rank {rank}")
-            # Gen B push: write our expert 0 of layer 0 into the next rank's slot pool, row = our rank's block.
+            # push: write our expert 0 of layer 0 into the next rank's slot pool, row = our rank's block.
             nxt = (rank + 1) % world
             store.push_pool(0, "down")[nxt, 0].copy_(store.owner_view(0, "down")[0])
             store.finish_loading()

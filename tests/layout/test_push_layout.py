@@ -220,7 +220,7 @@ def push_round_trip(ctx: Any, driver_kind: str, specs: list, num_experts: int, l
         out["physical"] = store.physical_bytes()
         out["planned"] = store.plan.rank_bytes(rank)
         try:
-            store.gen_a(0, specs[0].name)
+            store.pull_view(0, specs[0].name)
             out["pull_view"] = "built"
         except MoonEPError as exc:
             out["pull_view"] = str(exc)

@@ -58,11 +58,11 @@ def quantized_store(ctx: Any, fmt: str) -> dict[str, Any]:
 
         store.load(loader)
         out["bad_rows"] = [(layer, p.name, e) for layer in range(L) for p in projs for e in range(E)
-                           if not torch.equal(_bytes(store.gen_a(layer, p.name)[e]),
+                           if not torch.equal(_bytes(store.pull_view(layer, p.name)[e]),
                                               row_bytes(layer, p.name, e, p.row_bytes))]
         # A fill through ops' pull: the remote experts of the next rank, for layer 1.
         layer, remote = 1, [((rank + 1) % world) * epn + j for j in range(epn)]
-        full = {p.name: store.gen_a(layer, p.name) for p in projs}
+        full = {p.name: store.pull_view(layer, p.name) for p in projs}
         tally: dict[str, int] = {}
         copies, by_expert, event = pull_slots(full, remote, E, bytes_by_tensor=tally)
         wait_for_slots(event)
@@ -73,7 +73,7 @@ def quantized_store(ctx: Any, fmt: str) -> dict[str, Any]:
                                 if not torch.equal(_bytes(store.slots(layer, p.name)[b]),
                                                    row_bytes(layer, p.name, e, p.row_bytes))]
         # Negative control: a fill given the weights only leaves every scale slot stale.
-        weights_only = {p.name: store.gen_a(2, p.name) for p in projs if p.role == "weight"}
+        weights_only = {p.name: store.pull_view(2, p.name) for p in projs if p.role == "weight"}
         wait_for_slots(pull_slots(weights_only, remote, E)[2])
         out["stale_scale_slots"] = [(p.name, b) for p in projs if p.role == "scale" for b, e in enumerate(remote)
                                     if not torch.equal(_bytes(store.slots(2, p.name)[b]),

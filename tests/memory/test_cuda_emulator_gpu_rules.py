@@ -1,4 +1,4 @@
-"""Emulator rules added before the first GPU loan, each broken on purpose (as test_cuda_emulator.py):
+"""Emulator rules added before the first run on a GPU machine, each broken on purpose (as test_cuda_emulator.py):
 peer access in cuMemSetAccess, asynchronous sticky kernel faults, a node-wide cuMemGetInfo, and the
 multicast granularity query's size. (Multi-host domains: test_cuda_domain.py.)
 """

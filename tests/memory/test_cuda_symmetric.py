@@ -1,5 +1,5 @@
 """SymmetricMemory on real GPUs. Skipped (with the reason) where the hardware is absent;
-scripts/gpu_check.sh runs these on a lent GPU."""
+scripts/gpu_check.sh runs these on a GPU machine."""
 
 from __future__ import annotations
 

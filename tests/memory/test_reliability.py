@@ -103,7 +103,7 @@ def killed_peer(ctx: Any, point: str, victim: int) -> dict[str, Any]:
         for step in range(50):  # pull prefetch: slots <- rows of every owner, then a barrier
             if me_dies and point == "during_prefetch" and step == 3:
                 die()
-            full = {p.name: store.gen_a(step % 2, p.name) for p in store.projections}
+            full = {p.name: store.pull_view(step % 2, p.name) for p in store.projections}
             wait_for_slots(pull_slots(full, [(victim * 3 + b) % store.num_experts for b in range(3)],
                                       store.num_experts)[2])
             store.finish_loading()
@@ -275,7 +275,7 @@ def bad_input(ctx: Any, case: str, driver_kind: str = "host") -> dict[str, Any]:
                 store.load_layer(0, tensors)
             elif case == "view_unknown_layer":
                 with store.symm.comm.step("views"):
-                    store.gen_a(5 if rank == 0 else 0, "gate")
+                    store.pull_view(5 if rank == 0 else 0, "gate")
         result["raised"] = None
     except MoonEPError as exc:
         result["raised"] = type(exc).__name__

@@ -8,8 +8,8 @@ shared experts on the full-width hidden, all at bf16 as the model runs them. The
 latent rows through ``ReferenceBuffer.dispatch``, the sharded store of each format (each rank loads only its
 own experts), slot fills pulled from the owners (BF16: ``prefetch_weight``; quantized: the plugin's
 ``prefetch_quantized``, weights and scales), the experts with ``activation=GatedActivation("situ", 4, 25)``
-(BF16: ``ops.experts.grouped_ffn``; INT4 g32, FP8 block, MXFP4: ``ops.quantized_experts.quantized_grouped_ffn``;
-MXFP4 again through the project's Triton kernel, ``vllm.gpu_experts.gpu_grouped_ffn``, under the interpreter in
+(BF16: ``ops.experts.grouped.grouped_ffn``; INT4 g32, FP8 block, MXFP4:
+``ops.experts.quantized.quantized_grouped_ffn``; MXFP4 again through the project's Triton kernel, ``vllm.experts.gpu.gpu_grouped_ffn``, under the interpreter in
 the vLLM environment), and ``combine``. The rank code is ``tests/support/k3_block_check.py``. The router leans on rank 0's experts (their score-correction bias is larger), so rank 0 is
 overloaded and rank 1's slots are filled from rank 0's memory and computed.
 
@@ -79,7 +79,7 @@ def test_the_k3_moe_block_through_the_mxfp4_triton_experts(report):
     _check_block(out["ranks"], TRITON_KINDS, report)
 
 
-# -- gpu_check.sh part 7 (tools/bench/gpu_k3.py) where there is no GPU ---------------------------------------
+# -- gpu_check.sh part 7 (checks/gpu/k3.py) where there is no GPU ---------------------------------------------
 
 def _unpack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 values of MXFP4 bytes by this file's reference module (even element in the low nibble)."""
@@ -92,10 +92,10 @@ def _unpack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_gpu_parts_reference_is_the_oracles_formula():
-    """The GPU part builds its reference apart from ``tests/support`` (the lent machine runs ``src`` only): on
-    its own drawn layer (tiny widths), its fp32 block equals :func:`k3_moe_block`, and the drawn experts
-    saturate SiTU there too. Control: the oracle with any of the four bugs differs from it."""
-    from moonep_ep.tools.bench import gpu_k3
+    """The GPU part builds its reference apart from ``tests/support`` (a check imports no test code): on its own
+    drawn layer (tiny widths), its fp32 block equals :func:`k3_moe_block`, and the drawn experts saturate SiTU
+    there too. Control: the oracle with any of the four bugs differs from it."""
+    from checks.gpu import k3 as gpu_k3
 
     dims = gpu_k3.K3Dims(hidden=256, latent=128, inter=128, shared=256, experts=8, top_k=4, tokens=16)
     cpu = torch.device("cpu")
@@ -118,7 +118,7 @@ def test_the_gpu_parts_reference_is_the_oracles_formula():
 
 
 def test_the_gpu_part_says_why_it_cannot_run_here(capsys):
-    from moonep_ep.tools.bench import gpu_k3, gpu_mxfp4
+    from checks.gpu import k3 as gpu_k3, mxfp4 as gpu_mxfp4
 
     why = gpu_mxfp4.missing_preconditions()
     assert why  # this environment has no GPU (and no Triton)

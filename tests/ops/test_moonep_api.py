@@ -1,4 +1,4 @@
-"""Which MoonEP API a Buffer speaks (signature probe) and the per-run choice, refused alike on every rank.
+"""Which MoonEP API a Buffer speaks (signature probe) and the per-run choice with what follows from it.
 
 The stand-ins restate the two public signatures (docs/design/moonep.md, "Which API generation"):
 ``PullBuffer`` is MoonEP at commit 7745ffa0, the API vLLM 0.33.0 calls (``B=`` in
@@ -9,13 +9,10 @@ The stand-ins restate the two public signatures (docs/design/moonep.md, "Which A
 
 from __future__ import annotations
 
-import os
-from typing import Any
 
 import pytest
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.launch import run_ranks
 from moonep_ep.ops.moonep.pull import ReferenceBuffer
 from moonep_ep.ops.moonep.api import ApiProbe, choose_moonep_api, probe_moonep_api, requested_api
 
@@ -114,7 +111,7 @@ class PullSubclass(PullBuffer):
 
 
 class ReferenceSubclass(ReferenceBuffer):
-    """A wrapper of the reference buffer still plays either generation."""
+    """A wrapper of the pull reference buffer still speaks pull."""
 
 
 PULL_EVIDENCE = ("__init__ has B", "prefetch_weight has full_gate_weight, full_up_weight, full_down_weight")
@@ -147,16 +144,27 @@ def test_a_buffer_that_is_neither_or_both_is_refused_naming_what_was_found(cls, 
     assert all(w in msg for w in words), msg
 
 
-def test_the_reference_buffer_plays_either_and_the_caller_chooses():
+def test_the_reference_buffers_speak_one_api_each_like_a_real_moonep():
+    """No "either": the pull reference buffer is probed as pull, so a push request against it is refused
+    (the push run gets PushReferenceBuffer, ``vllm/buffers.select_buffer``)."""
     probe = probe_moonep_api(ReferenceBuffer)
-    assert probe.api == "either" and probe.buffer == "moonep_ep.ops.moonep.pull.ReferenceBuffer"
-    assert choose_moonep_api(ReferenceBuffer, "auto").api == "pull"   # auto keeps what vLLM 0.33.0 calls
-    assert choose_moonep_api(ReferenceBuffer, "pull").api == "pull"
-    assert choose_moonep_api(ReferenceBuffer, "push").api == "push"
-    assert probe_moonep_api(ReferenceSubclass).api == "either"
-    # Control: the same two keyword sets on a class that is not the reference buffer are refused.
+    assert probe == ApiProbe("pull", PULL_EVIDENCE, "moonep_ep.ops.moonep.pull.ReferenceBuffer")
+    assert choose_moonep_api(ReferenceBuffer, "auto").api == "pull"
+    assert probe_moonep_api(ReferenceSubclass).api == "pull"
+    with pytest.raises(ConfigError, match="MOONEP_EP_MOONEP_API=push contradicts"):
+        choose_moonep_api(ReferenceBuffer, "push")
+    # Control: both keyword sets on one class are refused.
     with pytest.raises(ConfigError, match="matches both"):
         probe_moonep_api(BothKeywordSets)
+
+
+def test_the_choice_says_what_follows_from_it():
+    pull, push = choose_moonep_api(PullBuffer, "pull"), choose_moonep_api(PushBuffer, "push")
+    assert (pull.is_push, push.is_push) == (False, True)
+    assert pull.num_slots(4, 8) == 8 and push.num_slots(4, 8) == 4
+    kwargs = {"S": 16, "H": 128, "K": 2, "E": 8, "num_ep_ranks": 2, "B": 8}
+    assert pull.buffer_kwargs(kwargs) == kwargs and "B" not in push.buffer_kwargs(kwargs)
+    assert push.buffer_kwargs(kwargs) == {k: v for k, v in kwargs.items() if k != "B"}
 
 
 def test_an_agreeing_override_is_accepted_and_a_contradicting_one_refused():
@@ -176,7 +184,7 @@ def test_an_agreeing_override_is_accepted_and_a_contradicting_one_refused():
 
 def test_the_environment_variable_decides_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.setenv("MOONEP_EP_MOONEP_API", "push")
-    assert choose_moonep_api(ReferenceBuffer).api == "push"
+    assert choose_moonep_api(PushBuffer).api == "push"
     with pytest.raises(ConfigError, match="contradicts"):
         choose_moonep_api(PullBuffer)
     monkeypatch.delenv("MOONEP_EP_MOONEP_API")
@@ -188,63 +196,3 @@ def test_the_environment_variable_decides_and_a_bad_value_names_it(monkeypatch):
     assert "MOONEP_EP_MOONEP_API='gen_b'" in msg and "auto | pull | push" in msg and "Fix:" in msg
     with pytest.raises(ConfigError, match=r"'sideways' is not valid: use auto \| pull \| push"):
         requested_api("sideways")
-
-
-# -- every rank ---------------------------------------------------------------------------------------------
-def _attempt(fn) -> tuple[str, str]:
-    try:
-        return "ok", fn().api
-    except Exception as exc:  # noqa: BLE001 - the kind and message are what the test compares
-        return type(exc).__name__, str(exc)
-
-
-def api_choice_cases(ctx: Any) -> dict:
-    from moonep_ep.memory.group import GroupComm
-
-    rank = ctx.rank
-    comm = GroupComm()
-
-    def on(r, bad, good):
-        return bad if rank == r else good
-
-    out = {
-        "agree_pull": _attempt(lambda: choose_moonep_api(PullBuffer, "pull", comm)),
-        "auto_push": _attempt(lambda: choose_moonep_api(PushBuffer, "auto", comm)),
-        "reference_push": _attempt(lambda: choose_moonep_api(ReferenceBuffer, "push", comm)),
-        "contradicts_everywhere": _attempt(lambda: choose_moonep_api(PullBuffer, "push", comm)),
-        "contradicts_on_rank_1": _attempt(lambda: choose_moonep_api(PullBuffer, on(1, "push", "auto"), comm)),
-        "neither_on_rank_0": _attempt(lambda: choose_moonep_api(on(0, PullWithoutB, PullBuffer), "auto", comm)),
-        "installed_differs": _attempt(lambda: choose_moonep_api(on(1, PushBuffer, PullBuffer), "auto", comm)),
-    }
-    if rank == 1:
-        os.environ["MOONEP_EP_MOONEP_API"] = "gen_b"
-    out["bad_env_on_rank_1"] = _attempt(lambda: choose_moonep_api(PullBuffer, None, comm))
-    os.environ.pop("MOONEP_EP_MOONEP_API", None)
-    out["after"] = comm.all_gather_object(rank, "still in step")  # nobody hung or fell out of step
-    return out
-
-
-def test_an_override_contradicting_the_install_is_refused_on_every_rank():
-    results = run_ranks(api_choice_cases, 2, timeout_s=120)
-    for r in results:
-        assert r["agree_pull"] == ("ok", "pull") and r["auto_push"] == ("ok", "push")
-        assert r["reference_push"] == ("ok", "push")
-        assert r["after"] == [0, 1]
-    for case, failing in {"contradicts_everywhere": [0, 1], "contradicts_on_rank_1": [1],
-                          "neither_on_rank_0": [0], "bad_env_on_rank_1": [1]}.items():
-        for rank, r in enumerate(results):
-            kind, msg = r[case]
-            assert kind == "CollectiveError", (case, rank, kind, msg)
-            assert f"[rank {rank}] collective step 'choose the MoonEP API' failed on rank(s) {failing}" in msg, msg
-            for bad in failing:
-                assert f"rank {bad}: ConfigError: [rank {bad}]" in msg, msg
-            assert all(f"rank {ok}: " not in msg for ok in {0, 1} - set(failing)), msg
-    one = results[0]["contradicts_on_rank_1"][1]
-    assert "MOONEP_EP_MOONEP_API=push contradicts" in one and "speaks the pull API" in one and "33327eb" in one
-    assert "PullWithoutB matches neither" in results[1]["neither_on_rank_0"][1]
-    assert "MOONEP_EP_MOONEP_API='gen_b'" in results[0]["bad_env_on_rank_1"][1]
-    for rank, r in enumerate(results):   # each rank's own check passed; the ranks' choices differ
-        kind, msg = r["installed_differs"]
-        assert kind == "ConfigError" and msg.startswith(f"[rank {rank}] ranks would use different MoonEP APIs"), msg
-        assert "0: 'pull (MOONEP_EP_MOONEP_API=auto, installed pull)'" in msg
-        assert "1: 'push (MOONEP_EP_MOONEP_API=auto, installed push)'" in msg

@@ -3,7 +3,7 @@ can be given: vLLM 0.33.0's tuned bf16 MoE files, vLLM's defaults and the kernel
 
 The GPU experts hand the kernel what ``try_get_optimal_moe_config`` returns for dtype None: vLLM's tuned
 ``E=<local>,N=<I>,device_name=<gpu>.json`` entries for bf16 weights, written for vLLM's own kernel. The bound
-is restated here from its definition (docs/design/vllm.md, "The MXFP4 launch bound"), not read from the module:
+is restated here from its definition (docs/design/vllm_experts.md, "The MXFP4 launch bound"), not read from the module:
 per thread (``32 · warps`` threads) at most 32 values of the fp32 accumulator ``[BLOCK_M, BLOCK_N]`` (fp16: counted
 twice), 64 of the ``[BLOCK_K, BLOCK_N]`` dequantization tile and 32 of the ``[BLOCK_M, BLOCK_K]`` activation tile,
 scaled where a thread gets fewer than 255 registers (16 warps: 128) by what is left for tiles beside a reserve

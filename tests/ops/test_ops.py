@@ -27,6 +27,7 @@ from moonep_ep.ops.experts.grouped import (ENTRY_REL_TOL, TOKEN_REL_TOL, grouped
 from moonep_ep.ops.moonep.instrument import CollectiveRecorder
 from moonep_ep.ops.moonep.planner import entry_dst, nvs_rows
 from moonep_ep.launch import run_ranks
+from moonep_ep.ops.moonep.push import push_prefetch
 
 
 PROJ = ("gate", "up", "down")
@@ -90,7 +91,7 @@ def forward_cases(ctx: Any, H: int, I: int, E: int, K: int, gran: int, cases: li
     layers = 2
     store = build_store(ctx, H, I, E, layers, gran, seed)
     dense = [dense_weights(seed, layer, E, H, I) for layer in range(layers)]
-    views = {(layer, p): store.gen_a(layer, p) for layer in range(layers) for p in PROJ}
+    views = {(layer, p): store.pull_view(layer, p) for layer in range(layers) for p in PROJ}
     recorder = CollectiveRecorder(views.values(), rows_per_tensor=E)
     results = []
     buffers: dict[int, ReferenceBuffer] = {}
@@ -257,7 +258,7 @@ def prefetch_from_owner(ctx: Any, store: ShardedExpertStore, views: dict, E: int
 
 
 def push_matches_pull(ctx: Any, store: ShardedExpertStore, views: dict, E: int, H: int, K: int, seed: int) -> dict:
-    """Gen B push into every rank's [R, epn] pool leaves the same slots (and FFN output) as the Gen A pull."""
+    """The push into every rank's [R, epn] pool leaves the same slots (and FFN output) as the pull, for one plan."""
     layer = 1
     buf = ReferenceBuffer(64, H, K, E, ctx.world_size, explicitly_destroy=True)
     hidden_nvsh, w_nvs, cu, plan = _skewed_plan(buf, ctx, E, K, H, 64, seed + 1)
@@ -273,7 +274,7 @@ def push_matches_pull(ctx: Any, store: ShardedExpertStore, views: dict, E: int, 
     for p in PROJ:
         views[(layer, p)][E:].fill_(SENTINEL)
     store.finish_loading()
-    buf.prefetch_weight(plan, local_gate_weight=store.owner_view(layer, "gate"),
+    push_prefetch(buf, plan, local_gate_weight=store.owner_view(layer, "gate"),
                         local_up_weight=store.owner_view(layer, "up"), local_down_weight=store.owner_view(layer, "down"),
                         gate_prefetch_buffer=store.push_pool(layer, "gate"),
                         up_prefetch_buffer=store.push_pool(layer, "up"),
@@ -283,7 +284,7 @@ def push_matches_pull(ctx: Any, store: ShardedExpertStore, views: dict, E: int, 
     stats = buf.last_prefetch
     buf.destroy()
     return {"slots": plan.slot_sources, "pushed_equal": pushed_equal, "ffn_equal": torch.equal(y_pull, y_push),
-            "push_copies": stats.copies, "generation": stats.generation}
+            "push_copies": stats.copies, "generation": stats.api}
 
 
 def worked_example(ctx: Any) -> dict:
@@ -436,7 +437,7 @@ CASES = [(skew, t) for skew in SKEWS for t in TOKENS]
 
 
 # H=256, I=128: rows of 64 KiB = one page of the 64 KiB test granularity, so every
-# owner's rows sit in the owner's own pages (and Gen B views are aligned).
+# owner's rows sit in the owner's own pages (and push views are aligned).
 H, I, E, K, GRAN = 256, 128, 16, 4, 64 << 10
 
 
@@ -526,11 +527,11 @@ def test_prefetch_reads_straight_from_owner_memory(forward):
     assert any(out["owner_read"]["slots"] for out in results)
 
 
-def test_gen_b_push_equals_gen_a_pull(forward):
+def test_push_equals_pull(forward):
     R, results = forward
     for rank, out in enumerate(results):
         p = out["push"]
-        assert p["generation"] == "B" and p["pushed_equal"] and p["ffn_equal"], (R, rank, p)
+        assert p["generation"] == "push" and p["pushed_equal"] and p["ffn_equal"], (R, rank, p)
     # Every slot some rank uses is pushed by exactly one owner.
     assert sum(out["push"]["push_copies"] for out in results) == 3 * sum(len(out["push"]["slots"]) for out in results)
     assert any(out["push"]["slots"] for out in results)
@@ -541,7 +542,7 @@ def test_worked_example_through_the_buffer():
     assert r0["NvS"] == r1["NvS"] == 20
     assert r0["dst"] == [0, -5, 1, -6, 28, -21, 6, 29]          # moonep.md §4.10, after dedup
     assert r1["dst"] == [30, 7, 8, 31, 32, -25, 33, 9]
-    assert r0["cu"] == [4, 12, 12, 12, 12, 12] and r1["cu"] == [0, 0, 4, 8, 16, 16]  # Gen A, B=2
+    assert r0["cu"] == [4, 12, 12, 12, 12, 12] and r1["cu"] == [0, 0, 4, 8, 16, 16]  # pull, B=2
     assert r0["zero_fill"] == [[2, 2], [10, 2], [0, 0], [0, 0], [0, 0], [0, 0]]
     assert r1["zero_fill"] == [[0, 0], [0, 0], [1, 3], [5, 3], [14, 2], [0, 0]]
     assert r0["etc"] == r1["etc"] == [[-1, -1], [0, -1]]

@@ -1,4 +1,4 @@
-"""Tests of the MoonEP Gen A dispatch planner (docs/design/moonep.md §4).
+"""Tests of the MoonEP pull dispatch planner (docs/design/moonep.md §4).
 
 1. The worked example of moonep.md §4.10, every field it gives.
 2. Hand-checked corner cases (slot tie-breaking with B < #remote, a donor
@@ -57,7 +57,7 @@ def test_worked_example_globals(example_plan: DispatchPlan) -> None:
     assert p.remote_stats.tolist() == [[0, 1], [1, 0]]
 
 
-def test_worked_example_gen_a_layout(example_plan: DispatchPlan) -> None:
+def test_worked_example_pull_layout(example_plan: DispatchPlan) -> None:
     p = example_plan
     assert p.cu_seqlens.tolist() == [[4, 12, 12, 12, 12, 12], [0, 0, 4, 8, 16, 16]]
     assert [[tuple(x) for x in row] for row in p.zero_fill_ranges.tolist()] == [
@@ -66,9 +66,9 @@ def test_worked_example_gen_a_layout(example_plan: DispatchPlan) -> None:
     ]
 
 
-def test_worked_example_gen_b_segments(example_plan: DispatchPlan) -> None:
-    # The planner is Gen A; Gen B differs only in group order (local experts,
-    # then slots by ascending id). Re-deriving the Gen B numbers from alloc
+def test_worked_example_push_segments(example_plan: DispatchPlan) -> None:
+    # The planner is pull; push differs only in group order (local experts,
+    # then slots by ascending id). Re-deriving the push numbers from alloc
     # checks the same counts and padding.
     p, tp = example_plan, example_plan.token_padding
     cu_b, zf_b = [], []
@@ -116,7 +116,7 @@ def test_worked_example_routes(example_plan: DispatchPlan) -> None:
 # 2. hand-checked corner cases
 
 
-def test_gen_a_slot_ties_and_unslotted_remote() -> None:
+def test_pull_slot_ties_and_unslotted_remote() -> None:
     # Group 0 (experts 0..3) holds all 16 entries; rank 1 takes 8 of them:
     # 4 of expert 0 and 4 of expert 1 (fullest expert first, ties -> smaller j).
     T = [[2, 2, 2, 2, 0, 0, 0, 0]] * 2
@@ -190,7 +190,7 @@ def test_no_migration_when_home_fits() -> None:
 
 
 def expected_slots(alloc: list[list[int]], d: int, epn: int, B: int) -> tuple[list[int], list[int]]:
-    """Remote experts of destination d, and the Gen A slot choice (§4.5)."""
+    """Remote experts of destination d, and the pull slot choice (§4.5)."""
     remote = [e for e in range(len(alloc)) if alloc[e][d] > 0 and e // epn != d]
     return remote, sorted(remote, key=lambda e: (alloc[e][d], e), reverse=True)[:B]
 
@@ -246,7 +246,7 @@ def check_plan(p: DispatchPlan, T: np.ndarray, total_given: int | None) -> None:
         assert len(remote_groups) <= 1  # at most one remote home group
         assert sum(A[e][d] > 0 for e in range(E)) <= 2 * epn  # <= 2*epn segments
 
-        # experts_to_copy: Gen A slot order, valid prefix, <= B
+        # experts_to_copy: pull slot order, valid prefix, <= B
         remote, slots = expected_slots(A, d, epn, B)
         assert etc[d] == slots + [-1] * (B - len(slots))
         assert len(slots) <= min(B, epn)
@@ -256,29 +256,40 @@ def check_plan(p: DispatchPlan, T: np.ndarray, total_given: int | None) -> None:
         for e in slots:
             stats1[e // epn] += 1
 
-        # cu_seqlens / zero_fill / expert_off: Gen A group order
+        # cu_seqlens / zero_fill / expert_off: pull group order
         group_expert = [(-1 if g in slots else g) for g in range(E)] + etc[d]
-        cu, zf = cu_all[d], zf_all[d]
-        start = real_rows = 0
-        placed = set()
-        for g, e in enumerate(group_expert):
-            cnt = A[e][d] if e >= 0 else 0
-            seg = cu[g] - start
-            assert seg >= 0 and seg % tp == 0  # non-decreasing, padded to tp
-            assert seg == -(-cnt // tp) * tp
-            assert zf[g] == ([start + cnt, seg - cnt] if seg > cnt else [0, 0])
-            if cnt > 0:
-                assert off_all[d][e] == start
-                placed.add(e)
-            real_rows += cnt
-            start = cu[g]
-        assert real_rows == cap[d]
-        assert cu[-1] <= nvs_s <= NvS
-        # experts absent from d have no offset
-        assert all(off_all[d][e] == -1 for e in range(E) if e not in placed)
+        assert check_group_layout(A, d, group_expert, tp, cu_all[d], zf_all[d], off_all[d]) == cap[d]
+        assert cu_all[d][-1] <= nvs_s <= NvS
     assert [row[1] for row in stats] == stats1
+    check_routes(p, T)
 
-    # route tables: every (source, expert) entry assigned once, rows contiguous
+
+def check_group_layout(A: list[list[int]], d: int, group_expert: list[int], tp: int, cu: list[int],
+                       zf: list[list[int]], off: list[int]) -> int:
+    """Destination d's groups back to back, each expert's ``A[e][d]`` rows padded to tp, in the order
+    ``group_expert`` names (-1 = empty); returns the real rows laid out."""
+    start = real_rows = 0
+    placed = set()
+    for g, e in enumerate(group_expert):
+        cnt = A[e][d] if e >= 0 else 0
+        seg = cu[g] - start
+        assert seg >= 0 and seg % tp == 0  # non-decreasing, padded to tp
+        assert seg == -(-cnt // tp) * tp
+        assert zf[g] == ([start + cnt, seg - cnt] if seg > cnt else [0, 0])
+        if cnt > 0:
+            assert off[e] == start
+            placed.add(e)
+        real_rows += cnt
+        start = cu[g]
+    # experts absent from d have no offset
+    assert all(off[e] == -1 for e in range(len(A)) if e not in placed)
+    return real_rows
+
+
+def check_routes(p: DispatchPlan, T: torch.Tensor) -> None:
+    """Route tables: every (source, expert) entry assigned once, rows contiguous from expert_off."""
+    alloc = p.alloc.to(torch.int64)
+    R = p.R
     rc = p.route_count.to(torch.int64)
     rr = p.route_row.to(torch.int64)
     assert bool((rc >= 0).all())

@@ -1,10 +1,10 @@
 """The push generation on CPU (issue 38): :class:`PushReferenceBuffer` has the contract of MoonEP's release 26/09.
 
-One spawn of 2 real gloo ranks over one sharded store (host driver; Gen A and Gen B views of one physical
+One spawn of 2 real gloo ranks over one sharded store (host driver; pull and push views of one physical
 layout): dispatch → push prefetch into the ``push_pool`` views → grouped FFN over the ``[2·epn]``
 ``push_view`` views → combine, for a routing skewed onto rank 0's experts, so rank 1 computes some of
 them in its slots. The same tokens then go through the pull reference buffer (``[E+B]`` groups, pull
-prefetch over the Gen A views) and must give the same output bit for bit (why: see ``_check_run``). Then
+prefetch over the pull views) and must give the same output bit for bit (why: see ``_check_run``). Then
 the refusals, each made on rank 1 only so that every rank must raise. The planner of the push generation
 is checked against a small example computed by hand (no ranks).
 """
@@ -29,7 +29,7 @@ from moonep_ep.ops.moonep.planner import entry_dst, plan_dispatch
 from moonep_ep.ops.moonep.planner_push import plan_push_dispatch
 
 PROJ = ("gate", "up", "down")
-# H=256, I=128 bf16: 64 KiB rows = one page of the 64 KiB host granularity, so the Gen B views are aligned.
+# H=256, I=128 bf16: 64 KiB rows = one page of the 64 KiB host granularity, so the push views are aligned.
 H, I, E, R, K, S, TP, GRAN = 256, 128, 8, 2, 2, 32, 16, 64 << 10
 EPN = E // R
 SENTINEL = -7.0  # bf16-exact; no expert row holds it (N(0, 1/in) weights)
@@ -116,7 +116,7 @@ def push_and_pull(ctx: Any) -> dict:
             store.slots(0, p).fill_(SENTINEL)
         store.finish_loading()  # no push lands in a pool before its owner poisoned it
 
-    # -- push generation: [2*epn] groups over the Gen B views --
+    # -- push generation: [2*epn] groups over the push views --
     push = PushReferenceBuffer(S, H, K, E, R, token_padding=TP, explicitly_destroy=True)
     poison_slots()
     hidden, w_nvs, cu, plan = push.dispatch(x, w, ids, tpe)
@@ -138,7 +138,7 @@ def push_and_pull(ctx: Any) -> dict:
                                        for b, e in enumerate(slots) if e < 0 for p in PROJ)
     res["own_half_is_own_experts"] = all(torch.equal(compute[p][g], dense[p][rank * EPN + g])
                                          for g in range(EPN) for p in PROJ)
-    res["push_copies"], res["generation"] = push.last_prefetch.copies, push.last_prefetch.generation
+    res["push_copies"], res["generation"] = push.last_prefetch.copies, push.last_prefetch.api
     # Where every entry of every source rank landed here (rebuilt from the source's ids), against cu_seqlens.
     landed, bad_rows = [], 0
     for src in range(R):
@@ -158,11 +158,11 @@ def push_and_pull(ctx: Any) -> dict:
     res["zero_copy_same"] = (hidden_zc.data_ptr() == push.hidden_nvsh_buffer_view.data_ptr() and ev_d.query()
                              and ev_c.query() and torch.equal(y_zc, y_push))
     push.destroy()
-    # -- pull generation: [E+B] groups over the Gen A views, the same tokens --
+    # -- pull generation: [E+B] groups over the pull views, the same tokens --
     pull = ReferenceBuffer(S, H, K, E, R, token_padding=TP, explicitly_destroy=True)
     poison_slots()
     hidden_a, w_a, cu_a, plan_a = pull.dispatch(x, w, ids, tpe)
-    full = {p: store.gen_a(0, p) for p in PROJ}
+    full = {p: store.pull_view(0, p) for p in PROJ}
     pull.prefetch_weight(plan_a, full_gate_weight=full["gate"], full_up_weight=full["up"],
                          full_down_weight=full["down"])
     y_pull, _, _ = pull.combine(plan_a, grouped_ffn(hidden_a, full["gate"], full["up"], full["down"], cu_a, w_a))
@@ -199,7 +199,7 @@ def test_push_generation_computes_the_dense_moe_and_the_pull_generation_bit_for_
     for rank, r in enumerate(runs):
         assert r["shapes"] == ((NVS_PUSH, H), (NVS_PUSH,), (2 * EPN,), True, NVS_PUSH, False), rank
         assert r["pull_shapes"] == ((NVS_PULL, H), (E + EPN,)), rank
-        assert r["generation"] == "B" and r["event_done"] and r["combine_extras_none"], rank
+        assert r["generation"] == "push" and r["event_done"] and r["combine_extras_none"], rank
         assert r["slots_hold_experts"] and r["unused_slots_poisoned"] and r["own_half_is_own_experts"], rank
         assert r["bad_rows"] == 0 and r["groups_match_landed_rows"], rank
         assert r["zero_copy_same"], rank
@@ -230,7 +230,7 @@ def test_the_probe_calls_the_push_reference_buffer_push():
     assert choose_moonep_api(PushReferenceBuffer, "auto").api == "push"
     with pytest.raises(ConfigError, match="contradicts"):
         choose_moonep_api(PushReferenceBuffer, "pull")
-    assert probe_moonep_api(ReferenceBuffer).api == "either"  # control: the pull buffer, with B, plays both
+    assert probe_moonep_api(ReferenceBuffer).api == "pull"  # control: the pull buffer speaks pull only
     # The reference class a run of each API gets.
     assert reference_buffer_class("push") is PushReferenceBuffer and reference_buffer_class("pull") is ReferenceBuffer
 

@@ -1,18 +1,18 @@
 """Quantized experts on the CUDA path: the store's weight and scale rows in CUDA VMM memory, a slot fill through
-the mapped rows, and the quantized expert FFN (``ops.quantized_experts``) on the device's views.
+the mapped rows, and the quantized expert FFN (``ops.experts.quantized``) on the device's views.
 
 Over the CUDA driver emulator on 2 ranks in CI (``cuda_emulated``), and on a real GPU (2 ranks on one GPU,
-``cuda``; part 1 of ``scripts/gpu_check.sh`` runs it with the other ``cuda`` tests). The lent GPU machine has
-torch and cuda-bindings only, so the reference is built here from the codes themselves: each format's values
-are drawn as codes (INT4 ``q - 8``, E2M1 codes, e4m3 values) and scales, the dense reference is
-``value · scale`` in fp32 (the formats' definitions: compressed-tensors' symmetric INT4, the OCP MX spec's
+``cuda``; part 1 of ``scripts/gpu_check.sh`` runs it with the other ``cuda`` tests). A GPU machine that runs
+scripts/gpu_check.sh needs torch and cuda-bindings only, so the reference is built here from the codes
+themselves: each format's values are drawn as codes (INT4 ``q - 8``, E2M1 codes, e4m3 values) and scales,
+the dense reference is ``value · scale`` in fp32 (the formats' definitions: compressed-tensors' symmetric INT4, the OCP MX spec's
 E2M1 × 2^(E8M0 - 127), DeepSeek-V3's ``weight · weight_scale_inv`` per 128×128 block), and the codes are
 packed here in the documented bit order. The CPU tier checks the same dequantization against
 compressed-tensors' own decompressor (``tests/vllm/test_quantized_controls.py``).
 
 Negative control: a slot filled with its weight and another expert's (stale) scale must miss the reference.
-vLLM's own quantized GPU kernels (Marlin, DeepGEMM; docs/design/vllm.md) need vLLM, which the lent machine
-lacks; they are not run here.
+vLLM's own quantized GPU kernels (Marlin, DeepGEMM; docs/design/vllm_quantized.md) need vLLM, which
+scripts/gpu_check.sh does not need; they are not run here.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def quantized_ffn_over_the_cuda_driver(ctx: Any, fmt: str) -> dict[str, Any]:
 
             store.load(loader)  # own experts only; every rank reads the others' through its mappings
             layer = 1
-            views = {p.name: store.gen_a(layer, p.name) for p in projs}
+            views = {p.name: store.pull_view(layer, p.name) for p in projs}
             out["device"] = str(views[projs[0].name].device)
             remote = [((rank + 1) % world) * epn + j for j in range(epn)]  # the next owner's experts
             tally: dict[str, int] = {}

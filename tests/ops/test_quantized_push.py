@@ -1,9 +1,9 @@
-"""Quantized pushes (issue 38): the push path (Gen B) leaves the same slot bytes as the pull path (Gen A).
+"""Quantized pushes (issue 38): the push path leaves the same slot bytes as the pull path.
 
 One fixed plan on 2 real gloo ranks: every token of both ranks is routed to experts 0..7 (rank 0's), so
 the planner hands some of them to rank 1's slots. One sharded store per run holds a BF16 set and an
 MXFP4-like set (uint8 weight ``[N, K/2]`` plus E8M0 scales padded per expert to 16 KiB, the push layout);
-its Gen A ``[E+B]`` views and Gen B views (``push_pool``, ``push_view``) are one physical layout.
+its pull ``[E+B]`` views and push views (``push_pool``, ``push_view``) are one physical layout.
 The slots are poisoned, filled by a pull through the reference buffer, poisoned again, filled by a push
 (weights and scales in the same call), and every slot row's bytes are compared, weights and scales, over
 the host driver and over the CUDA driver emulator. Controls: the poison is gone from every used slot
@@ -33,9 +33,10 @@ from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
 from tests.layout.test_push_layout import expected_push_bytes
 from tests.support.cli import moonep_ep_json
 from tests.support.memory import run_emulated_ranks
+from moonep_ep.ops.moonep.push import push_prefetch
 
 # 2 ranks, E = 256 (epn = 128): every tensor's run of epn rows fills whole 2 MiB pages (the emulator's
-# page; Gen B compute views need it), the 16 KiB scale rows included (128 x 16 KiB = 2 MiB).
+# page; push compute views need it), the 16 KiB scale rows included (128 x 16 KiB = 2 MiB).
 E, WORLD, EPN, TOKEN_H, K, S = 256, 2, 128, 128, 2, 16
 POISON = 0xA5
 PROJ = ("gate", "up", "down")
@@ -84,7 +85,7 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
         table = plan.global_plan.experts_to_copy.tolist()
         out["table"] = table
         row = table[rank]
-        gen_a = {p.name: store.gen_a(0, p.name) for p in SPECS}
+        pull_views = {p.name: store.pull_view(0, p.name) for p in SPECS}
 
         def poison() -> None:
             for p in SPECS:
@@ -95,9 +96,9 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
             return {p.name: _bytes(store.slots(0, p.name)) for p in SPECS}
 
         def full_kw(names: tuple, scales: bool) -> dict:
-            kw = {f"full_{p}_weight": gen_a[n] for p, n in zip(PROJ, names)}
+            kw = {f"full_{p}_weight": pull_views[n] for p, n in zip(PROJ, names)}
             if scales:
-                kw.update({f"full_{p}_scale": gen_a[f"{n}_scale"] for p, n in zip(PROJ, names)})
+                kw.update({f"full_{p}_scale": pull_views[f"{n}_scale"] for p, n in zip(PROJ, names)})
             return kw
 
         def push_kw(names: tuple, scales: bool) -> dict:
@@ -109,20 +110,20 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
             return kw
 
         bf16_names, q_names = PROJ, tuple(f"q{p}" for p in PROJ)
-        # -- pull (Gen A, [E+B] views, scales with the weights) --
+        # -- pull ([E+B] views, scales with the weights) --
         poison()
         buf.prefetch_weight(plan, **full_kw(bf16_names, False))
         buf.prefetch_weight(plan, **full_kw(q_names, True))
         pulled = snapshot()
-        out["pull_generation"] = buf.last_prefetch.generation
-        # -- push (Gen B, local + pools, scales in the same call) --
+        out["pull_generation"] = buf.last_prefetch.api
+        # -- push (local + pools, scales in the same call), the pull plan's slots --
         store.finish_loading()  # every rank has read its pulled slots before peers push into them
         poison()
-        buf.prefetch_weight(plan, **push_kw(bf16_names, False))
-        buf.prefetch_weight(plan, **push_kw(q_names, True))
+        push_prefetch(buf, plan, **push_kw(bf16_names, False))
+        push_prefetch(buf, plan, **push_kw(q_names, True))
         pushed = snapshot()
         stats = buf.last_prefetch
-        out["push_generation"], out["push_by_tensor"] = stats.generation, dict(stats.bytes_by_tensor)
+        out["push_generation"], out["push_by_tensor"] = stats.api, dict(stats.bytes_by_tensor)
         used = [(b, e) for b, e in enumerate(row) if e >= 0]
         unused = [b for b, e in enumerate(row) if e < 0]
         out["used"] = used
@@ -134,7 +135,7 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
                                  for n in pulled for b, _ in used)
         out["unused_still_poison"] = all(torch.equal(snap[n][b], poison_row[n]) for snap in (pulled, pushed)
                                          for n in pulled for b in unused)
-        # One physical layout: the Gen B compute view's slot half shows the same bytes.
+        # One physical layout: the push compute view's slot half shows the same bytes.
         out["compute_view_same"] = all(torch.equal(_bytes(store.push_view(0, n)[EPN:]), pushed[n]) for n in pushed)
         # The kernels' reading of a padded scale row: the 2 KiB of E8M0 data, [256, 8], no copy.
         real = ProjectionSpec("qgate_scale", MXFP4_REAL_SCALE, torch.uint8, role="scale")
@@ -145,7 +146,7 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
         # -- negative control 1: weights pushed without their scales leave every used scale slot stale --
         store.finish_loading()
         poison()
-        buf.prefetch_weight(plan, **push_kw(q_names, False))
+        push_prefetch(buf, plan, **push_kw(q_names, False))
         stale = snapshot()
         out["stale_scale_slots"] = sum(not torch.equal(stale[f"{n}_scale"][b], pulled[f"{n}_scale"][b])
                                        for n in q_names for b, _ in used)
@@ -153,12 +154,12 @@ def push_vs_pull(ctx: Any, driver_kind: str) -> dict[str, Any]:
         # -- negative control 2: a wrong plan row (each used slot names the next expert) --
         store.finish_loading()
         wrong = [(e + 1) % E if e >= 0 else -1 for e in row]
-        wait_for_slots(pull_slots(gen_a, wrong, E)[2])
+        wait_for_slots(pull_slots(pull_views, wrong, E)[2])
         wrong_snap = snapshot()
         out["wrong_plan_differs"] = sum(not torch.equal(wrong_snap[n][b], pushed[n][b]) for n in pushed for b, _ in used)
         store.finish_loading()
         out["errors"] = _bad_inputs(buf, plan, store, rank)
-        del view, gen_a
+        del view, pull_views
     finally:
         buf.destroy()
         store.close()
@@ -188,7 +189,7 @@ def _bad_inputs(buf: ReferenceBuffer, plan: Any, store: ShardedExpertStore, rank
     out = {}
     for name, kw in cases.items():
         try:
-            buf.prefetch_weight(plan, **(kw if rank == 1 else {**good, **scales}))
+            push_prefetch(buf, plan, **(kw if rank == 1 else {**good, **scales}))
             out[name] = "no error"
         except CollectiveError as exc:
             out[name] = str(exc)
@@ -204,7 +205,7 @@ def _check(results: list[dict[str, Any]]) -> None:
     assert all(0 <= e < 8 for _, e in results[1]["used"])
     pushed_by_owner0 = sum(1 for row in table for e in row if 0 <= e < EPN)
     for rank, res in enumerate(results):
-        assert (res["pull_generation"], res["push_generation"]) == ("A", "B")
+        assert (res["pull_generation"], res["push_generation"]) == ("pull", "push")
         assert res["same_bytes"] == {p.name: True for p in SPECS}, (rank, res["same_bytes"])
         assert res["owner_bytes_pulled"] and res["poison_gone"] and res["unused_still_poison"], rank
         assert res["compute_view_same"], rank

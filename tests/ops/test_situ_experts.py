@@ -1,8 +1,8 @@
 """Every CPU expert path computes the layer's activation: SiTU (Kimi K3) against a dense fp32 reference.
 
-Paths: ``ops.experts.grouped_ffn`` (bf16), ``ops.quantized_experts.quantized_grouped_ffn`` (INT4 g32, FP8 block,
-MXFP4), ``vllm.overlap.apply`` (own experts first, then slots; and its E-rows case vLLM's SiLU-only code cannot
-serve). The reference (``tests/support/situ_experts.py``) is written from vLLM 0.33.0's
+Paths: ``ops.experts.grouped.grouped_ffn`` (bf16), ``ops.experts.quantized.quantized_grouped_ffn`` (INT4 g32,
+FP8 block, MXFP4), ``vllm.experts.overlap.apply`` (own experts first, then slots; and its E-rows case vLLM's
+SiLU-only code cannot serve). The reference (``tests/support/situ_experts.py``) is written from vLLM 0.33.0's
 ``SituAndMul.forward_native`` formula, beta 4 and linear_beta 25 (K3's), on dense weights computed from each
 format's definition, and never calls ``ops/experts/activation.py``. Inputs put a stated share of gate entries past ±4 and
 of up entries past ±25; each path must match within :data:`BOUND`, and two controls must miss it: SiLU in place

@@ -142,11 +142,12 @@ def buffer_consumers_rank(ctx: Any) -> dict[str, Any]:
     from moonep_ep.ops.moonep.pull import ReferenceBuffer
     from tests.ops.test_ops import PROJ, SENTINEL, _skewed_plan, build_store, expert_weight
     from tests.support.memory import GRAN
+    from moonep_ep.ops.moonep.push import push_prefetch
 
     Eb, H, I, K, seed = 8, 128, 128, 2, 3
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     store = build_store(ctx, H, I, Eb, 2, GRAN, seed)
-    views = {(layer, p): store.gen_a(layer, p) for layer in range(2) for p in PROJ}
+    views = {(layer, p): store.pull_view(layer, p) for layer in range(2) for p in PROJ}
     buf = ReferenceBuffer(64, H, K, Eb, ctx.world_size, explicitly_destroy=True)
     hidden_nvsh, w_nvs, cu, plan = _skewed_plan(buf, ctx, Eb, K, H, 64, seed)
     slots = plan.slot_sources
@@ -182,18 +183,18 @@ def buffer_consumers_rank(ctx: Any) -> dict[str, Any]:
     out["async_before_wait"] = {"stale": stale(0), "query": event.query(), "seconds": buf.last_prefetch.seconds}
     wait_for_slots(event)
     out["async_after_wait"] = {"filled": filled(0), "query": event.query()}
-    # Gen B: every owner's pushes land before the barrier, so this rank's slots (pushed by rank 0) are final.
+    # The push: every owner's pushes land before the barrier, so this rank's slots (pushed by rank 0) are final.
     push = dict(local_gate_weight=store.owner_view(1, "gate"), local_up_weight=store.owner_view(1, "up"),
                 local_down_weight=store.owner_view(1, "down"), gate_prefetch_buffer=store.push_pool(1, "gate"),
                 up_prefetch_buffer=store.push_pool(1, "up"), down_prefetch_buffer=store.push_pool(1, "down"))
     sentinel(1)
-    buf.prefetch_weight(plan, **push)
+    push_prefetch(buf, plan, **push)
     out["push_filled"] = filled(1)
     sentinel(1)
     synchronize = PendingCopies.synchronize
     PendingCopies.synchronize = lambda self: None  # the control: pushes not landed before the barrier
     try:
-        buf.prefetch_weight(plan, **push)
+        push_prefetch(buf, plan, **push)
         out["push_without_synchronize_stale"] = stale(1)
     finally:
         PendingCopies.synchronize = synchronize
@@ -246,13 +247,15 @@ def test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events(
 
 #: callees that make or pass on an event; ``cuda.Event`` is ``torch.cuda.Event(...)``; ``.event =`` stores one
 PRODUCER_CALLS = {"DoneEvent", "PendingCopies", "_event", "_run_copies", "pull_slots", "push_slots",
-                  "prefetch_weight", "prefetch_quantized", "deliver", "take_event", "issue", "cuda.Event"}
+                  "prefetch_weight", "prefetch_quantized", "deliver_slot_fill", "take_slot_fill", "issue", "cuda.Event"}
 OPS_TEST = "tests/ops/test_slot_fill_waits.py"
 VLLM_TEST = "tests/vllm/test_slot_fill_waits.py"
 TIMING = "timing event: the host synchronizes the end event before reading elapsed_time"
 
 #: ``(file, function, call)`` -> ``(who waits, (file, function) that waits and the call it waits with, checks)``.
-#: The waiter is checked in the syntax tree; every named check must exist.
+#: The waiter is checked in the syntax tree; every named check must exist. The library only: the GPU checks
+#: beside it (``checks/gpu/mxfp4.py``: a fill waited for, and the race that skips the wait on purpose) are
+#: tooling, as ``tests/support`` is.
 INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str, ...]]] = {
     ("ops/moonep/prefetch.py", "_run_copies", "cuda.Event"): (
         "CUDA copy stream's event (cudaEventRecord after the copies), returned by pull_slots/push_slots",
@@ -285,63 +288,59 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "the host synchronizes the pushes (weights and scales), then the barrier releases the readers",
         ("ops/moonep/push_step.py", "run_push", "synchronize"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/moonep/pull.py", "ReferenceBuffer._event", "cuda.Event"): (
-        "async_finish of dispatch/combine/Gen B: recorded on the current stream after the work; returned to the "
+    ("ops/moonep/base.py", "ReferenceBufferBase._event", "cuda.Event"): (
+        "async_finish of dispatch/combine/the push: recorded on the current stream after the work; returned to the "
         "Buffer API's caller (vLLM 0.33.0 never asks), who waits with wait_for_slots",
         ("ops/moonep/prefetch.py", "wait_for_slots", "wait_event"), (),),
-    ("ops/moonep/pull.py", "ReferenceBuffer._event", "DoneEvent"): (
-        "CPU dispatch/combine/Gen B: complete on return (gloo collectives, pushes synchronized)",
+    ("ops/moonep/base.py", "ReferenceBufferBase._event", "DoneEvent"): (
+        "CPU dispatch/combine/push: complete on return (gloo collectives, pushes synchronized)",
         ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/moonep/pull.py", "ReferenceBuffer.dispatch", "_event"): (
+    ("ops/moonep/base.py", "ReferenceBufferBase.dispatch", "_event"): (
         "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/moonep/pull.py", "ReferenceBuffer.combine", "_event"): (
+    ("ops/moonep/base.py", "ReferenceBufferBase.combine", "_event"): (
         "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "_event"): (
-        "Gen B with async_finish: complete (run_push synchronized the pushes before the barrier)",
+    ("ops/moonep/push.py", "PushReferenceBuffer.prefetch_weight", "_event"): (
+        "push with async_finish: complete (run_push synchronized the pushes before the barrier)",
         ("ops/moonep/push_step.py", "run_push", "synchronize"), ()),
-    ("ops/moonep/push.py", "PushReferenceBuffer.prefetch_weight", "prefetch_weight"): (
-        "the reference buffer's Gen B prefetch: run_push synchronizes the pushes before its barrier; async_finish "
-        "returns a complete event", ("ops/moonep/push_step.py", "run_push", "synchronize"),
-        ("tests/ops/test_push_buffer.py::"
-         "test_push_generation_computes_the_dense_moe_and_the_pull_generation_bit_for_bit",)),
-    ("vllm/prepare_finalize/push.py", "push_prepare_finalize_class.MoonEPPushPrepareAndFinalize.prepare", "prefetch_weight"): (
-        "the plugin's InstrumentedBuffer: overlap.prefetch hands the push's event to the experts' apply",
-        ("vllm/experts/overlap.py", "prefetch", "deliver"),
+    ("vllm/prepare_finalize/push.py", "PushPrefetch.prefetch_weight", "prefetch_weight"): (
+        "the plugin's SlotFillBuffer: overlap.prefetch hands the push's event to the experts' apply",
+        ("vllm/experts/overlap.py", "prefetch", "deliver_slot_fill"),
         ("tests/vllm/test_push_path.py::test_push_path_equals_pull_and_dense_with_remote_fills",)),
     ("vllm/experts/overlap.py", "prefetch", "prefetch_weight"): (
         "armed: the buffer's async event to deliver; else the buffer's blocking call (it waits)",
-        ("vllm/experts/overlap.py", "prefetch", "deliver"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
-    ("vllm/experts/overlap.py", "prefetch", "deliver"): (
-        "stored for the experts' apply", ("vllm/experts/overlap.py", "deliver", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "prefetch", "deliver_slot_fill"), (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
+    ("vllm/experts/overlap.py", "prefetch", "deliver_slot_fill"): (
+        "stored for the experts' apply", ("vllm/experts/overlap.py", "deliver_slot_fill", "wait_for_slots"),
         (f"{VLLM_TEST}::test_deliver_hands_the_event_to_the_caller_the_experts_or_the_current_stream",)),
-    ("vllm/experts/overlap.py", "deliver", "stores .event"): (
-        "taken by the experts' apply (overlap.apply, _QuantizedExperts.apply), which waits",
+    ("vllm/experts/overlap.py", "SlotFillHandoff.put", "stores .event"): (
+        "put by deliver_slot_fill in an armed step; taken by the experts' apply (overlap.apply, "
+        "_QuantizedExperts.apply, through take_slot_fill), which waits",
         ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",)),
-    ("vllm/experts/overlap.py", "take_event", "stores .event"): (
+    ("vllm/experts/overlap.py", "SlotFillHandoff.take", "stores .event"): (
         "clears the stored event as it hands it over", ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_deliver_hands_the_event_to_the_caller_the_experts_or_the_current_stream",)),
-    ("vllm/experts/overlap.py", "apply", "take_event"): (
+    ("vllm/experts/overlap.py", "apply", "take_slot_fill"): (
         "BF16 experts: own groups, wait_for_slots, then the slot groups",
         ("vllm/experts/overlap.py", "apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_overlap_apply_waits_before_the_slot_groups",
          f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it")),
     ("vllm/quantized/engine.py", "prefetch_quantized", "pull_slots"): (
         "weights' and scales' events returned together ('event')",
-        ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight", "deliver"),
+        ("vllm/manager.py", "SlotFillBuffer.prefetch_weight", "deliver_slot_fill"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
-    ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight", "prefetch_quantized"): (
-        "its events delivered to the quantized experts", ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight",
-                                                           "deliver"),
+    ("vllm/manager.py", "SlotFillBuffer.prefetch_weight", "prefetch_quantized"): (
+        "its events delivered to the quantized experts", ("vllm/manager.py", "SlotFillBuffer.prefetch_weight",
+                                                           "deliver_slot_fill"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
-    ("vllm/manager.py", "InstrumentedBuffer.prefetch_weight", "deliver"): (
+    ("vllm/manager.py", "SlotFillBuffer.prefetch_weight", "deliver_slot_fill"): (
         "the experts' apply, or the caller with async_finish, or the current stream now",
-        ("vllm/experts/overlap.py", "deliver", "wait_for_slots"),
+        ("vllm/experts/overlap.py", "deliver_slot_fill", "wait_for_slots"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
-    ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "take_event"): (
+    ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "take_slot_fill"): (
         "quantized experts (dequant and Triton): wait_for_slots before any slot row is read",
         ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "wait_for_slots"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
@@ -349,15 +348,6 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "blocking call: the buffer waits before returning", ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight",
                                                             "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("tools/bench/gpu_mxfp4.py", "check_experts", "pull_slots"): (
-        "the GPU check's slot fill, waited for before the experts", ("tools/bench/gpu_mxfp4.py", "check_experts",
-                                                                    "wait_for_slots"), ()),
-    ("tools/bench/gpu_mxfp4.py", "run_race", "pull_slots"): (
-        "the race, both ways: without the wait (reported) and with wait_for_slots (judged)",
-        ("tools/bench/gpu_mxfp4.py", "run_race", "wait_for_slots"), ()),
-    ("tools/bench/gpu_mxfp4.py", "run_race", "cuda.Event"): (
-        "holds the current stream busy; the trial synchronizes",
-        ("tools/bench/gpu_mxfp4.py", "run_race", "synchronize"), ()),
     ("tools/bench/decode.py", "measure_copy", "cuda.Event"): (TIMING, ("tools/bench/decode.py", "measure_copy",
                                                                         "synchronize"), ()),
     ("tools/bench/prefetch.py", "_time_copies", "cuda.Event"): (TIMING, ("tools/bench/prefetch.py", "_time_copies",

@@ -5,7 +5,7 @@ the host driver. Each builds one sharded store per format (``E`` experts, ``B``
 slots) and loads its own experts, quantized by the format's own tools
 (compressed-tensors' ``ModelCompressor`` for INT4 g32 and MXFP4; DeepSeek's
 FP8 block quantization). Rank 0 fills its slots through ops' pull — one from
-rank 1's pages, one from its own — and runs ``vllm.gpu_experts.gpu_grouped_ffn``
+rank 1's pages, one from its own — and runs ``vllm.experts.gpu.gpu_grouped_ffn``
 over its ``[E+B]`` views with MoonEP-grouped rows: groups padded to
 ``token_padding``, an empty expert group, both slots used, stale tail rows
 with NaN route weights. The oracle is fp32 math on the weights decompressed
@@ -269,7 +269,7 @@ def rank_main(ctx: Any, formats: list[str], dtypes: list[str], controls: bool) -
             store = ShardedExpertStore(num_layers=1, num_experts=E, projections=projs, num_slots=epn, driver=driver)
             try:
                 store.load(lambda layer, name, e: tensors[name][e])
-                views = {p.name: store.gen_a(LAYER, p.name) for p in projs}
+                views = {p.name: store.pull_view(LAYER, p.name) for p in projs}
                 if rank == 0:
                     res = _check_format(fmt, views, oracle, dtypes, controls)
                     res["owner_rows_equal_checkpoint"] = all(torch.equal(views[n][e], tensors[n][e])

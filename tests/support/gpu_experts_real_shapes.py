@@ -64,7 +64,7 @@ def check_format(fmt: str, dtypes: list[str], controls: bool) -> dict[str, Any]:
             for p in projs:  # only the last expert's pages are ever touched
                 store.owner_view(0, p.name)[last].copy_(tensors[p.name][0])
             store.finish_loading()
-            views = {p.name: store.gen_a(0, p.name) for p in projs}
+            views = {p.name: store.pull_view(0, p.name) for p in projs}
             res["view_bytes"] = {n: v.numel() * v.element_size() for n, v in views.items()}
             res["owner_row_offset"] = {n: v[last].data_ptr() - v.data_ptr() for n, v in views.items()}
             res["slot_row_offset"] = {n: v[E].data_ptr() - v.data_ptr() for n, v in views.items()}

@@ -1,4 +1,4 @@
-"""``gpu_check.sh`` part 7 (``moonep_ep.tools.bench.gpu_k3``) on CPU, under the Triton interpreter, at a tiny shape.
+"""``gpu_check.sh`` part 7 (``checks.gpu.k3``) on CPU, under the Triton interpreter, at a tiny shape.
 
 ``python -m tests.support.gpu_k3_interpreted --json`` (run in the vllm==0.33.0 environment: it has Triton;
 nothing here imports vLLM). The same functions the GPU part runs — the K3 layer through the project's MXFP4
@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     mended = mend_interpreter()
     import torch
 
-    from moonep_ep.tools.bench import gpu_k3
+    from checks.gpu import k3
     from moonep_ep.vllm.experts.gpu import INTERPRETER_CONFIG
 
-    dims = gpu_k3.K3Dims(**TINY)
+    dims = k3.K3Dims(**TINY)
     cpu = torch.device("cpu")
     t0 = time.perf_counter()
-    out = {"mended": mended, **gpu_k3.run_layer(dims, gpu_k3._views(dims, cpu), cpu, dict(INTERPRETER_CONFIG))}
+    out = {"mended": mended, **k3.run_layer(dims, k3._views(dims, cpu), cpu, dict(INTERPRETER_CONFIG))}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
     return 0

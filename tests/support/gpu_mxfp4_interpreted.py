@@ -1,4 +1,4 @@
-"""The checks of ``gpu_check.sh`` part 6 (``moonep_ep.tools.bench.gpu_mxfp4``) on CPU, under the Triton interpreter.
+"""The checks of ``gpu_check.sh`` part 6 (``checks.gpu.mxfp4``) on CPU, under the Triton interpreter.
 
 ``python -m tests.support.gpu_mxfp4_interpreted --json`` (run in the vllm==0.33.0 environment: it has Triton;
 nothing here imports vLLM, so ``CUDA_VISIBLE_DEVICES`` stays as it is and the CUDA driver emulator sees its
@@ -25,7 +25,7 @@ SHAPE = ("tiny", 256, 128, 16, 2)
 
 
 def _describe_a_stand_in() -> dict[str, Any]:
-    from moonep_ep.tools.bench.gpu_mxfp4 import describe_compiled
+    from checks.gpu.mxfp4 import describe_compiled
 
     meta = namedtuple("KernelMetadata", "num_warps num_stages shared name")(8, 3, 65536, "k")
     fn = SimpleNamespace(arg_names=["a_ptr", "M", "stride_bk", "BLOCK_M", "BLOCK_N", "compute_type"])
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     mended = mend_interpreter()  # the interpreter's bf16 dot and downcasts (its own bugs, not the kernel's)
     import torch
 
-    from moonep_ep.tools.bench import gpu_mxfp4 as g
+    from checks.gpu import mxfp4 as g
 
     shape = g.Shape(*SHAPE)
     cpu = torch.device("cpu")

@@ -26,7 +26,7 @@ TOKENS, RANKS, SEED = 32, 2, 37
 #: the experts' gate and up output scales on the unit-variance latent: SiTU's saturation is reached often
 GATE_STD, UP_STD = 4.0, 14.0
 #: the expert paths: ``format/cpu`` (ops' grouped FFN; the quantized ones dequantize the used rows) in the main
-#: environment, ``mxfp4/triton`` (``vllm.gpu_experts.gpu_grouped_ffn``, the project's MXFP4 Triton kernel) under
+#: environment, ``mxfp4/triton`` (``vllm.experts.gpu.gpu_grouped_ffn``, the project's MXFP4 Triton kernel) under
 #: the Triton interpreter in the vLLM environment
 CPU_KINDS = ("bf16/cpu", "int4-g32/cpu", "fp8-block/cpu", "mxfp4/cpu")
 TRITON_KINDS = ("mxfp4/triton",)
@@ -136,7 +136,7 @@ def block_rank(ctx: Any, kinds: tuple[str, ...] = CPU_KINDS) -> dict[str, Any]:
         store = ShardedExpertStore(num_layers=1, num_experts=E, projections=specs, num_slots=buf.B, driver=driver)
         try:
             store.load(lambda layer, name, e: stored[name][e])
-            views = {p.name: store.gen_a(0, p.name) for p in specs}
+            views = {p.name: store.pull_view(0, p.name) for p in specs}
             if fmt == "bf16":
                 buf.prefetch_weight(plan, full_gate_weight=views["gate"], full_up_weight=views["up"],
                                     full_down_weight=views["down"])

@@ -137,7 +137,7 @@ def _vllm_config(model_dir: str) -> Any:
 def config_checks() -> dict[str, Any]:
     from vllm.config import VllmConfig
 
-    from moonep_ep.vllm import plugin
+    from moonep_ep.vllm.checkpoint import patches as checkpoint_patches
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="moonep-ep-k3-") as root:
@@ -150,9 +150,9 @@ def config_checks() -> dict[str, Any]:
                     ctx.enter_context(_original(VllmConfig, "__post_init__"))
                     ctx.enter_context(_original(VllmConfig, "_set_compile_ranges"))
                 elif mode == "plugin_keeps_rewrite":   # control: the plugin without its undo of K3's rewrite
-                    keep = plugin._keep_k3_compressed_tensors
-                    plugin._keep_k3_compressed_tensors = lambda vllm_config: None
-                    ctx.callback(setattr, plugin, "_keep_k3_compressed_tensors", keep)
+                    keep = checkpoint_patches._keep_k3_compressed_tensors
+                    checkpoint_patches._keep_k3_compressed_tensors = lambda vllm_config: None
+                    ctx.callback(setattr, checkpoint_patches, "_keep_k3_compressed_tensors", keep)
                 with ctx:
                     try:
                         cfg = _vllm_config(d)

@@ -94,7 +94,8 @@ def _rows_equal(case: KernelCase, model: Any, seed: int) -> bool:
     return True
 
 
-def _error_of(fn: Any) -> str:
+def error_of(fn: Any) -> str:
+    """``"Type: message"`` of what ``fn()`` raised, or ``"no error"`` (the checks compare the text)."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the message is the result
@@ -170,26 +171,26 @@ def _load_rank(ctx: Any, case: KernelCase, work: str) -> dict[str, Any]:
                            is_checkpoint_format=True)
     out["pointers_unchanged_after_update"] = _pointers(model) == ptr_a
     out["rows_are_b"] = _rows_equal(case, model, SEED_B)
-    out["slots_poisoned_after_update"] = bool(torch.isnan(store.store.gen_a(0, "gate")[case.experts:]).all())
+    out["slots_poisoned_after_update"] = bool(torch.isnan(store.store.pull_view(0, "gate")[case.experts:]).all())
     out["forward_b"] = _forward(case, model, rank, SEED_B)
     out["update_memory"] = dict(STATS.data.get("update_memory") or {})
 
     # 5. wrong shapes: the iterator path and the disk pre-check.
-    out["wrong_shape_error"] = _error_of(lambda: inplace.reload_weights(
+    out["wrong_shape_error"] = error_of(lambda: inplace.reload_weights(
         reload_cfg, model, weights_iterator=checkpoint(case, SEED_B, intermediate=case.intermediate // 2),
         weights_path=None, is_checkpoint_format=True))
     out["rows_are_b_after_wrong_shape"] = _rows_equal(case, model, SEED_B)
     out["pointers_unchanged_after_wrong_shape"] = _pointers(model) == ptr_a
     out["forward_after_wrong_shape"] = _forward(case, model, rank, SEED_B)
-    out["precheck_error"] = _error_of(lambda: loading.precheck_reload(
+    out["precheck_error"] = error_of(lambda: loading.precheck_reload(
         model, _write_checkpoint(case, os.path.join(work, "wrong"), case.intermediate // 2)))
-    out["precheck_same_shape"] = _error_of(lambda: loading.precheck_reload(
+    out["precheck_same_shape"] = error_of(lambda: loading.precheck_reload(
         model, _write_checkpoint(case, os.path.join(work, "same"), None)))
     out["passes"] = list(store.settled)
 
     # 6. a first load that skips a layer's experts; a model built later gets its own store.
     late = build(case, rank, prefix="draft")
-    out["skipped_layer_error"] = _error_of(lambda: late.load_weights(checkpoint(case, SEED_A, rank=rank,
+    out["skipped_layer_error"] = error_of(lambda: late.load_weights(checkpoint(case, SEED_A, rank=rank,
                                                                                  skip_layer=case.layers - 1)))
     draft = build(case, rank, prefix="draft2")
     draft.load_weights(checkpoint(case, SEED_B, rank=rank))
@@ -201,7 +202,7 @@ def _load_rank(ctx: Any, case: KernelCase, work: str) -> dict[str, Any]:
     out["first_model_forward_after_late"] = _forward(case, model, rank, SEED_B)
 
     # 7. sleep mode with the sharded layout: refused at backend selection, on every rank.
-    out["sleep_mode_error"] = _error_of(lambda: _manager_with_sleep_mode(ep))
+    out["sleep_mode_error"] = error_of(lambda: _manager_with_sleep_mode(ep))
     ep.barrier()
     manager.destroy()
     out["stores_closed"] = all(s.closed for s in (store, draft.layers[0]._moonep_ep_binding[0]))

@@ -45,6 +45,7 @@ CASES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "max_tokens_differs": ({MAX_TOKENS: "2048"}, {MAX_TOKENS: "4096"}),
     "two_differ": ({"MOONEP_EP_PADDING": "vllm", "MOONEP_EP_MOONEP_API": "push"}, {}),
     "bad_value_on_rank_1": ({}, {"MOONEP_EP_PADDING": "sideways"}),
+    "bad_api_on_rank_1": ({}, {"MOONEP_EP_MOONEP_API": "gen_b"}),
 }
 VARIABLES = sorted({k for pair in CASES.values() for s in pair for k in s if k != MAX_TOKENS}
                    | {"MOONEP_EP_BUFFER", "MOONEP_EP_COST_LINK_GBPS", "MOONEP_EP_COST_HBM_GBPS",

@@ -49,7 +49,7 @@ from typing import Any, Optional
 from moonep_ep.memory.exchange import SOCKET_DIR_PREFIX
 from moonep_ep.testing.cuda_emulator.objects import MEM_PREFIX
 from tests.support.hosts import SimulatedHosts, alive
-from moonep_ep.tools.soak.shm import dev_shm_scan
+from checks.soak.shm import dev_shm_scan
 
 #: One GB200 NVL72 rack: 72 GPUs, 18 hosts of 4 (the hosts here are two of them), named for this run
 #: (its hosts are ``NAME-host0`` ... ``NAME-host17``, its memfds carry a tag of NAME).

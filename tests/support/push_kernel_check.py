@@ -6,7 +6,7 @@ Every rank (``VLLM_TARGET_DEVICE=cpu``, ``MOONEP_EP_CPU=1``) builds the same
 ``L`` vLLM ``RoutedExperts`` layers twice over the plugin's sharded store:
 once under the pull API (vLLM's ``MoonEPPrepareAndFinalize``, ``[E+B]``
 views, the pull ``ReferenceBuffer``) and once under ``MOONEP_EP_MOONEP_API=push``
-(a second all2all manager: ``push_path``'s prepare/finalize, the release's
+(a second all2all manager: ``prepare_finalize/push.py``'s prepare/finalize, the release's
 ``PushReferenceBuffer``, ``[2*epn]`` compute views, the collective push). Each
 layer runs vLLM's ``FusedMoEKernel`` on the same skewed routing through both;
 the outputs are compared with each other and with a dense fp32 MoE, every
@@ -125,7 +125,7 @@ def _push_rank(ctx: Any, case: KernelCase) -> dict[str, Any]:
             row[f"{api}_slots"] = [list(s) for s in buf.last_slots]
             if api == "push":
                 stats = buf._inner.last_prefetch
-                row["push_generation"] = getattr(stats, "generation", None)
+                row["push_generation"] = getattr(stats, "api", None)
                 row["push_bytes_by_tensor"] = dict(getattr(stats, "bytes_by_tensor", {}) or {})
                 row["push_capacity"] = int(buf._inner.S)
                 lay = layer._moonep_weight_layout

@@ -9,10 +9,10 @@ For each tiny quantized checkpoint (``tiny_quantized.py``), every rank:
    (``safe_open``, one tensor at a time; gate and up into the two halves of
    the fused ``w13`` row, weights and scales alike) — no other copy exists;
 3. after a barrier, fills its ``B`` slots with the other owner's experts by
-   a pull through the mapped rows (``ops.prefetch.pull_slots``), weights and
+   a pull through the mapped rows (``ops.moonep.prefetch.pull_slots``), weights and
    scales in separate calls so their bytes are counted apart at the copy;
 4. computes a grouped expert FFN over local experts and slots with the CPU
-   quantized path (``ops.quantized_experts``: dequantize only the used rows,
+   quantized path (``ops.experts.quantized``: dequantize only the used rows,
    then the grouped GEMM);
 5. checks every ``(row, expert)`` output against the dense reference on the
    **oracle's copy** (compressed-tensors' own decompressor / DeepSeek's FP8
@@ -103,7 +103,7 @@ def check_rank(ctx: Any, name: str, path: str, oracle_path: str) -> dict[str, An
         out["store_physical_bytes"] = store.physical_bytes()
         out["bytes_per_expert"] = projection_bytes(specs)
         idx = 0
-        views = {p.name: store.gen_a(idx, p.name) for p in specs}
+        views = {p.name: store.pull_view(idx, p.name) for p in specs}
         weights = {p.name: views[p.name] for p in specs if p.role == "weight"}
         scales = {p.name: views[p.name] for p in specs if p.role == "scale"}
         other = (rank + 1) % world

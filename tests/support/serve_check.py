@@ -50,7 +50,7 @@ from moonep_ep.memory.host import MEMFD_PREFIX
 from moonep_ep.vllm.observe.stats import read_stats
 from moonep_ep.tools.engine.harness import free_port
 from moonep_ep.launch import proc_stat, descendants
-from moonep_ep.tools.soak.shm import dev_shm_scan, orphaned_dev_shm, settled_orphans  # noqa: F401 (re-exported)
+from checks.soak.shm import dev_shm_scan, orphaned_dev_shm, settled_orphans  # noqa: F401 (re-exported)
 
 EXIT_BOUND_S = 30.0
 STOPS = {"ctrl-c": "SIGINT to the command's process group (what a terminal's Ctrl-C sends)",
@@ -80,7 +80,7 @@ MAX_TOKENS = 8
 
 def leak_scan() -> dict[str, Any]:
     """What any process on this machine holds of moonep_ep's host memory, and the shared-memory state
-    (:func:`moonep_ep.tools.soak.shm.dev_shm_scan`)."""
+    (:func:`checks.soak.shm.dev_shm_scan`)."""
     fds, mapping_pids = 0, set()
     for link in glob.glob("/proc/[0-9]*/fd/*"):
         try:

@@ -1,4 +1,4 @@
-"""Planted faults for ``moonep-ep soak``'s negative controls: a test build of the server's worker extension.
+"""Planted faults for the soak's negative controls (``checks/soak``): a test build of the server's worker extension.
 
 ``PlantedProbe`` is ``tools.engine.reload.MoonEPProbe`` plus two methods the
 soak calls once over ``/collective_rpc`` at 70 % of the run, after the
@@ -54,7 +54,7 @@ class PlantedProbe(MoonEPProbe):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moonep_ep.tools.soak.run import SoakConfig, run_soak
+    from checks.soak.run import SoakConfig, run_soak
 
     p = argparse.ArgumentParser(prog="python -m tests.support.soak_plants")
     p.add_argument("--plant", required=True, choices=("moonep_ep_plant_fd_leak", "moonep_ep_plant_weight_flip"))

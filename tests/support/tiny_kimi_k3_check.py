@@ -1,5 +1,5 @@
 """Run in the vLLM 0.33.0 environment (compressed-tensors, tokenizers, vLLM's ``KimiLinearConfig``): build both
-tiny K3 checkpoints into ``argv[1]`` and print one JSON object of what ``tests/tools/test_tiny_kimi_k3.py``
+tiny K3 checkpoints into ``argv[1]`` and print one JSON object of what ``tests/vllm/test_tiny_kimi_k3.py``
 asserts. No engine starts."""
 
 from __future__ import annotations

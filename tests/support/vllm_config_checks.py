@@ -12,7 +12,7 @@ cannot hang:
   itself, earlier (``ParallelConfig``).
 
 The plugin does not relax any of them (``E % EP size`` and the 128-multiples
-are checked by the plugin at load, ``sharded.py``).
+are checked by the plugin at load, ``vllm/store/sharded.py``).
 """
 
 from __future__ import annotations

@@ -118,9 +118,9 @@ def build(case: KernelCase, rank: int, prefix: str = "model") -> Any:
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
     from moonep_ep.vllm.store import loading
-    from moonep_ep.vllm import plugin
+    from moonep_ep.vllm.store.patches import sharded_manager
 
     model = model_class()(case, rank, prefix)
     record_metadata_for_reloading(model)
-    loading.bind_model(model, plugin._sharded_manager().new_model_store)
+    loading.bind_model(model, sharded_manager().new_model_store)
     return model

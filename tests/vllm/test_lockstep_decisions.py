@@ -29,8 +29,8 @@ HEAD = ("moonep_ep: the EP ranks disagree on settings that decide which collecti
 DISAGREE = {
     "padding_differs": "capacity padding: balanced on rank(s) [0], own on rank(s) [1]. "
                        "Fix: set the same MOONEP_EP_PADDING on every rank",
-    "api_differs": "MoonEP API: pull (MOONEP_EP_MOONEP_API=pull, installed either) on rank(s) [0], "
-                   "push (MOONEP_EP_MOONEP_API=push, installed either) on rank(s) [1]. "
+    "api_differs": "MoonEP API: pull (MOONEP_EP_MOONEP_API=pull, the reference buffer) on rank(s) [0], "
+                   "push (MOONEP_EP_MOONEP_API=push, the reference buffer) on rank(s) [1]. "
                    "Fix: set the same MOONEP_EP_MOONEP_API on every rank and install the same MoonEP library "
                    "on every node",
     "tflops_differs": "cost model's overrides: none on rank(s) [0], MOONEP_EP_COST_TFLOPS=500.0 on rank(s) [1]. "
@@ -46,8 +46,8 @@ DISAGREE = {
                       "Fix: set the same MOONEP_EP_LAYOUT on every rank",
     "max_tokens_differs": "buffer pool's largest capacity (max_num_batched_tokens): 2048 on rank(s) [0], "
                           "4096 on rank(s) [1]. Fix: start every engine with the same --max-num-batched-tokens",
-    "two_differ": "MoonEP API: push (MOONEP_EP_MOONEP_API=push, installed either) on rank(s) [0], "
-                  "pull (MOONEP_EP_MOONEP_API=auto, installed either) on rank(s) [1]; capacity padding: vllm on "
+    "two_differ": "MoonEP API: push (MOONEP_EP_MOONEP_API=push, the reference buffer) on rank(s) [0], "
+                  "pull (MOONEP_EP_MOONEP_API=auto, the reference buffer) on rank(s) [1]; capacity padding: vllm on "
                   "rank(s) [0], balanced on rank(s) [1]. Fix: set the same MOONEP_EP_MOONEP_API on every rank and "
                   "install the same MoonEP library on every node; set the same MOONEP_EP_PADDING on every rank",
 }
@@ -71,7 +71,7 @@ def two_ranks():
 
 
 def test_every_case_is_checked():
-    assert set(CASES) == set(DISAGREE) | set(AGREE) | {"bad_value_on_rank_1"}
+    assert set(CASES) == set(DISAGREE) | set(AGREE) | {"bad_value_on_rank_1", "bad_api_on_rank_1"}
 
 
 @pytest.mark.parametrize("case", sorted(DISAGREE))
@@ -99,6 +99,16 @@ def test_a_bad_value_on_one_rank_fails_every_rank_in_the_selection_step(two_rank
         assert message.startswith(f"[rank {rank}] collective step 'MoonEP backend selection (moonep_ep system "
                                   "check)' failed on rank(s) [1]"), message
         assert "MOONEP_EP_PADDING='sideways' is not valid: use balanced | own | vllm" in message
+
+
+def test_a_bad_moonep_api_on_one_rank_fails_every_rank_in_the_selection_step(two_ranks):
+    """The API is chosen inside the manager's lockstep step: one rank's bad value names that rank everywhere."""
+    for rank, result in enumerate(two_ranks):
+        kind, message = result["bad_api_on_rank_1"]
+        assert kind == "CollectiveError", message
+        assert message.startswith(f"[rank {rank}] collective step 'MoonEP backend selection (moonep_ep system "
+                                  "check)' failed on rank(s) [1]"), message
+        assert "MOONEP_EP_MOONEP_API='gen_b'" in message and "auto | pull | push" in message
 
 
 def test_the_prepare_step_uses_the_agreed_settings_not_a_ranks_own(two_ranks):

@@ -57,7 +57,7 @@ def test_w8a8_runs_are_judged_by_the_w8a8_rule_and_everything_else_by_the_rule()
     with pytest.raises(ValueError, match="'int8-per-token': no rule"):
         rule_for("int8-per-token")
     # W8A8 widens the distribution gates only; its tails are RULE's again now that routing near-ties are
-    # explained by measurement (docs/design/vllm.md, FP8 activations)
+    # explained by measurement (docs/design/vllm_observe.md, FP8 activations)
     assert (W8A8_RULE.p50_max, W8A8_RULE.p90_max, W8A8_RULE.divergence_gap, W8A8_RULE.abs_max) == \
         (0.06, 0.20, RULE.divergence_gap, RULE.abs_max) == (0.06, 0.20, 1.5, 2.0)
     assert W8A8_RULE.reference_dtype == RULE.reference_dtype

@@ -77,3 +77,19 @@ def test_no_slot_rows_and_unarmed_steps_block():
     output, expected = _run([16, 16, 0, 16, 0, 0], log)
     assert torch.equal(output[:48], expected[:48]) and not output[48:].any()
     assert log[1:] == ["own", "slots"]               # no pending event: nothing to wait for
+
+
+def test_the_slot_fill_handoff_is_taken_once_and_stays_on_its_thread():
+    """The hand-off from the prepare step's fill to the experts: armed per step, the event taken once, and a
+    thread's event never seen by another thread (each forward thread has its own)."""
+    import threading
+
+    handoff, event = overlap.SLOT_FILL_HANDOFF, object()
+    overlap.arm(types.SimpleNamespace(_fused_experts=type("Q", (), {overlap.WAITS_ATTR: True})()))
+    assert overlap.deliver_slot_fill(event, async_finish=False) is None and handoff.armed is False  # disarmed
+    seen_elsewhere = []
+    other = threading.Thread(target=lambda: seen_elsewhere.append((handoff.armed, overlap.take_slot_fill())))
+    other.start()
+    other.join()
+    assert seen_elsewhere == [(False, None)]
+    assert overlap.take_slot_fill() is event and overlap.take_slot_fill() is None

@@ -183,7 +183,7 @@ def test_moonep_api_override_is_refused_where_it_contradicts_the_installed_buffe
     monkeypatch.setenv("MOONEP_EP_MOONEP_API", "push")   # contradicts it: refused, naming what is installed
     with pytest.raises(ConfigError, match="MOONEP_EP_MOONEP_API=pull"):
         select_buffer("cuda")
-    # the reference buffer plays either generation: push serves vLLM with the release's contract
+    # on CPU the reference buffer of the API asked for serves: push gets the release's contract
     choice = select_buffer("cpu")
     assert (choice.kind, choice.cls.__name__, choice.api) == ("reference", "PushReferenceBuffer", "push")
     monkeypatch.setenv("MOONEP_EP_MOONEP_API", "auto")
@@ -265,7 +265,7 @@ def test_a_peer_lost_in_vllms_dp_batch_synchronization_is_named():
     try:
         group_mod._PEERS.clear()
         group_mod.register_peers(object(), [("host-a", "10.1.2.2"), ("host-b", "10.1.2.3")])
-        peer_naming.patch_dp_batch_sync(module, install=plugin._install, note={})
+        peer_naming.patch_dp_batch_sync(module, install=plugin._install, mark=plugin._mark, note={})
         assert module._run_ar is not failing
         module.message = gloo
         with pytest.raises(PeerLostError) as lost:
@@ -319,7 +319,7 @@ def test_a_peer_lost_in_the_engine_cores_dp_all_reduce_is_named_by_dp_rank_and_h
     def engine(message, backend="moonep", peer_published=True):
         module, cls = _fake_engine_core(message, backend)
         module.DPEngineCoreProc = cls
-        peer_naming.patch_engine_core(module, install=plugin._install, note={})
+        peer_naming.patch_engine_core(module, install=plugin._install, mark=plugin._mark, note={})
         assert hooks.is_wrapped(cls.run_busy_loop)
         core = cls()
         if peer_published:  # DP rank 1, on the other host, published its entry at its own busy-loop start
@@ -365,7 +365,7 @@ def test_a_peer_entry_that_cannot_be_published_logs_one_warning(caplog):
 
     module, cls = _fake_engine_core("RuntimeError: the loop's own error")
     module.DPEngineCoreProc = cls
-    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+    peer_naming.patch_engine_core(module, install=plugin._install, mark=plugin._mark, note={})
 
     class GoneStore:
         def set(self, key, value):
@@ -408,7 +408,7 @@ def engine_core_meets_a_killed_peer(ctx) -> dict:
 
     module = types.ModuleType("fake_engine_core")
     module.DPEngineCoreProc = DPEngineCoreProc
-    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+    peer_naming.patch_engine_core(module, install=plugin._install, mark=plugin._mark, note={})
     try:
         DPEngineCoreProc().run_busy_loop()
     except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
@@ -469,9 +469,9 @@ def _patched_once(patch, module, owner, attr, label):
 
     original = getattr(owner, attr)
     patched = len(plugin._state["patched"])
-    patch(module, install=plugin._install, note={})
+    patch(module, install=plugin._install, mark=plugin._mark, note={})
     wrapper = getattr(owner, attr)
-    patch(module, install=plugin._install, note={})
+    patch(module, install=plugin._install, mark=plugin._mark, note={})
     assert getattr(owner, attr) is wrapper and wrapper.__wrapped__ is original
     assert wrapper.__doc__ == original.__doc__ and original.__doc__
     assert plugin._state["patched"][patched:] == [label]
@@ -487,7 +487,8 @@ def test_the_dp_batch_sync_patch_passes_calls_through_names_the_ep_rank_and_inst
     from moonep_ep.vllm.observe import peer_naming
     from moonep_ep.vllm import plugin
 
-    peer_naming.patch_dp_batch_sync(types.ModuleType("no_run_ar"), install=plugin._install, note={})  # nothing
+    peer_naming.patch_dp_batch_sync(types.ModuleType("no_run_ar"), install=plugin._install, mark=plugin._mark,
+                                    note={})  # nothing
     module = types.ModuleType("fake_dp_utils")
     calls = []
 
@@ -543,10 +544,11 @@ def test_the_engine_core_patch_runs_the_loop_on_its_engine_logs_exactly_and_inst
     from moonep_ep.vllm.observe import peer_naming
     from moonep_ep.vllm import plugin
 
-    peer_naming.patch_engine_core(types.ModuleType("no_class"), install=plugin._install, note={})   # nothing
+    peer_naming.patch_engine_core(types.ModuleType("no_class"), install=plugin._install, mark=plugin._mark,
+                                  note={})  # nothing
     module = types.ModuleType("no_loop")
     module.DPEngineCoreProc = type("DPEngineCoreProc", (), {})
-    peer_naming.patch_engine_core(module, install=plugin._install, note={})                   # nothing
+    peer_naming.patch_engine_core(module, install=plugin._install, mark=plugin._mark, note={})  # nothing
     assert not hasattr(module.DPEngineCoreProc, "run_busy_loop")
 
     from moonep_ep.vllm import gc_heap
@@ -607,7 +609,7 @@ def test_the_engine_core_names_the_peer_from_its_dp_groups_table_not_another_gro
     message = "Read error [10.1.2.3]:44191: Connection reset by peer"
     module, cls = _fake_engine_core(message)
     module.DPEngineCoreProc = cls
-    peer_naming.patch_engine_core(module, install=plugin._install, note={})
+    peer_naming.patch_engine_core(module, install=plugin._install, mark=plugin._mark, note={})
     core = cls()
     core.dp_store.set(peer_naming.PEER_KEY.format(rank=1), json.dumps(["host-b", "10.1.2.3"]))
     with pytest.raises(PeerLostError) as lost:

@@ -3,9 +3,9 @@
 ``python -m tests.support.push_kernel_check`` in the ``vllm==0.33.0`` environment
 builds vLLM's own MoE layers twice over the plugin's sharded store, pull
 (vLLM's ``MoonEPPrepareAndFinalize``, ``[E+B]``) and push
-(``MOONEP_EP_MOONEP_API=push``: ``push_path``'s prepare/finalize, the
+(``MOONEP_EP_MOONEP_API=push``: ``prepare_finalize/push.py``'s prepare/finalize, the
 release-contract ``PushReferenceBuffer``, ``[2*epn]`` views), and runs both on
-the same skewed routing (docs/design/vllm.md, "Push API path").
+the same skewed routing (docs/design/vllm_prepare_finalize.md, "Push API path").
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class _Store:
         self.shapes = {"w13_weight_packed": (64, 8), "w13_weight_scale": (64, 2), "w2_weight_packed": (64, 4),
                        "w2_weight_scale": (64, 1)}
         self.ready, self.num_slots, self.num_experts = ready, 3, 8
-        self.gen_b = False  # the pull layout: vLLM's fused names are the store's (sharded.py's store_target)
+        self.api = "pull"  # the pull layout: vLLM's fused names are the store's (sharded.py's store_target)
         self.writes: list[tuple] = []
         self.refusals: list[str] = []
         self._views = {n: torch.zeros(11, *s) for n, s in self.shapes.items()}
@@ -489,7 +489,7 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
         def wait(self):
             order.append("wait")
 
-    overlap._pending.event = (Event(), Event())
+    overlap.SLOT_FILL_HANDOFF.put((Event(), Event()))
     output = torch.zeros(6, 4)
     experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
                   _meta([2, 0, 4]), False)
@@ -498,7 +498,7 @@ def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_
     assert args[0] is hidden and args[1] == "int4-g32" and [a.numel() for a in args[2:6]] == [1, 2, 3, 4]
     assert args[6].dtype == torch.int32 and args[6].tolist() == [2, 2, 6] and args[7] is topk_weights
     assert kwargs == {"activation": SILU}                                # vLLM's None: SiLU
-    assert overlap.take_event() is None                                  # taken once
+    assert overlap.take_slot_fill() is None                              # taken once
     experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
                   _meta([6]), True)                                      # vLLM applied the route weights already
     assert ffn.calls[1][0][7] is None and order[-1] == "ffn" and order.count("wait") == 2

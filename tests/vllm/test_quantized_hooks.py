@@ -52,7 +52,10 @@ def patching(monkeypatch):
     placeholders, bind = Calls(), Calls()
     monkeypatch.setattr(quantized_engine, "create_quantized_placeholders", placeholders)
     monkeypatch.setattr(quantized_engine, "bind_quantized_layer", bind)
-    return types.SimpleNamespace(install=plugin_install, labels=labels, placeholders=placeholders, bind=bind)
+    # the keywords every patch takes besides its note (``hooks.Patch``): the plugin's install and mark
+    recorders = {"install": plugin_install, "mark": labels.append}
+    return types.SimpleNamespace(install=plugin_install, recorders=recorders, labels=labels,
+                                 placeholders=placeholders, bind=bind)
 
 
 def _method_class(name: str, **attrs: Any) -> type:
@@ -89,7 +92,7 @@ def test_wna16_gets_moonep_experts_for_moonep_layers_and_vllms_choice_for_the_re
     select = Calls("vLLM's WNA16 backend")
     module = types.SimpleNamespace(CompressedTensorsWNA16MoEMethod=_method_class("CompressedTensorsWNA16MoEMethod"),
                                    select_wna16_moe_backend=select)
-    qh.patch_wna16(module, patching.install, {})
+    qh.patch_wna16(module, **patching.recorders, note={})
     assert patching.labels == ["compressed_tensors_moe_wna16.select_wna16_moe_backend",
                                "CompressedTensorsWNA16MoEMethod.create_weights",
                                "CompressedTensorsWNA16MoEMethod.process_weights_after_loading"]
@@ -103,7 +106,7 @@ def test_wna16_gets_moonep_experts_for_moonep_layers_and_vllms_choice_for_the_re
     assert select.calls == [((_moe(ep=1), "w"), {"k": 1})]
     # a second install (the hook fires again) changes nothing
     wrapped = module.select_wna16_moe_backend
-    qh.patch_wna16(module, patching.install, {})
+    qh.patch_wna16(module, **patching.recorders, note={})
     assert module.select_wna16_moe_backend is wrapped and len(patching.labels) == 3
 
 
@@ -111,7 +114,7 @@ def test_mxfp4_init_keeps_vllms_choice_except_on_moonep_layers_where_it_logs_onc
     cls = _method_class("CompressedTensorsW4A4Mxfp4MoEMethod", group_size=32)
     module = types.SimpleNamespace(CompressedTensorsW4A4Mxfp4MoEMethod=cls)
     note: dict[str, Any] = {}
-    qh.patch_mxfp4(module, patching.install, note)
+    qh.patch_mxfp4(module, **patching.recorders, note=note)
     assert patching.labels == ["CompressedTensorsW4A4Mxfp4MoEMethod.__init__",
                                "CompressedTensorsW4A4Mxfp4MoEMethod.create_weights",
                                "CompressedTensorsW4A4Mxfp4MoEMethod.process_weights_after_loading"]
@@ -128,7 +131,7 @@ def test_mxfp4_init_keeps_vllms_choice_except_on_moonep_layers_where_it_logs_onc
     assert [r.getMessage() for r in caplog.records] == [
         "moonep_ep: MXFP4 MoE on the sharded store: _Experts (the MarlinExperts/CUTLASS choice logged above is "
         "replaced)"]
-    qh.patch_mxfp4(module, patching.install, note)                          # installed once
+    qh.patch_mxfp4(module, **patching.recorders, note=note)  # installed once
     assert len(patching.labels) == 3
 
 
@@ -146,7 +149,7 @@ def test_fp8_gets_moonep_experts_for_moonep_block_layers_only_and_logs_once(patc
     select = Calls("vLLM's FP8 backend")
     module = types.SimpleNamespace(Fp8MoEMethod=_method_class("Fp8MoEMethod"), select_fp8_moe_backend=select)
     note: dict[str, Any] = {}
-    qh.patch_fp8(module, patching.install, note)
+    qh.patch_fp8(module, **patching.recorders, note=note)
     assert module.select_fp8_moe_backend.__wrapped__ is select
     assert patching.labels == ["fp8.select_fp8_moe_backend", "Fp8MoEMethod.create_weights",
                                "Fp8MoEMethod.process_weights_after_loading"]
@@ -162,7 +165,7 @@ def test_fp8_gets_moonep_experts_for_moonep_block_layers_only_and_logs_once(patc
     assert [r.getMessage() for r in caplog.records] == [
         "moonep_ep: FP8-block MoE on the sharded store: _Experts (vLLM's FP8 backend selection is not used for "
         "these layers)"]
-    qh.patch_fp8(module, patching.install, note)
+    qh.patch_fp8(module, **patching.recorders, note=note)
     assert len(patching.labels) == 3
 
 
@@ -207,9 +210,9 @@ def test_create_weights_and_process_go_to_the_store_only_for_layers_moonep_exper
 
 
 def test_every_patch_is_registered_for_its_vllm_module():
-    assert qh.PATCHES == {
-        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-        "compressed_tensors_moe_wna16": qh.patch_wna16,
-        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-        "compressed_tensors_moe_w4a4_mxfp4": qh.patch_mxfp4,
-        "vllm.model_executor.layers.quantization.fp8": qh.patch_fp8}
+    assert qh.PATCHES == (
+        hooks.Patch("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                    "compressed_tensors_moe_wna16", qh.patch_wna16),
+        hooks.Patch("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                    "compressed_tensors_moe_w4a4_mxfp4", qh.patch_mxfp4),
+        hooks.Patch("vllm.model_executor.layers.quantization.fp8", qh.patch_fp8))

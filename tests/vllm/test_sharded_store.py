@@ -231,14 +231,14 @@ def test_a_quantized_store_loads_halves_of_w13_counts_scales_apart_and_poisons_i
 
 
 def push_layout_rank(ctx) -> dict:
-    """A quantized store built for the push API (``gen_b=True``, E/R slots): vLLM's fused names land in gate,
+    """A quantized store built for the push API (``api="push"``, E/R slots): vLLM's fused names land in gate,
     up and down apart; each 16 KiB-padded scale row holds its data first and a zero tail; the experts' views
     are ``[2*epn]`` rows, own experts first; the slot scales are poisoned after the pass."""
     from moonep_ep.memory.host import HostDriver
 
     rank, epn, out = ctx.rank, E // 2, {}
     store = ModelExpertStore(layer_names=[f"l{i}" for i in range(L)], num_experts=E, hidden=H, intermediate=I,
-                             num_slots=epn, group=None, device=torch.device("cpu"), fmt="int4-g32", gen_b=True,
+                             num_slots=epn, group=None, device=torch.device("cpu"), fmt="int4-g32", api="push",
                              driver=HostDriver(rank=rank, granularity=GRAN))
     try:
         out["targets"] = [store.store_target("w13_weight_packed", 0), store.store_target("w13_weight_scale", 1),

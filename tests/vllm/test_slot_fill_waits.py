@@ -33,7 +33,7 @@ SILU = types.SimpleNamespace(name="SILU")
 
 
 class _PullBuffer:
-    """A buffer whose async prefetch is ``ops.prefetch.pull_slots`` on CPU tensors (deferred copies)."""
+    """A buffer whose async prefetch is ``ops.moonep.prefetch.pull_slots`` on CPU tensors (deferred copies)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], row: list[int]):
         self.weights, self.row, self.streams = weights, row, SideStreams()
@@ -111,17 +111,17 @@ def test_deliver_hands_the_event_to_the_caller_the_experts_or_the_current_stream
         return pull_slots({"w": full}, [2, 1], E, streams=streams)[2]
 
     event = issue()
-    assert overlap.deliver(event, async_finish=True) is event and not event.query()  # the caller waits
+    assert overlap.deliver_slot_fill(event, async_finish=True) is event and not event.query()  # the caller waits
     streams.close()
     overlap.arm(types.SimpleNamespace(_fused_experts=None))                         # not armed
     event = issue()
-    assert overlap.deliver(event, async_finish=False) is None and event.query()      # waited at once
+    assert overlap.deliver_slot_fill(event, async_finish=False) is None and event.query()      # waited at once
     assert full[E:, 0].tolist() == [3.0, 2.0]
     # armed by an experts class that says it waits (the quantized experts): kept for its apply
     overlap.arm(types.SimpleNamespace(_fused_experts=type("Q", (), {overlap.WAITS_ATTR: True})()))
     event = issue()
-    assert overlap.deliver(event, async_finish=False) is None and not event.query()
-    assert overlap.take_event() is event and overlap.take_event() is None
+    assert overlap.deliver_slot_fill(event, async_finish=False) is None and not event.query()
+    assert overlap.take_slot_fill() is event and overlap.take_slot_fill() is None
     streams.close()
 
 

@@ -1,7 +1,7 @@
-"""``moonep-ep soak`` (issue: hours of load): the 3-minute version in CI, the planted faults in the engine tier.
+"""``make soak`` (issue: hours of load): the 3-minute version in CI, the planted faults in the engine tier.
 
-The CI run is the same command ``make soak`` runs, shortened: ``moonep-ep
-soak --minutes 3`` on the tiny DeepSeek-V3 (``moonep-ep serve``, DP=2,
+The CI run is the same command ``make soak`` runs, shortened: ``python -m
+checks.soak --minutes 3`` on the tiny DeepSeek-V3 (``moonep-ep serve``, DP=2,
 ``--all2all-backend moonep``, the CPU engine) under ``vllm bench serve``,
 with every fault kind (every bad request of the catalogue, dropped streams,
 never-read clients), the in-place update to checkpoint B and back, greedy
@@ -39,7 +39,7 @@ def test_three_minute_soak_passes_every_verdict_with_every_fault_kind(tmp_path, 
     # stays with the allocator: measured +23 MB in the last minute of a 3-minute run, 1.39 GB/h for one worker),
     # so the short run's one judged minute can only catch a gross leak (bound 4 GiB/h, 68 MB a minute); the
     # 64 MiB/h bound after a 5-minute warm-up is `make soak`'s (SOAK_MIN=30), docs/design/reliability.md.
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "soak", "--minutes", "3", "--seed", "7", "--json",
+    proc = run_in("vllm-cpu", ["-m", "checks.soak", "--minutes", "3", "--seed", "7", "--json",
                                "--warmup", "120", "--rss-bound", "4096", "--fit-load", "--out", str(tmp_path)],
                   timeout=1100)
     out = _result(proc)

@@ -15,6 +15,8 @@ BENCHMARKS = {
     "prefetch": ("moonep_ep.tools.bench.prefetch", "pull-prefetch bandwidth from remote shards vs a local copy"),
     "decode": ("moonep_ep.tools.bench.decode", "experts and bytes MoonEP's planner moves per layer at decode, "
                "per padding policy; cost-model crossover per GPU profile"),
+    "store": ("moonep_ep.tools.bench.store", "the sharded store's own costs, two ranks: a slot fill through an imported "
+              "mapping over a local copy, the grouped FFN over the store's views over plain tensors"),
 }
 
 

@@ -17,7 +17,6 @@ SUBCOMMANDS = {
     "demo": "demo",
     "vllm-demo": "vllm_demo",
     "serve": "serve",
-    "soak": "soak",
 }
 
 

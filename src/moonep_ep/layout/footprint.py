@@ -43,7 +43,7 @@ Schemes (``R`` EP size, ``E`` routed experts, ``epn = E/R``, ``L`` MoE layers,
     than one page per boundary (two per (layer, tensor) region — the start and
     end of the rank's run — and one per slot pool: ``page_boundaries``), which
     ``within_one_page_per_boundary`` checks.
-    Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; Gen B
+    Default ``B = epn`` (MoonEP's ``Buffer`` default ``B=None -> epn``; push
     fixes slots at ``epn``, enough for every remote expert, moonep.md §2.7).
     ``moonep_api="push"`` sizes the push layout (``formats.push_store_projections``: gate, up, down apart):
     scale rows the release's prefetch kernel cannot move as they are (FP8
@@ -154,7 +154,7 @@ class FootprintOptions:
         gpus: GPU name -> HBM capacity in GB (1e9 bytes).
         expert_format: storage format of every model (``layout.formats`` name);
             ``None`` = each model's published checkpoint format.
-        moonep_api: ``pull`` (Gen A, scales as the format stores them) or
+        moonep_api: ``pull`` (scales as the format stores them) or
             ``push`` (the release's API: ``moonep_ep`` scale rows padded per
             expert to 16 KiB where needed, ``formats.push_store_projections``).
     """
@@ -240,7 +240,7 @@ def default_slots(scheme: str, epn: int) -> int:
     """Each scheme's default slot count ``B`` (rows per projection).
 
     ``replicated``: 4 (vLLM 0.33.0); ``per_layer_slots``: ``epn`` (SGLang);
-    ``moonep_ep``: ``epn`` (MoonEP ``Buffer`` default, Gen B fixed); ``eplb``: 0.
+    ``moonep_ep``: ``epn`` (MoonEP ``Buffer`` default, push fixed); ``eplb``: 0.
     """
     if scheme == "replicated":
         return VLLM_DEFAULT_NUM_PREFETCH_SLOTS

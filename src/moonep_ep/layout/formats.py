@@ -263,7 +263,7 @@ def push_store_projections(fmt: str | ExpertFormat, hidden: int, intermediate: i
     ``down`` apart, as its ``prefetch_weight`` takes them, each followed by ``<name>_scale`` when quantized,
     in :func:`push_projections`' layout (scale rows padded per expert to a multiple of 16 KiB where
     needed). vLLM's fused ``w13`` row is the gate rows then the up rows; the push layout keeps them apart
-    (the quantized experts dequantize or multiply them in two parts, ``ops.quantized_experts``)."""
+    (the quantized experts dequantize or multiply them in two parts, ``ops.experts.quantized``)."""
     f = get_format(fmt)
     specs = expert_projections(f, hidden, intermediate, split_w13=True)
     return push_projections(specs) if f.quantized else specs

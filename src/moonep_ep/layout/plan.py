@@ -1,6 +1,6 @@
 """Page-level plan of the sharded expert layout: pure arithmetic, no memory.
 
-One Gen A view ``[E+B, out, in]`` of one (layer, projection) is laid out in
+One pull view ``[E+B, out, in]`` of one (layer, projection) is laid out in
 virtual memory as::
 
     reservation:  | lead pad | E expert rows (owners 0..R-1, in order) | B slot rows | tail pad |

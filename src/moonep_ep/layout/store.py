@@ -88,11 +88,16 @@ class ProjectionSpec:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
+#: An expert FFN's three weights by MoonEP's names (its ``{gate,up,down}`` keywords): vLLM's w13 split, and w2.
+FFN_PROJECTIONS = ("gate", "up", "down")
+
+
 def ffn_projections(hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16) -> list[ProjectionSpec]:
     """gate ``[I, H]``, up ``[I, H]``, down ``[H, I]`` — vLLM's w13 split in two, and w2."""
-    return [ProjectionSpec("gate", (intermediate, hidden), dtype),
-            ProjectionSpec("up", (intermediate, hidden), dtype),
-            ProjectionSpec("down", (hidden, intermediate), dtype)]
+    gate, up, down = FFN_PROJECTIONS
+    return [ProjectionSpec(gate, (intermediate, hidden), dtype),
+            ProjectionSpec(up, (intermediate, hidden), dtype),
+            ProjectionSpec(down, (hidden, intermediate), dtype)]
 
 
 @dataclasses.dataclass
@@ -394,23 +399,27 @@ class ShardedExpertStore:
                            f"layers are 0..{self.num_layers - 1}, projections "
                            f"{[p.name for p in self.projections]}")
 
-    def gen_a(self, layer: int, proj: str) -> torch.Tensor:
+    def pull_view(self, layer: int, proj: str) -> torch.Tensor:
         """``[E+B, out, in]``: rows ``[0, E)`` the owners' experts (global order), rows
         ``[E, E+B)`` this rank's slot pool (shared by every layer using the same pool)."""
         return self._view(PULL, layer, proj)
+
+    def compute_view(self, layer: int, proj: str) -> torch.Tensor:
+        """The rows the experts read for this store's API: the ``[E+B]`` pull view or the ``[2*epn]`` push view."""
+        return self.push_view(layer, proj) if self.api == PUSH else self.pull_view(layer, proj)
 
     def owner_view(self, layer: int, proj: str) -> torch.Tensor:
         """``[epn, out, in]``: this rank's own experts of ``layer``."""
         epn = self.experts_per_rank
         if self.api == PUSH:
             return self.push_view(layer, proj)[:epn]
-        return self.gen_a(layer, proj)[self.rank * epn:(self.rank + 1) * epn]
+        return self.pull_view(layer, proj)[self.rank * epn:(self.rank + 1) * epn]
 
     def slots(self, layer: int, proj: str) -> torch.Tensor:
         """``[B, out, in]``: the slot rows ``layer``'s view uses."""
         if self.api == PUSH:
             return self.push_view(layer, proj)[self.experts_per_rank:]
-        return self.gen_a(layer, proj)[self.num_experts:]
+        return self.pull_view(layer, proj)[self.num_experts:]
 
     def slot_views(self, proj: str) -> list[torch.Tensor]:
         """Slot views that together cover every slot byte of ``proj``: one per pool (pull); in the push layout

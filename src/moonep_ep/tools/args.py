@@ -1,7 +1,7 @@
 """Argument blocks that several commands share, each written once.
 
-``--driver/--granularity/--json`` (demo, selftest, footprint, bench layout, bench prefetch, gpu_perf) and
-the shape of a tiny MoE (``--hidden/--intermediate/--experts``: the engine harness, gpu_perf, the tests'
+``--driver/--granularity/--json`` (demo, selftest, footprint, bench layout, bench prefetch, bench store) and
+the shape of a tiny MoE (``--hidden/--intermediate/--experts``: the engine harness, bench store, the tests'
 KV accounting). Defaults and help stay each command's own.
 """
 

@@ -20,7 +20,7 @@ Environment:
 * ``MOONEP_EP_LAYOUT`` = ``sharded`` (default) | ``replicated`` — keep
   vLLM's all-gathered layout, for A/B comparisons;
 * ``MOONEP_EP_HOST_GRANULARITY`` — host page size of the CPU store (64 KiB);
-* ``MOONEP_EP_VLLM_STATS_DIR`` — write per-rank instrumentation (``stats.py``);
+* ``MOONEP_EP_VLLM_STATS_DIR`` — write per-rank instrumentation (``observe/stats.py``);
 * ``MOONEP_EP_VLLM_FORCE=1`` — activate on an unsupported vLLM build.
 
 See ``docs/design/vllm.md``.

@@ -3,15 +3,21 @@
 ``MOONEP_EP_BUFFER`` = ``auto`` (default) | ``reference`` | ``moonep``:
 
 * ``moonep``: the real CUDA library; must be importable, expose the pull
-  (Gen A) API vLLM 0.33.0 calls (a ``B`` constructor argument), and report
+  API vLLM 0.33.0 calls (a ``B`` constructor argument), and report
   NVSwitch multicast (``moonep._C.nvl_multicast_supported()``);
 * ``reference``: :class:`moonep_ep.ops.moonep.pull.ReferenceBuffer` (pure
-  PyTorch over the EP process group: gloo on CPU, NCCL on GPU);
+  PyTorch over the EP process group: gloo on CPU, NCCL on GPU; for the push
+  API its push counterpart, below);
 * ``auto``: ``moonep`` when usable, else ``reference``.
 
-One log line per process says which one serves and why. ``MOONEP_EP_MOONEP_API=push``
-(the API of MoonEP's release) serves :class:`moonep_ep.ops.moonep.push.PushReferenceBuffer`
-through ``push_path.py``; the real push library is refused until checked on a GPU.
+One log line per process says which one serves and why. ``MOONEP_EP_MOONEP_API``
+picks the MoonEP API (pull or push) once, here: the reference buffer of that API
+serves (``push``: :class:`moonep_ep.ops.moonep.push.PushReferenceBuffer` through
+``prepare_finalize/push.py``); a real library serves the API it speaks, and the
+real push library is refused until checked on a GPU. The choice
+(:class:`~moonep_ep.ops.moonep.api.ApiChoice`) travels with the
+:class:`BufferChoice` and says what follows from it (slots, the Buffer's
+arguments); the manager, the store and the prepare step ask it.
 
 The expert store (:class:`moonep_ep.layout.store.ShardedExpertStore`) needs,
 on GPU, CUDA VMM, a shareable handle type (POSIX fds within one host, fabric
@@ -34,7 +40,8 @@ from typing import Any, Optional
 
 from .. import envs
 from ..errors import ConfigError
-from ..ops.moonep.api import PUSH, choose_moonep_api, probe_moonep_api
+from ..ops.moonep.api import PULL, PUSH, ApiChoice, choose_moonep_api, probe_moonep_api, reference_buffer_class, \
+    requested_api
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -46,13 +53,16 @@ DEFAULT_CPU_GRANULARITY = 64 << 10
 
 @dataclasses.dataclass(frozen=True)
 class BufferChoice:
-    kind: str            # "reference" or "moonep"
-    cls: Any             # the Buffer class
+    kind: str              # "reference" or "moonep"
+    cls: Any               # the Buffer class
     reason: str
-    api: str = "pull"    # the MoonEP API generation it serves vLLM with (push: ``push_path.py``)
-    requested: str = "auto"      # MOONEP_EP_BUFFER
-    api_requested: str = "auto"  # MOONEP_EP_MOONEP_API
-    api_found: str = ""          # what the probe read off the Buffer class: pull | push | either
+    api_choice: ApiChoice  # the MoonEP API it serves vLLM with, and what follows from it
+    requested: str = "auto"  # MOONEP_EP_BUFFER
+
+    @property
+    def api(self) -> str:
+        """``"pull"`` or ``"push"``."""
+        return self.api_choice.api
 
 
 def _real_moonep(device_type: str) -> tuple[Any, str]:
@@ -87,33 +97,26 @@ _logged: set[str] = set()
 
 
 def select_buffer(device_type: str) -> BufferChoice:
-    """Resolve ``MOONEP_EP_BUFFER`` for this process; logs the choice once."""
+    """Resolve ``MOONEP_EP_BUFFER`` and ``MOONEP_EP_MOONEP_API`` for this process; logs the choice once.
+    This rank's view only: the manager's ``agree_decisions`` compares every rank's."""
     pref = envs.MOONEP_EP_BUFFER
+    wanted = requested_api()
     real, why = (None, "MOONEP_EP_BUFFER=reference") if pref == "reference" else _real_moonep(device_type)
     if pref == "moonep" and real is None:
         raise ConfigError(f"MOONEP_EP_BUFFER=moonep, but {why}. Fix: install the MoonEP library on a GPU node "
                           "with NVSwitch multicast, or set MOONEP_EP_BUFFER=reference (or auto)")
+    if real is not None and wanted == PUSH:
+        raise ConfigError("MOONEP_EP_MOONEP_API=push with the real moonep library: the push path through vLLM "
+                          "runs the reference buffer only so far (not yet checked on a GPU with the "
+                          "release's kernels). Fix: MOONEP_EP_BUFFER=reference, or MOONEP_EP_MOONEP_API=pull "
+                          "with MoonEP at the commit vLLM pins")
     if real is not None:
-        choice = BufferChoice("moonep", real, f"MOONEP_EP_BUFFER={pref}: the moonep library is usable")
-    else:
-        from ..ops.moonep.pull import ReferenceBuffer
-
-        choice = BufferChoice("reference", ReferenceBuffer, f"MOONEP_EP_BUFFER={pref}: {why}")
-    # MOONEP_EP_MOONEP_API against what the chosen Buffer speaks; this rank's view only: the manager's
-    # agree_decisions compares every rank's.
-    api = choose_moonep_api(choice.cls)
-    choice = dataclasses.replace(choice, api=api.api, requested=pref, api_requested=api.requested,
-                                 api_found=api.probe.api)
-    if api.api == PUSH:
-        if choice.kind != "reference":
-            raise ConfigError("MOONEP_EP_MOONEP_API=push with the real moonep library: the push path through vLLM "
-                              "runs the reference buffer only so far (not yet checked on a GPU with the "
-                              "release's kernels). Fix: MOONEP_EP_BUFFER=reference, or MOONEP_EP_MOONEP_API=pull "
-                              "with MoonEP at the commit vLLM pins")
-        from ..ops.moonep.push import PushReferenceBuffer
-
-        # The release's contract (no B, exactly S tokens, cu_seqlens [2*epn], collective push): push_path.py
-        choice = dataclasses.replace(choice, cls=PushReferenceBuffer)
+        kind, cls, reason = "moonep", real, f"MOONEP_EP_BUFFER={pref}: the moonep library is usable"
+    else:  # the reference buffer of the API asked for (auto: pull, what vLLM 0.33.0 calls)
+        kind, cls, reason = "reference", reference_buffer_class(PUSH if wanted == PUSH else PULL), \
+            f"MOONEP_EP_BUFFER={pref}: {why}"
+    api = choose_moonep_api(cls, wanted)  # the probe confirms what the class speaks
+    choice = BufferChoice(kind, cls, reason, api, pref)
     line = f"moonep_ep: MoonEP buffer = {choice.kind} ({choice.reason}; MoonEP API: {api.reason})"
     if line not in _logged:
         _logged.add(line)
@@ -134,8 +137,9 @@ REFERENCE_ON_GPU_WARNING = (
 @dataclasses.dataclass(frozen=True)
 class Decisions:
     """Every setting that decides which collective an EP rank runs, as every rank agreed at backend
-    selection (``ShardedMoonEPAll2AllManager.__init__``). The hot path (``padding.py``) reads these, never
-    its own environment: two ranks that decided apart would wait in collectives the other never enters."""
+    selection (``ShardedMoonEPAll2AllManager.__init__``). The hot path (``prepare_finalize/padding.py``) reads
+    these, never its own environment: two ranks that decided apart would wait in collectives the other never
+    enters."""
 
     buffer: str                 # "reference" | "moonep": which Buffer's collectives run
     api: str                    # "pull" | "push"
@@ -180,8 +184,9 @@ def local_decisions(choice: BufferChoice, vllm_config: Any = None) -> dict[str, 
     profile = detect_profile()
     return {
         "buffer": (choice.kind, f"{choice.kind} (MOONEP_EP_BUFFER={choice.requested})"),
-        "api": (choice.api, f"{choice.api} (MOONEP_EP_MOONEP_API={choice.api_requested}, "
-                            f"installed {choice.api_found or '?'})"),
+        "api": (choice.api, f"{choice.api} (MOONEP_EP_MOONEP_API={choice.api_choice.requested}, "
+                            + ("the reference buffer)" if choice.kind == "reference"
+                               else f"installed moonep speaks {choice.api_choice.probe.api})")),
         "layout": (envs.MOONEP_EP_LAYOUT, envs.MOONEP_EP_LAYOUT),
         "padding": (envs.MOONEP_EP_PADDING, envs.MOONEP_EP_PADDING),
         "cost_profile": (profile, f"{profile} (MOONEP_EP_GPU_PROFILE={profile_setting})"),

@@ -8,12 +8,16 @@ target module finishes executing (a ``sys.meta_path`` finder wraps the
 module's loader), or immediately when the module is already in
 ``sys.modules``. A module bound with ``from M import name`` before a patch
 ran keeps the original name; the patches that matter re-bind in every module
-that imports the name (see ``plugin.py``).
+that imports the name (``reload_weights``, ``convert_to_unquantized_kernel_format``:
+``store/patches.py``).
 
 Every patch installs its wrapper with :func:`install` (or marks it with
 :func:`mark_wrapped` where it is set by other means) and checks
 :func:`is_wrapped` first, so a patch that runs twice (two hooks on one
 module, a module imported again) wraps once.
+
+The modules that patch vLLM declare their patches as :class:`Patch` tables;
+``plugin.install`` applies them (see ``plugin.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +28,28 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 logger = logging.getLogger("vllm.moonep_ep")
 
 Hook = Callable[[ModuleType], None]
+#: ``install(owner, name, wrapper, original, label)``: :func:`install`, and ``label`` in the plugin's record
+Install = Callable[[Any, str, Any, Any, str], None]
+#: ``mark(label)``: ``label`` in the plugin's record, for a patch made without :func:`install`
+Mark = Callable[[str], None]
+#: the plugin's state, where a patch keeps its log-once flags
+Note = dict[str, Any]
+
+
+class Patch(NamedTuple):
+    """One patch a module of the plugin declares, in its ``PATCHES`` table.
+
+    ``apply(module, *, install, mark, note)`` runs once ``target``, a vLLM module, is first imported (at once if
+    it already is), with ``module`` that module; with ``target`` None it runs in ``plugin.install`` itself, at its
+    place in the order, with ``module`` None (process set-up that must precede vLLM's own imports)."""
+
+    target: Optional[str]
+    apply: Callable[..., None]
 
 _lock = threading.RLock()
 _pending: dict[str, list[Hook]] = {}

@@ -52,9 +52,16 @@ def _device_type() -> str:
     return "cuda" if current_platform.is_cuda_alike() else "cpu"
 
 
-class InstrumentedBuffer:
-    """Wraps a Buffer (reference or real): checks the store is complete before the first
-    prefetch and, with stats on, counts the slots filled from remote owners."""
+class SlotFillBuffer:
+    """The Buffer (reference or real) as vLLM's pool hands it out, deciding how each prefetch fills the slots.
+
+    ``dispatch`` and ``combine`` go straight to the Buffer. ``prefetch_weight`` checks once that the store is
+    complete, then fills the slots one of two ways: quantized views (INT4, MXFP4, FP8 block) through the
+    store's own copy of each slot's weights and scales (``quantized/engine.py``), everything else through the
+    Buffer's prefetch, overlapped with the own experts (``experts/overlap.py``); either way the fill's event
+    is handed to the experts, which wait for it before reading a slot row. With stats on it also counts the
+    slots filled from remote owners.
+    """
 
     def __init__(self, inner: Any, manager: "ShardedMoonEPAll2AllManager"):
         self._inner = inner
@@ -84,14 +91,14 @@ class InstrumentedBuffer:
         if quantized is not None and plan is not None:
             # Quantized views: each slot's weights and scales pulled through the mapped rows (the
             # reference/real buffer's prefetch moves bf16/int8/uint8 weights with 16 KiB-multiple scales only).
-            from .experts.overlap import deliver
+            from .experts.overlap import deliver_slot_fill
 
             _, views, num_experts = quantized
             rank = self._manager.rank
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
-            filled = prefetch_quantized(views, row, num_experts, rank, self._manager.experts_per_rank())
+            filled = prefetch_quantized(views, row, num_experts, rank, num_experts // self._manager.world_size)
             # The weight and scale events go to the experts' apply, which waits before reading a slot row.
-            out = deliver(filled.pop("event"), async_finish)
+            out = deliver_slot_fill(filled.pop("event"), async_finish)
             copied = types.SimpleNamespace(**filled)
         else:
             from .experts.overlap import prefetch
@@ -99,13 +106,13 @@ class InstrumentedBuffer:
             out = prefetch(self._inner, plan, async_finish, weights)  # own experts overlap it (overlap.py)
         if stats_dir() is not None and plan is not None:
             rank = self._manager.rank
-            epn = self._manager.experts_per_rank()
+            epn = self._experts_per_rank()  # this Buffer's model's (a draft model's store has its own)
             store = self._manager.expert_store
             last = copied or getattr(self._inner, "last_prefetch", None)
             if copied is not None:
                 STATS.record_quantized_fill(copied.weight_bytes, copied.scale_bytes, copied.remote_weight_bytes,
                                             copied.remote_scale_bytes)
-            elif getattr(last, "generation", None) == "B":  # a quantized push: counted by the owner, per tensor
+            elif getattr(last, "api", None) == "push":  # a quantized push: counted by the owner, per tensor
                 by_tensor = getattr(last, "bytes_by_tensor", None) or {}
                 scales = sum(n for name, n in by_tensor.items() if name.endswith("_scale"))
                 if scales:  # every pushed byte lands in another rank's slot
@@ -116,6 +123,11 @@ class InstrumentedBuffer:
             row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
             self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
         return out
+
+    def _experts_per_rank(self) -> int:
+        """``E/R`` of the model this Buffer serves (its own arguments), not of the manager's first store."""
+        epn = getattr(self._inner, "epn", None) or getattr(self._inner, "_ctx", {}).get("epn")
+        return int(epn) if epn else self._manager.experts_per_rank()
 
     def destroy(self) -> None:
         self._inner.destroy()
@@ -132,14 +144,15 @@ class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
         super().__init__(buffer_kwargs, max_tokens_per_rank)
         self._buffer_cls = buffer_cls
         self._manager = manager
-        #: The MoonEP API its buffers speak: "push" makes vLLM build the push prepare/finalize (push_path.py).
-        self.moonep_api = manager.buffer_choice.api
+        #: The MoonEP API its buffers speak: "push" makes vLLM build the push prepare/finalize
+        #: (``prepare_finalize/push.py``).
+        self.api = manager.buffer_choice.api
 
     def get(self, num_tokens: int) -> tuple[int, Any]:
         capacity = self.capacity_for(num_tokens)
         buffer = self._buffers.get(capacity)
         if buffer is None:
-            buffer = InstrumentedBuffer(self._buffer_cls(S=capacity, **self._kwargs), self._manager)
+            buffer = SlotFillBuffer(self._buffer_cls(S=capacity, **self._kwargs), self._manager)
             self._buffers[capacity] = buffer
         return capacity, buffer
 
@@ -168,7 +181,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             self.capabilities = system_check(device_type, self.buffer_choice.kind)
             selected.share(local_decisions(self.buffer_choice, self.vllm_config))
         # The same step carried every rank's decisions: ranks that would run different collectives all raise
-        # here, alike, instead of hanging later. padding.py reads these, the same on every rank.
+        # here, alike, instead of hanging later. prepare_finalize/padding.py reads these, the same on every rank.
         self.decisions = agree_decisions(selected.gathered, comm.rank)
         All2AllManagerBase.__init__(self, cpu_group, tcp_store_group)
         # Why: full GC passes over the ~700k import-time objects slow the CPU worker's start and, at
@@ -189,10 +202,8 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
                     self.buffer_choice.kind, self.world_size)
 
     def get_handle(self, kwargs: dict[str, Any]) -> Any:
-        buffer_kwargs = self._make_buffer_kwargs(**kwargs)
+        buffer_kwargs = self.buffer_choice.api_choice.buffer_kwargs(self._make_buffer_kwargs(**kwargs))
         self.num_experts_hint = max(1, buffer_kwargs["E"] // max(1, self.world_size))
-        if self.buffer_choice.api == "push":
-            buffer_kwargs.pop("B")  # the push Buffer has E/R slots per rank, no B
 
         def make_pool(**kw: Any) -> ShardedBufferPool:
             return ShardedBufferPool(kw, max_tokens_per_rank=kw["S"], buffer_cls=self.buffer_choice.cls,
@@ -227,13 +238,13 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
             shapes = {(getattr(layer, FORMAT_ATTR, "bf16"), layer.moe_config.hidden_dim,
                        layer.moe_config.intermediate_size_per_partition, layer.moe_config.num_experts)
                       for layer in layers}
-        push = self.buffer_choice.api == "push"
+        api = self.buffer_choice.api_choice
         epn = first.moe_config.num_experts // max(1, self.world_size)
         store = ModelExpertStore(
             layer_names=[layer.layer_name for layer in layers], num_experts=first.moe_config.num_experts,
             hidden=hidden, intermediate=two_i // 2,
             # push: E/R slots and the [R, epn] / [2*epn] views over the same pages (moonep.md §2.7)
-            num_slots=epn if push else vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS, gen_b=push,
+            num_slots=api.num_slots(epn, vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS), api=api.api,
             group=self.cpu_group, device=getattr(first, TARGET_DEVICE_ATTR), dtype=dtype,
             local_expert_ids=[_local_expert_ids(layer) for layer in layers], layer_shapes=shapes, fmt=fmt)
         self.expert_stores.append(store)
@@ -296,7 +307,7 @@ def convert_moonep_layer(layer: Any, moe_config: Any, w13_weight: torch.Tensor,
                           "model's expert weights were loaded through its load_weights (e.g. load_format=dummy "
                           "fills no store). Fix: load a real checkpoint with vLLM's default loader, or set "
                           "MOONEP_EP_LAYOUT=replicated")
-    if store.gen_b:  # the push API: the experts read [2*epn] rows (own experts, then slots)
+    if store.api == "push":  # the push API: the experts read [2*epn] rows (own experts, then slots)
         from .prepare_finalize.push import make_push_layout
 
         if getattr(layer, "_moonep_weight_layout", None) is None:

@@ -4,7 +4,7 @@ After ``dispatch`` every rank holds ``hidden_nvsh [NvS, H]`` whose rows are
 grouped by ``cu_seqlens`` (inclusive end offsets, the ``offs`` format of
 ``torch._grouped_mm``): group ``g`` is rows ``[cu[g-1], cu[g])`` with
 ``cu[-1]`` taken as 0, and is computed with weight row ``g`` of the ``[E+B]``
-Gen A views (``g < E``: expert ``g``; ``g = E + b``: slot ``b``).
+pull views (``g < E``: expert ``g``; ``g = E + b``: slot ``b``).
 
 :func:`grouped_ffn` computes, per row ``x`` of group ``g`` (the same math and
 the same bf16 rounding points as vLLM 0.33.0's ``MoonEPExperts.apply``)::
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from ...errors import config_error
 from .activation import SILU, GatedActivation
 
-__all__ = ["grouped_ffn", "grouped_mm", "grouped_mm_supported", "reference_moe", "reference_moe_bf16",
-           "reference_rows_bf16", "token_rel_errors", "TOKEN_REL_TOL", "ENTRY_REL_TOL"]
+__all__ = ["grouped_ffn", "grouped_mm", "grouped_mm_supported", "group_bounds", "reference_moe",
+           "reference_moe_bf16", "reference_rows_bf16", "token_rel_errors", "TOKEN_REL_TOL", "ENTRY_REL_TOL"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,8 +77,9 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _probe_grouped_mm(device.type, device.index, dtype)
 
 
-def _segment_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(group, start, end)`` of every non-empty group (one host sync)."""
+def group_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(group, start, end)`` of every non-empty group of ``cu_seqlens`` (inclusive ends), one host sync;
+    the grouped GEMM's segment loop and the quantized path's used rows both walk these."""
     ends = cu_seqlens.to("cpu", torch.int64).tolist()
     out, start = [], 0
     for g, end in enumerate(ends):
@@ -95,7 +96,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, cu_seqlens: torch.Tensor, *,
     Args:
         a: ``[M, K]`` activations in group order (bf16 on the MoonEP path).
         w: ``[G, N, K]`` weights, vLLM's ``[E, out, in]`` convention (any
-            strides; the Gen A ``[E+B]`` views are contiguous).
+            strides; the pull ``[E+B]`` views are contiguous).
         cu_seqlens: ``[G]`` int32 inclusive group end offsets, non-decreasing,
             ``cu[-1] <= M``.
         use_grouped_mm: force (``True``) or forbid (``False``) the fused op;
@@ -114,7 +115,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, cu_seqlens: torch.Tensor, *,
         tail = torch.arange(M, device=a.device) >= cu_seqlens[-1].to(torch.int64)
         return out.masked_fill_(tail[:, None], 0)
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
-    for g, start, end in _segment_bounds(cu_seqlens):
+    for g, start, end in group_bounds(cu_seqlens):
         out[start:end] = a[start:end] @ w[g].T
     return out
 
@@ -126,7 +127,7 @@ def _check_ffn_inputs(hidden: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Te
     M, H = hidden.shape
     if w_gate.dim() != 3 or w_gate.shape[2] != H:
         raise config_error(None, "w_gate must be [G, I, H] with H matching hidden_nvsh", tuple(w_gate.shape),
-                           f"pass the Gen A gate view [E+B, I, {H}]")
+                           f"pass the pull gate view [E+B, I, {H}]")
     G, I = w_gate.shape[0], w_gate.shape[1]
     if tuple(w_up.shape) != (G, I, H):
         raise config_error(None, "w_up must have w_gate's shape [G, I, H]", tuple(w_up.shape), f"pass [{G}, {I}, {H}]")
@@ -147,9 +148,9 @@ def grouped_ffn(hidden_nvsh: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
 
     Args:
         hidden_nvsh: ``[NvS, H]`` bf16, dispatch's output (rows in group order).
-        w_gate: ``[G, I, H]`` bf16, Gen A gate view (``G = E + B``).
-        w_up: ``[G, I, H]`` bf16, Gen A up view.
-        w_down: ``[G, H, I]`` bf16, Gen A down view.
+        w_gate: ``[G, I, H]`` bf16, pull gate view (``G = E + B``).
+        w_up: ``[G, I, H]`` bf16, pull up view.
+        w_down: ``[G, H, I]`` bf16, pull down view.
         cu_seqlens: ``[G]`` int32 inclusive group end offsets (dispatch's).
         route_weights_nvs: ``[NvS]`` fp32 per-row route weights, or ``None``
             to return unweighted rows (vLLM's input-weighted top-1 path).

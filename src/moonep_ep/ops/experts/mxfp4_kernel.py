@@ -73,7 +73,8 @@ HOPPER_MAX_SHARED = 227 * 1024
 #: counted twice), one ``[BLOCK_K, BLOCK_N]`` dequantization tile, the 16-bit ``[BLOCK_M, BLOCK_K]`` activation
 #: tile. In registers 32 + 2 x 64 (two 32-bit decode temporaries live at once) + 2 x 16 (two 16-bit activations a
 #: register, the tile in the dot and the next in flight) = 192 of 255, leaving MXFP4_REGISTER_RESERVE for
-#: addresses, offsets and masks; checked against ptxas for sm_90a (docs/design/vllm.md, "The MXFP4 launch bound")
+#: addresses, offsets and masks; checked against ptxas for sm_90a (docs/design/vllm_experts.md, "The MXFP4 launch
+#: bound")
 MXFP4_MAX_PER_THREAD = {"accumulator": 32, "dequant": 64, "activations": 32}
 MXFP4_REGISTER_RESERVE = 63
 
@@ -137,7 +138,7 @@ def _kernel() -> Any:
 
 def mxfp4_tile_cost(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                     scale_before_dot: bool = True) -> dict[str, int]:
-    """What one launch holds, as the launch bound counts it (docs/design/vllm.md, "The MXFP4 launch bound").
+    """What one launch holds, as the launch bound counts it (docs/design/vllm_experts.md, "The MXFP4 launch bound").
 
     Per thread (``32 · num_warps`` threads share each tile): ``accumulator``, values of the fp32 ``[BLOCK_M,
     BLOCK_N]`` tile (twice in fp16, where each group's dot is a second such tile before it is scaled and added);

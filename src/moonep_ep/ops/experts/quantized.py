@@ -54,7 +54,7 @@ import torch
 
 from ...errors import config_error
 from .activation import SILU, GatedActivation
-from .grouped import grouped_ffn
+from .grouped import group_bounds, grouped_ffn
 
 __all__ = ["dequantize_rows", "quantized_grouped_ffn", "rows_per_chunk", "used_groups", "DEQUANT_CHUNK_ELEMENTS",
            "E2M1_VALUES"]
@@ -135,20 +135,9 @@ def dequantize_rows(fmt: str, weight: torch.Tensor, scale: torch.Tensor, out_dty
     return w.to(out_dtype)
 
 
-def _group_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(group, start, end)`` of every non-empty group (one host sync)."""
-    ends = cu_seqlens.to("cpu", torch.int64).tolist()
-    out, start = [], 0
-    for g, end in enumerate(ends):
-        if end > start:
-            out.append((g, start, end))
-        start = max(start, end)
-    return out
-
-
 def used_groups(cu_seqlens: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """The non-empty groups and their compacted inclusive ends (int32, one host sync)."""
-    bounds = _group_bounds(cu_seqlens)
+    bounds = group_bounds(cu_seqlens)
     return [g for g, _, _ in bounds], torch.tensor([e for _, _, e in bounds], dtype=torch.int32,
                                                    device=cu_seqlens.device)
 
@@ -167,7 +156,7 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
                           up: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """:func:`grouped_ffn` over quantized ``[E+B]`` views: only the used rows are dequantized, a chunk at a time.
 
-    ``w13`` / ``w13_scale`` / ``w2`` / ``w2_scale``: the Gen A views (``[E+B, ...]``) of the fused gate-up
+    ``w13`` / ``w13_scale`` / ``w2`` / ``w2_scale``: the pull views (``[E+B, ...]``) of the fused gate-up
     and down weights and their scales; ``cu_seqlens`` ``[E+B]`` int32 inclusive ends. The used rows go in
     chunks of :func:`rows_per_chunk` (consecutive groups, so a chunk's rows of ``hidden_nvsh`` are one
     slice); a chunk's dense weights and temporaries are freed before the next chunk's are built, which bounds
@@ -177,7 +166,7 @@ def quantized_grouped_ffn(hidden_nvsh: torch.Tensor, fmt: str, w13: torch.Tensor
     are then the gate rows alone (the two halves of vLLM's fused row, stored apart)."""
     M, H = hidden_nvsh.shape
     out = torch.zeros(M, w2.shape[1], dtype=hidden_nvsh.dtype, device=hidden_nvsh.device)
-    bounds = _group_bounds(cu_seqlens)
+    bounds = group_bounds(cu_seqlens)
     inter = w13.shape[1] // 2 if up is None else w13.shape[1]
     step = rows_per_chunk(H, inter, chunk_elements)
     for i in range(0, len(bounds), step):

@@ -1,4 +1,4 @@
-"""Which MoonEP API generation a ``Buffer`` class speaks, read from its signatures, and the choice per run.
+"""Which MoonEP API a ``Buffer`` class speaks, read from its signatures, and the one choice per run: pull or push.
 
 MoonEP has shipped two incompatible ``Buffer`` APIs (docs/design/moonep.md,
 "Which API generation"). The facts the probe relies on:
@@ -27,17 +27,17 @@ none that can be trusted): it reads parameter names with :mod:`inspect`.
   and the three ``*_prefetch_buffer`` and none of the pull keywords, and the calls the push
   path makes exist: ``async_finish`` on ``dispatch``/``combine``/``prefetch_weight``,
   ``zero_copy`` on ``dispatch``/``combine``;
-* anything else is refused, naming what was found and the fix. A class with
-  *both* keyword sets is refused too, except the project's
-  :class:`~moonep_ep.ops.moonep.pull.ReferenceBuffer`: it plays either generation
-  (``B`` optional, both ``prefetch_weight`` keyword sets), so the probe
-  answers ``"either"`` and the caller chooses; ``auto`` then keeps pull,
-  the API vLLM 0.33.0 calls.
+* anything else is refused, naming what was found and the fix; a class with
+  *both* keyword sets too (a real MoonEP speaks one). The project's reference
+  buffers are probed like any other: :class:`~.pull.ReferenceBuffer` speaks
+  pull, :class:`~.push.PushReferenceBuffer` push.
 
 :func:`choose_moonep_api` resolves ``MOONEP_EP_MOONEP_API`` (``auto`` |
-``pull`` | ``push``) against the probe in one lockstep step: an explicit
-value that contradicts the installed library, or ranks that would choose
-differently, raise the same error on every rank, before any engine starts.
+``pull`` | ``push``) against the probe for one rank; :class:`ApiChoice`
+carries what follows from it (slots, the Buffer's arguments). Every rank's
+choice is compared in the vLLM manager's backend-selection step
+(``vllm/buffers.py``, ``agree_decisions``), so ranks that would choose
+differently raise the same error on every rank, before any Buffer is built.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ from typing import Any, Optional
 
 from ... import envs
 from ...errors import ConfigError, config_error
-from ...memory.group import GroupComm
 
-PULL, PUSH, EITHER = "pull", "push", "either"
+PULL, PUSH = "pull", "push"
 ENV = "MOONEP_EP_MOONEP_API"
 API_CHOICES = envs.VARIABLES[ENV].choices  # ("auto", "pull", "push")
 
@@ -76,8 +75,8 @@ METHODS = ("__init__", "dispatch", "combine", "prefetch_weight")
 
 @dataclasses.dataclass(frozen=True)
 class ApiProbe:
-    """What a ``Buffer`` class speaks: ``api`` is ``"pull"``, ``"push"``, or ``"either"`` (only the
-    project's reference buffer, which plays both); ``evidence`` names the parameters that decided."""
+    """What a ``Buffer`` class speaks: ``api`` is ``"pull"`` or ``"push"``; ``evidence`` names the parameters
+    that decided."""
 
     api: str
     evidence: tuple[str, ...]
@@ -86,18 +85,28 @@ class ApiProbe:
 
 @dataclasses.dataclass(frozen=True)
 class ApiChoice:
-    """The API a run uses: ``api`` is ``"pull"`` or ``"push"``; ``requested`` the value asked for."""
+    """The API a run uses: ``api`` is ``"pull"`` or ``"push"``; ``requested`` the value asked for. What
+    follows from the choice is asked of it, so callers call rather than branch."""
 
     api: str
     requested: str
     probe: ApiProbe
 
     @property
+    def is_push(self) -> bool:
+        return self.api == PUSH
+
+    def num_slots(self, experts_per_rank: int, pull_slots: int) -> int:
+        """Prefetch slots per rank: the push API has exactly ``E/R``; the pull API the caller's ``B``."""
+        return experts_per_rank if self.is_push else pull_slots
+
+    def buffer_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The ``Buffer`` constructor's arguments for this API: the push ``Buffer`` takes no ``B``."""
+        return {k: v for k, v in kwargs.items() if not (self.is_push and k == PULL_INIT)}
+
+    @property
     def reason(self) -> str:
         how = "detected" if self.requested == "auto" else "requested and matching"
-        if self.probe.api == EITHER:
-            how = ("the reference buffer plays either generation; auto keeps pull, what vLLM 0.33.0 calls"
-                   if self.requested == "auto" else "requested; the reference buffer plays either generation")
         return (f"MoonEP API = {self.api} ({ENV}={self.requested}: {how}; {self.probe.buffer}: "
                 f"{'; '.join(self.probe.evidence)})")
 
@@ -128,23 +137,15 @@ def _found(params: dict[str, Optional[set[str]]], why: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
-#: The project's reference buffer, named rather than imported: ``ops.buffer`` may come to import this module.
-REFERENCE_BUFFER = ("moonep_ep.ops.moonep.pull", "ReferenceBuffer")
-
-
-#: The reference buffer that plays each generation alone (the push one has the release's contract).
-REFERENCE_BUFFER_FOR = {PULL: REFERENCE_BUFFER, PUSH: ("moonep_ep.ops.moonep.push", "PushReferenceBuffer")}
+#: The project's reference buffer of each API, named rather than imported (they need not be loaded to probe).
+REFERENCE_BUFFER_FOR = {PULL: ("moonep_ep.ops.moonep.pull", "ReferenceBuffer"),
+                        PUSH: ("moonep_ep.ops.moonep.push", "PushReferenceBuffer")}
 
 
 def reference_buffer_class(api: str) -> type:
     """The project's reference ``Buffer`` class for ``api`` (``"pull"`` or ``"push"``), imported on demand."""
     module, name = REFERENCE_BUFFER_FOR[api]
     return getattr(importlib.import_module(module), name)
-
-
-def _is_reference(cls: Any) -> bool:
-    """``cls`` is the reference buffer or a subclass of it."""
-    return isinstance(cls, type) and any((c.__module__, c.__qualname__) == REFERENCE_BUFFER for c in cls.__mro__)
 
 
 def probe_moonep_api(buffer_cls: Any, *, rank: Optional[int] = None) -> ApiProbe:
@@ -162,10 +163,6 @@ def probe_moonep_api(buffer_cls: Any, *, rank: Optional[int] = None) -> ApiProbe
     pull_kw = [k for k in PULL_PREFETCH if k in prefetch]
     push_kw = [k for k in PUSH_PREFETCH if k in prefetch]
     pull_full, push_full = len(pull_kw) == len(PULL_PREFETCH), len(push_kw) == len(PUSH_PREFETCH)
-    if pull_full and push_full and has_b and _is_reference(buffer_cls):
-        return ApiProbe(EITHER, (f"__init__ has {PULL_INIT} (optional)",
-                                 f"prefetch_weight has {', '.join(PULL_PREFETCH)} (pull)",
-                                 f"prefetch_weight has {', '.join(PUSH_PREFETCH)} (push)"), name)
     if pull_full and has_b and not push_kw:
         return ApiProbe(PULL, (f"__init__ has {PULL_INIT}", f"prefetch_weight has {', '.join(PULL_PREFETCH)}"), name)
     if push_full and not has_b and not pull_kw:
@@ -201,8 +198,6 @@ def requested_api(requested: Optional[str] = None, *, rank: Optional[int] = None
 
 def resolve_api(probe: ApiProbe, requested: str, *, rank: Optional[int] = None) -> ApiChoice:
     """The API one rank would use: ``requested`` (auto | pull | push) against what ``probe`` found."""
-    if probe.api == EITHER:
-        return ApiChoice(PULL if requested == "auto" else requested, requested, probe)
     if requested in ("auto", probe.api):
         return ApiChoice(probe.api, requested, probe)
     raise config_error(
@@ -211,27 +206,10 @@ def resolve_api(probe: ApiProbe, requested: str, *, rank: Optional[int] = None) 
         f"install {INSTALL_HINT[requested]} for the {requested} API, or set {ENV}={probe.api} (or auto)")
 
 
-def choose_moonep_api(buffer_cls: Any, requested: Optional[str] = None,
-                      comm: Optional[GroupComm] = None) -> ApiChoice:
-    """The MoonEP API this run uses, the same on every rank of ``comm``.
-
-    ``requested`` (default: ``MOONEP_EP_MOONEP_API``) is ``auto`` (the probe
-    decides), ``pull`` or ``push``. Collective over ``comm`` (``None``: this
-    process alone): a bad value, an unreadable ``buffer_cls``, or a request
-    the installed API contradicts on any rank raises
-    :class:`~moonep_ep.errors.CollectiveError` on every rank, naming each
-    failing rank's error; ranks that would choose different APIs raise the
-    same :class:`ConfigError` on every rank.
-    """
-    if comm is None:
-        return resolve_api(probe_moonep_api(buffer_cls), requested_api(requested))
-    with comm.step("choose the MoonEP API") as st:
-        choice = resolve_api(probe_moonep_api(buffer_cls, rank=comm.rank), requested_api(requested, rank=comm.rank),
-                             rank=comm.rank)
-        st.share((choice.api, choice.requested, choice.probe.api))
-    everyone = st.gathered
-    if any(c[0] != everyone[0][0] for c in everyone):  # every rank sees the same list: every rank raises alike
-        seen = {r: f"{api} ({ENV}={req}, installed {found})" for r, (api, req, found) in enumerate(everyone)}
-        raise ConfigError(f"[rank {comm.rank}] ranks would use different MoonEP APIs: {seen}. Fix: install the "
-                          f"same MoonEP on every node and set the same {ENV} everywhere")
-    return choice
+def choose_moonep_api(buffer_cls: Any, requested: Optional[str] = None, *, rank: Optional[int] = None) -> ApiChoice:
+    """The MoonEP API this rank would use with ``buffer_cls``: ``requested`` (default:
+    ``MOONEP_EP_MOONEP_API``) is ``auto`` (the probe decides), ``pull`` or ``push``; a bad value, an
+    unreadable ``buffer_cls`` or a request the class contradicts raises :class:`ConfigError` naming ``rank``.
+    Local: the vLLM manager shares every rank's choice in its backend-selection step and refuses ranks that
+    differ (``vllm/buffers.py``, ``agree_decisions``)."""
+    return resolve_api(probe_moonep_api(buffer_cls, rank=rank), requested_api(requested, rank=rank), rank=rank)

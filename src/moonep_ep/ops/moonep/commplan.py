@@ -92,27 +92,27 @@ class CommPlan:
 class PrefetchStats:
     """What the last ``prefetch_weight`` call did on this rank, counted at the copies."""
 
-    generation: str          # "A" (pull) or "B" (push)
+    api: str                 # "pull" or "push": the MoonEP API of the call
     copies: int              # row copies issued (used slots x tensors)
     bytes: int               # bytes copied
     seconds: Optional[float]  # wall time of the copies (None when left asynchronous on CUDA)
-    slots: list[tuple[int, int, int]]  # (slot, expert, owner) filled on this rank (Gen A)
-    #: Bytes per owner rank of the source row (``e // epn``): Gen A what each copy read; Gen B what this
+    slots: list[tuple[int, int, int]]  # (slot, expert, owner) filled on this rank (pull)
+    #: Bytes per owner rank of the source row (``e // epn``): pull what each copy read; push what this
     #: rank (the owner) pushed.
     bytes_by_owner: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: The part of ``bytes`` that crossed ranks: Gen A read from rows another rank owns; Gen B all of it
+    #: The part of ``bytes`` that crossed ranks: pull read from rows another rank owns; push all of it
     #: (a rank pushes only into other ranks' slots).
     remote_bytes: int = 0
-    #: Bytes by source expert (global id): Gen A read by this rank; Gen B pushed by this rank (its own experts).
+    #: Bytes by source expert (global id): pull read by this rank; push: pushed by this rank (its own experts).
     bytes_by_expert: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: Gen B: bytes pushed per tensor name (weights and scales apart), counted at the copies.
+    #: push: bytes pushed per tensor name (weights and scales apart), counted at the copies.
     bytes_by_tensor: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_copies(cls, generation: str, copies: int, bytes_by_expert: dict[int, int], seconds: Optional[float],
+    def from_copies(cls, api: str, copies: int, bytes_by_expert: dict[int, int], seconds: Optional[float],
                     slots: list[tuple[int, int, int]], epn: int, rank: int) -> "PrefetchStats":
         by_owner: dict[int, int] = {}
         for expert, nbytes in bytes_by_expert.items():
             by_owner[expert // epn] = by_owner.get(expert // epn, 0) + nbytes
-        return cls(generation, copies, sum(by_owner.values()), seconds, slots, by_owner,
+        return cls(api, copies, sum(by_owner.values()), seconds, slots, by_owner,
                    sum(n for owner, n in by_owner.items() if owner != rank), dict(bytes_by_expert))

@@ -11,7 +11,7 @@ A call carries weight bytes when one of its tensors, before or after the
 call (inputs and received outputs):
 
 * **aliases** registered weight memory (its byte range overlaps a registered
-  tensor, e.g. the Gen A views whose rows map the owners' pages), or
+  tensor, e.g. the pull views whose rows map the owners' pages), or
 * **contains** a registered expert row: the tensor's bytes, cut into chunks
   of one row's size, match the BLAKE2 digest of a registered row. This
   catches copies (``w.contiguous()``, a concatenated ``w13``, a gather
@@ -156,12 +156,12 @@ class CollectiveRecorder:
     """Context manager recording collectives; see the module docstring.
 
     Args:
-        weights: tensors holding expert weights (e.g. every Gen A view).
+        weights: tensors holding expert weights (e.g. every pull view).
             Their byte ranges are registered for the alias check, and rows
             ``[0, rows_per_tensor)`` along dim 0 (default: all rows) are
             digested for the content check.
         rows_per_tensor: how many leading rows of each tensor are expert rows
-            (``E`` for a Gen A ``[E+B]`` view: slot rows are copies).
+            (``E`` for a pull ``[E+B]`` view: slot rows are copies).
     """
 
     def __init__(self, weights: Iterable[torch.Tensor] = (), rows_per_tensor: Optional[int] = None):

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ...errors import config_error
+from ...layout.store import FFN_PROJECTIONS
 
 #: MoonEP kernels tile expert weights and activations by 128 (vLLM's MOONEP_WEIGHT_TILE).
 WEIGHT_TILE = 128
@@ -44,7 +45,7 @@ def positive_int(rank: Optional[int], name: str, value: Any, fix: str) -> int:
 
 
 def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
-    """Gen A ``NvS = S*K + (tp-1)*2*epn`` (moonep.md §1.2), no validation.
+    """The pull generation's ``NvS = S*K + (tp-1)*2*epn`` (moonep.md §1.2), no validation.
 
     The extra rows cover the padding of at most ``2*epn`` non-empty segments
     per destination (``epn`` local + ``epn`` from the single remote group).
@@ -152,9 +153,9 @@ def check_expert_weight(rank: Optional[int], device: torch.device, name: str, t:
     return t
 
 
-def check_gen_a_weights(rank: Optional[int], device: torch.device, full: Mapping[str, Any],
+def check_pull_weights(rank: Optional[int], device: torch.device, full: Mapping[str, Any],
                         scales: Mapping[str, Any], rows: int) -> dict[str, torch.Tensor]:
-    """Gen A ``full_*_weight`` ``[E+B, out, in]`` (and all three ``full_*_scale`` or none)."""
+    """The pull prefetch's ``full_*_weight`` ``[E+B, out, in]`` (and all three ``full_*_scale`` or none)."""
     out = {name: check_expert_weight(rank, device, f"full_{name}_weight", t, rows) for name, t in full.items()}
     given = [k for k, v in scales.items() if v is not None]
     if not given:
@@ -179,13 +180,13 @@ def check_gen_a_weights(rank: Optional[int], device: torch.device, full: Mapping
     return out
 
 
-def check_gen_b_weights(rank: Optional[int], device: torch.device, local: Mapping[str, Any],
+def check_push_weights(rank: Optional[int], device: torch.device, local: Mapping[str, Any],
                         pools: Mapping[str, Any], R: int, epn: int, B: int) -> None:
-    """Gen B ``local_*_weight`` ``[epn, out, in]`` and ``*_prefetch_buffer`` ``[R, epn, out, in]``."""
+    """The push prefetch's ``local_*_weight`` ``[epn, out, in]`` and ``*_prefetch_buffer`` ``[R, epn, out, in]``."""
     if B > epn:
-        raise config_error(rank, "Gen B push needs B <= E/R (the pool has E/R slots per rank)", B,
+        raise config_error(rank, "push needs B <= E/R (the pool has E/R slots per rank)", B,
                            f"build the Buffer with B <= {epn}")
-    for name in ("gate", "up", "down"):
+    for name in FFN_PROJECTIONS:
         lw = check_expert_weight(rank, device, f"local_{name}_weight", local[name], epn)
         pool = pools[name]
         fix = (f"pass the [R, epn, out, in] = [{R}, {epn}, {lw.shape[1]}, {lw.shape[2]}] view of every "

@@ -1,7 +1,7 @@
-"""MoonEP dispatch planner (Gen A, ``[E+B]`` groups) as a pure function.
+"""MoonEP dispatch planner (pull, ``[E+B]`` groups) as a pure function.
 
-``plan_dispatch`` restates the planning algorithm of
-MoonEP's planning algorithm (docs/design/moonep.md §4) on the host: from every rank's
+``plan_dispatch`` restates MoonEP's planning algorithm
+(docs/design/moonep.md §4) on the host: from every rank's
 ``tokens_per_expert`` (all-gathered, ``[R, E]``) and the layout parameters it
 computes the global tables that MoonEP's rank 0 computes and multicasts
 (``alloc``, quotas, ``experts_to_copy``, ``cu_seqlens``, ``zero_fill_ranges``,
@@ -19,8 +19,12 @@ Pipeline (moonep.md sections)::
            --4.5--> experts_to_copy, cu_seqlens, zero_fill, expert_off
            --4.6--> route_count / route_row           (entry_dst: per entry)
 
+:func:`build_plan` is the pipeline from checked counts on; the push generation
+(``planner_push.py``) calls it too, with its own slot choice and group order
+(the two arguments of :func:`_destination_tables` where the generations differ).
+
 Tie-breaking follows §4.8 exactly: donor/receiver = first max/min balance;
-split quota / expert = first max; Gen A slots by (count, id) descending, first
+split quota / expert = first max; pull slots by (count, id) descending, first
 ``B`` kept; entries in (source rank, flat index) order fill destinations in
 ascending rank.
 
@@ -42,8 +46,8 @@ Choices where MoonEP's contract leaves room (each also noted where it applies):
   ``[1, S]`` (``s = 0`` is unsupported upstream: pass a dummy token). With
   ``total_num_tokens=None`` every rank must route the same ``s`` (MoonEP's
   uniform mode traps otherwise); when given it must equal ``sum_r s_r``.
-* **``nvs_s``** uses the Gen A formula (``recv_cap + extra``, not rounded up to
-  ``token_padding``), matching ``NvS`` Gen A (``N + extra``, not rounded).
+* **``nvs_s``** uses the pull formula (``recv_cap + extra``, not rounded up to
+  ``token_padding``), matching ``NvS`` pull (``N + extra``, not rounded).
 * **``B > epn``** is accepted (MoonEP only requires a positive ``B``);
   slots past ``epn`` are always ``-1`` because a destination never holds more
   than ``epn`` remote experts (§4.4).
@@ -54,7 +58,7 @@ Choices where MoonEP's contract leaves room (each also noted where it applies):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -62,12 +66,17 @@ import torch
 from ...errors import config_error
 from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
-__all__ = ["DispatchPlan", "plan_dispatch", "entry_dst", "nvs_rows"]
+__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "entry_dst", "nvs_rows"]
+
+#: A generation's slot choice: ``(remote experts of d in ascending id, alloc, d, B) -> slot experts in slot order``.
+SlotPicker = Callable[[list[int], list[list[int]], int, int], list[int]]
+#: A generation's groups: ``(d, d's slot row padded with -1 to B, shape) -> the expert of each group, -1 = empty``.
+GroupOrder = Callable[[int, list[int], DispatchShape], list[int]]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchPlan(DispatchShape):
-    """Global MoonEP Gen A dispatch plan, identical on every rank.
+    """Global MoonEP pull dispatch plan, identical on every rank.
 
     All tensors are ``torch.int32``, contiguous, on the CPU. Notation:
     ``R`` ranks, ``E`` experts, ``epn = E // R``, ``B`` slots per rank,
@@ -75,12 +84,12 @@ class DispatchPlan(DispatchShape):
 
     Configuration (``int``):
 
-    * ``S`` token capacity per rank; ``K`` top-k; ``E``; ``R``; ``B`` (Gen A
+    * ``S`` token capacity per rank; ``K`` top-k; ``E``; ``R``; ``B`` (pull
       prefetch slots per rank, after ``None -> epn``); ``token_padding``
       (``tp``); ``epn``.
     * ``N`` = ``S*K``, entries per rank at capacity.
     * ``NvS`` = ``S*K + (tp-1)*2*epn``: logical rows of every rank's shard and
-      the rank stride of ``dst`` (Gen A, not rounded to ``tp``).
+      the rank stride of ``dst`` (pull, not rounded to ``tp``).
     * ``total_num_tokens`` = ``sum_r num_tokens[r]`` tokens this step.
     * ``nvs_s`` = ``ceil(total_num_tokens*K / R) + (tp-1)*2*epn``: shard
       prefix this step may write; ``cu_seqlens[d, -1] <= nvs_s <= NvS``.
@@ -104,7 +113,7 @@ class DispatchPlan(DispatchShape):
       ``alloc.sum(1) == C`` and ``alloc.sum(0) == cap``.
     * ``alloc_cumsum`` ``[E, R]``: ``Acum[e, d] = sum_{d' <= d} alloc[e, d']``.
 
-    Per-destination tables (§4.5, Gen A):
+    Per-destination tables (§4.5, pull):
 
     * ``experts_to_copy`` ``[R, B]``: row ``d`` = global expert ids prefetched
       into rank ``d``'s slots, in slot order (count desc, ties larger id
@@ -157,8 +166,8 @@ class DispatchPlan(DispatchShape):
     route_row: torch.Tensor
 
     def __post_init__(self) -> None:
-        # Shape/dtype self-check, as MoonEPCommPlan.__post_init__ does.
-        R, E, G = self.R, self.E, self.E + self.B
+        # Shape/dtype self-check, as MoonEPCommPlan.__post_init__ does (G: the generation's groups per rank).
+        R, E, G = self.R, self.E, self.num_groups
         shapes = {
             "tokens_per_expert": (R, E),
             "num_tokens": (R,),
@@ -184,7 +193,7 @@ class DispatchPlan(DispatchShape):
 
     @property
     def num_groups(self) -> int:
-        """``E + B``: grouped-GEMM groups per rank (Gen A)."""
+        """``E + B``: grouped-GEMM groups per rank (pull)."""
         return self.E + self.B
 
     def tensor_fields(self) -> dict[str, torch.Tensor]:
@@ -250,7 +259,7 @@ def plan_dispatch(
     total_num_tokens: int | None = None,
     rank: int | None = None,
 ) -> DispatchPlan:
-    """Plan one MoonEP Gen A dispatch from every rank's expert counts.
+    """Plan one MoonEP pull dispatch from every rank's expert counts.
 
     Args:
         tokens_per_expert: ``[R, E]`` integer array (``torch.Tensor``, numpy
@@ -261,7 +270,7 @@ def plan_dispatch(
         K: top-k, ``1 <= K <= 32``.
         E: routed experts, a multiple of ``R``.
         R: EP ranks, ``1 <= R <= 128``.
-        B: Gen A prefetch slots per rank; ``None`` means ``epn = E // R``.
+        B: pull prefetch slots per rank; ``None`` means ``epn = E // R``.
         token_padding: every non-empty group is padded up to a multiple of it.
         total_num_tokens: ``sum_r s_r`` (varlen); ``None`` requires every rank
             to route the same number of tokens (MoonEP's uniform mode).
@@ -276,7 +285,16 @@ def plan_dispatch(
             value and the fix.
     """
     shape = check_shape(rank, S=S, K=K, E=E, R=R, B=B, token_padding=token_padding)
-    T, num_tokens = _check_counts(rank, tokens_per_expert, shape, total_num_tokens)
+    T, num_tokens = check_counts(rank, tokens_per_expert, shape, total_num_tokens)
+    # pull rows this step may write: ceil(entries / R), not rounded to token_padding, plus 2*epn paddings.
+    nvs_s = -(-int(T.sum()) // shape.R) + (shape.token_padding - 1) * 2 * shape.epn
+    return build_plan(DispatchPlan, shape, T, num_tokens, nvs_s, _slots_by_count, _every_expert_then_slots)
+
+
+def build_plan(plan_type: type[DispatchPlan], shape: DispatchShape, T: np.ndarray, num_tokens: list[int],
+               nvs_s: int, pick_slots: SlotPicker, group_experts: GroupOrder) -> DispatchPlan:
+    """§4.1–4.6 from checked counts (:func:`check_counts`): the balancing both generations share, then the
+    generation's layout of each destination (``pick_slots``, ``group_experts``) and the entry routes onto it."""
     epn = shape.epn
     total = int(T.sum())  # entries, = sum of tokens * K
     # Python ints from here on: the loops are short (<= R receiver picks,
@@ -285,12 +303,7 @@ def plan_dispatch(
     cap, balance = _global_counts(C, total, shape.R, epn)
     z = _receiver_quotas(balance)
     alloc = _split_tokens(C, z, shape.R, epn)
-    tables = _destination_tables(alloc, shape)
-    recv_cap = -(-total // shape.R)
-    nvs_s = recv_cap + (shape.token_padding - 1) * 2 * epn
-    # Proven bound (cap[d] <= recv_cap, <= 2*epn padded segments); a failure
-    # here is a planner bug, not a user error.
-    assert all(row[-1] <= nvs_s for row in tables["cu_seqlens"]) and nvs_s <= shape.NvS
+    tables = _destination_tables(alloc, shape, pick_slots, group_experts)
 
     def i32(x: Any) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64).to(torch.int32).contiguous()
@@ -299,7 +312,7 @@ def plan_dispatch(
     alloc64 = torch.tensor(alloc, dtype=torch.int64)
     expert_off64 = torch.tensor(tables["expert_off"], dtype=torch.int64)
     route_count, route_row = _entry_routes(T64, alloc64, expert_off64)
-    return DispatchPlan(
+    plan = plan_type(
         **dataclasses.asdict(shape), total_num_tokens=sum(num_tokens), nvs_s=nvs_s,
         tokens_per_expert=T64.to(torch.int32).contiguous(),
         num_tokens=i32(num_tokens),
@@ -317,10 +330,14 @@ def plan_dispatch(
         route_count=route_count.to(torch.int32).contiguous(),
         route_row=route_row.to(torch.int32).contiguous(),
     )
+    # Proven bound (cap[d] <= ceil(total / R), <= 2*epn padded segments); a failure
+    # here is a planner bug, not a user error.
+    assert all(row[-1] <= nvs_s for row in tables["cu_seqlens"]) and nvs_s <= plan.NvS
+    return plan
 
 
-def _check_counts(rank: int | None, tokens_per_expert: Any, shape: DispatchShape,
-                  total_num_tokens: int | None) -> tuple[np.ndarray, list[int]]:
+def check_counts(rank: int | None, tokens_per_expert: Any, shape: DispatchShape,
+                 total_num_tokens: int | None) -> tuple[np.ndarray, list[int]]:
     """The gathered ``[R, E]`` counts and each rank's token count ``s_r``, or ConfigError."""
     R, K, S = shape.R, shape.K, shape.S
     T = _counts_array(rank, tokens_per_expert, R, shape.E)
@@ -409,37 +426,48 @@ def _split_tokens(C: list[int], z: list[list[int]], R: int, epn: int) -> list[li
     return alloc
 
 
-def _destination_tables(alloc: list[list[int]], shape: DispatchShape) -> dict[str, list]:
-    """§4.5 (Gen A): each destination's slots, group layout, padding and expert offsets."""
+def _slots_by_count(remote: list[int], alloc: list[list[int]], d: int, B: int) -> list[int]:
+    """pull slots of destination ``d``: count desc, ties larger id first (§4.8); the first ``B``."""
+    return sorted(remote, key=lambda e: (alloc[e][d], e), reverse=True)[:B]
+
+
+def _every_expert_then_slots(d: int, slot_row: list[int], shape: DispatchShape) -> list[int]:
+    """pull groups (``E + B``): every expert by id, empty (``-1``) where it is slotted on ``d``, then the slots."""
+    slotted = set(slot_row)
+    return [(-1 if g in slotted else g) for g in range(shape.E)] + slot_row
+
+
+def _destination_tables(alloc: list[list[int]], shape: DispatchShape, pick_slots: SlotPicker,
+                        group_experts: GroupOrder) -> dict[str, list]:
+    """§4.5: each destination's slots, group layout, padding and expert offsets.
+
+    The generation decides which remote experts take slots, in which order (``pick_slots``), and which
+    expert each group computes (``group_experts``); the groups are then laid out back to back, each padded
+    to a multiple of ``token_padding``.
+    """
     R, E, B, tp, epn = shape.R, shape.E, shape.B, shape.token_padding, shape.epn
-    G = E + B
-    experts_to_copy = [[-1] * B for _ in range(R)]
-    copy_owner = [[-1] * B for _ in range(R)]
+    experts_to_copy, cu_seqlens, zero_fill = [], [], []
     remote_stats = [[0, 0] for _ in range(R)]
-    cu_seqlens = [[0] * G for _ in range(R)]
-    zero_fill = [[[0, 0] for _ in range(G)] for _ in range(R)]
     expert_off = [[-1] * E for _ in range(R)]
     for d in range(R):
         remote = [e for e in range(E) if alloc[e][d] > 0 and e // epn != d]
-        # Count desc, ties larger id first (§4.8); keep the first B.
-        slots = sorted(remote, key=lambda e: (alloc[e][d], e), reverse=True)[:B]
-        for b, e in enumerate(slots):
-            experts_to_copy[d][b] = e
-            copy_owner[d][b] = e // epn
+        slots = pick_slots(remote, alloc, d, B)
+        for e in slots:
             remote_stats[e // epn][1] += 1
         remote_stats[d][0] = len(remote)
-        slotted = set(slots)
-        group_expert = [(-1 if g in slotted else g) for g in range(E)] + experts_to_copy[d]
-        start = 0
-        for g, e in enumerate(group_expert):
+        experts_to_copy.append(slots + [-1] * (B - len(slots)))
+        start, ends, fills = 0, [], []
+        for e in group_experts(d, experts_to_copy[d], shape):
             cnt = alloc[e][d] if e >= 0 else 0
             padded = -(-cnt // tp) * tp
             if cnt > 0:
                 expert_off[d][e] = start
-                if padded > cnt:
-                    zero_fill[d][g] = [start + cnt, padded - cnt]
+            fills.append([start + cnt, padded - cnt] if padded > cnt else [0, 0])
             start += padded
-            cu_seqlens[d][g] = start
+            ends.append(start)
+        cu_seqlens.append(ends)
+        zero_fill.append(fills)
+    copy_owner = [[(e // epn if e >= 0 else -1) for e in row] for row in experts_to_copy]
     return {"experts_to_copy": experts_to_copy, "copy_owner": copy_owner, "remote_stats": remote_stats,
             "cu_seqlens": cu_seqlens, "zero_fill": zero_fill, "expert_off": expert_off}
 

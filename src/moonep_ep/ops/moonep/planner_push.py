@@ -20,8 +20,9 @@ each destination out differently (its planning reference,
 So an entry goes to the same destination rank in both generations and a
 slotted expert's rows keep their order; only the offset of each group inside
 the shard can differ (when a rank holds two or more slots).
-:func:`plan_push_dispatch` reuses the pull planner for ``alloc`` and the entry
-routes and rebuilds the per-destination tables; :func:`~moonep_ep.ops.moonep.planner.entry_dst`
+:func:`plan_push_dispatch` runs the pull planner's pipeline
+(:func:`~moonep_ep.ops.moonep.planner.build_plan`) once, with this generation's
+slot choice and group order; :func:`~moonep_ep.ops.moonep.planner.entry_dst`
 works on its result unchanged (it reads ``expert_off``, the cumulative tables
 and ``NvS``).
 """
@@ -34,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from ...errors import config_error
-from .limits import check_shape
-from .planner import DispatchPlan, plan_dispatch
+from .limits import DispatchShape, check_shape
+from .planner import DispatchPlan, build_plan, check_counts
 
 __all__ = ["PushDispatchPlan", "plan_push_dispatch", "push_nvs_rows"]
 
@@ -63,16 +64,19 @@ class PushDispatchPlan(DispatchPlan):
         return 2 * self.epn
 
     def __post_init__(self) -> None:
-        R, E, G, epn = self.R, self.E, 2 * self.epn, self.epn
-        shapes = {"tokens_per_expert": (R, E), "num_tokens": (R,), "tpe_cumsum": (R, E), "cap": (R,), "z": (R, R),
-                  "alloc": (E, R), "alloc_cumsum": (E, R), "experts_to_copy": (R, epn), "copy_owner": (R, epn),
-                  "remote_stats": (R, 2), "cu_seqlens": (R, G), "zero_fill_ranges": (R, G, 2), "expert_off": (R, E),
-                  "route_count": (R, E, R), "route_row": (R, E, R)}
-        assert self.B == epn, (self.B, epn)
-        for name, shape in shapes.items():
-            t = getattr(self, name)
-            assert isinstance(t, torch.Tensor) and tuple(t.shape) == shape, (name, getattr(t, "shape", None), shape)
-            assert t.dtype == torch.int32 and t.is_contiguous(), name
+        assert self.B == self.epn, (self.B, self.epn)
+        super().__post_init__()
+
+
+def _slots_by_id(remote: list[int], alloc: list[list[int]], d: int, B: int) -> list[int]:
+    """Every remote expert with entries on ``d`` takes a slot, in ascending id (``remote``'s order)."""
+    assert len(remote) <= B, (d, remote)  # B = epn, and one donor group per receiver (§4.4)
+    return remote
+
+
+def _own_experts_then_slots(d: int, slot_row: list[int], shape: DispatchShape) -> list[int]:
+    """``2*epn`` groups: ``d``'s own experts, then its slots (``-1`` = unused)."""
+    return list(range(d * shape.epn, (d + 1) * shape.epn)) + slot_row
 
 
 def plan_push_dispatch(tokens_per_expert: Any, *, S: int, K: int, E: int, R: int, token_padding: int = 128,
@@ -88,53 +92,14 @@ def plan_push_dispatch(tokens_per_expert: Any, *, S: int, K: int, E: int, R: int
     rows = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
     try:
         entries = [int(sum(int(v) for v in row)) for row in rows]
-    except (TypeError, ValueError):  # not a table of integers: plan_dispatch names what is wrong
+    except (TypeError, ValueError):  # not a table of integers: check_counts names what is wrong
         entries = []
     for r, n in enumerate(entries):
         if n != shape.N:
             raise config_error(rank, f"the push generation routes exactly S*K = {shape.S}*{shape.K} = {shape.N} "
                                f"entries per rank; rank {r} routes {n}", n,
                                f"pad every batch to the capacity S={shape.S} (dummy tokens with route weight 0)")
-    base = plan_dispatch(tokens_per_expert, S=S, K=K, E=E, R=R, B=None, token_padding=token_padding,
-                         total_num_tokens=None, rank=rank)
-    epn, tp = base.epn, base.token_padding
-    alloc = base.alloc.to(torch.int64)
-    experts_to_copy = torch.full((R, epn), -1, dtype=torch.int64)
-    remote_stats = torch.zeros(R, 2, dtype=torch.int64)
-    cu_seqlens = torch.zeros(R, 2 * epn, dtype=torch.int64)
-    zero_fill = torch.zeros(R, 2 * epn, 2, dtype=torch.int64)
-    expert_off = torch.full((R, E), -1, dtype=torch.int64)
-    for d in range(R):
-        remote = [e for e in range(E) if alloc[e, d] > 0 and e // epn != d]  # ascending id
-        assert len(remote) <= epn, (d, remote)  # one donor group per receiver (§4.4)
-        experts_to_copy[d, :len(remote)] = torch.tensor(remote, dtype=torch.int64)
-        remote_stats[d, 0] = len(remote)
-        for e in remote:
-            remote_stats[e // epn, 1] += 1
-        start = 0
-        for g, e in enumerate(list(range(d * epn, (d + 1) * epn)) + experts_to_copy[d].tolist()):
-            count = int(alloc[e, d]) if e >= 0 else 0
-            padded = -(-count // tp) * tp
-            if count:
-                expert_off[d, e] = start
-                if padded > count:
-                    zero_fill[d, g] = torch.tensor([start + count, padded - count])
-            start += padded
-            cu_seqlens[d, g] = start
-    # The same entries move (route_count); each lands at the same position inside its expert's run on d,
-    # so only the run's start changes: route_row - old start + new start.
-    moved = base.route_count > 0
-    old_off = base.expert_off.to(torch.int64).t()[None]   # [1, E, R]: expert_off[d][e]
-    new_off = expert_off.t()[None]
-    route_row = torch.where(moved, base.route_row.to(torch.int64) - old_off + new_off, torch.full_like(old_off, -1))
-
-    def i32(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.int32).contiguous()
-
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    fields.update(experts_to_copy=i32(experts_to_copy),
-                  copy_owner=i32(torch.where(experts_to_copy >= 0, experts_to_copy // epn, -1)),
-                  remote_stats=i32(remote_stats), cu_seqlens=i32(cu_seqlens), zero_fill_ranges=i32(zero_fill),
-                  expert_off=i32(expert_off), route_row=i32(route_row),
-                  nvs_s=push_nvs_rows(base.S, base.K, base.E, base.R, tp))
-    return PushDispatchPlan(**fields)
+    T, num_tokens = check_counts(rank, tokens_per_expert, shape, None)
+    # Every rank routes S tokens, so a call may fill the whole shard: nvs_s = NvS.
+    nvs_s = push_nvs_rows(shape.S, shape.K, shape.E, shape.R, shape.token_padding)
+    return build_plan(PushDispatchPlan, shape, T, num_tokens, nvs_s, _slots_by_id, _own_experts_then_slots)

@@ -4,17 +4,17 @@ Both establish the same post-condition (moonep.md §2.3): *rank ``d``'s slot
 ``b`` holds expert ``experts_to_copy[d, b]``* for every ``b`` with a value
 ``>= 0``; slots holding ``-1`` are not touched.
 
-**Pull (Gen A)**, :func:`pull_slots`: each rank copies into its *own* slots::
+**Pull**, :func:`pull_slots`: each rank copies into its *own* slots::
 
     full[E + b] <- full[experts_to_copy[rank, b]]      for b with a value >= 0
 
-``full`` is a ``[E+B, out, in]`` Gen A view. Over the sharded store, row
+``full`` is a ``[E+B, out, in]`` pull view. Over the sharded store, row
 ``e < E`` of that view is a mapping of the owner's physical memory, so the
 copy reads the owner's bytes directly (host: shared memfd pages; GPU: the
 peer's HBM over NVLink through the VMM mapping). No collective runs and no
 other rank is involved; the caller guarantees the owners' rows are final.
 
-**Push (Gen B)**, :func:`push_slots`: each rank copies *its own* experts into
+**Push**, :func:`push_slots`: each rank copies *its own* experts into
 every rank's slot pool::
 
     pool[r][b] <- local[e - rank*epn]   for every (r, b) with e = experts_to_copy[r, b]
@@ -208,10 +208,10 @@ def _run_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torc
 def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Sequence[int], num_experts: int, *,
                streams: Optional[SideStreams] = None,
                bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, dict[int, int], Any]:
-    """Gen A pull: ``full[E + b] <- full[experts_to_copy_row[b]]`` for every used slot.
+    """The pull: ``full[E + b] <- full[experts_to_copy_row[b]]`` for every used slot.
 
     Args:
-        full_weights: ``{name: [E+B, out, in]}`` Gen A views (gate, up, down
+        full_weights: ``{name: [E+B, out, in]}`` pull views (gate, up, down
             and optionally scales), all on one device; row ``E + b`` is slot
             ``b`` of this rank.
         experts_to_copy_row: ``[B]`` ints, this rank's row of the plan's
@@ -249,7 +249,7 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
                streams: Optional[SideStreams] = None,
                bytes_by_tensor: Optional[dict[str, int]] = None,
                bytes_by_expert: Optional[dict[int, int]] = None) -> tuple[int, int, Any]:
-    """Gen B push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
+    """The push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
 
     Args:
         local_weights: ``{name: [epn, out, in]}`` this rank's own experts.

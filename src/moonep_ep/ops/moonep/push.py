@@ -1,9 +1,9 @@
 """A pure-PyTorch MoonEP ``Buffer`` of the push generation (MoonEP's public release 26/09) over ``torch.distributed``.
 
 :class:`PushReferenceBuffer` has the release's contract (docs/design/moonep.md
-§2.8) and reuses :class:`~moonep_ep.ops.moonep.pull.ReferenceBuffer`'s machinery
-(lockstep checks, ``all_to_all_single`` exchanges, placement, combine, the
-push in ``ops/moonep/push_step.py``); what differs is the contract and the plan:
+§2.8) over :class:`~.base.ReferenceBufferBase` (lockstep checks, ``all_to_all_single``
+exchanges, placement, combine); the push step itself is :mod:`.push_step`. What
+differs from the pull generation is the contract and the plan:
 
 * ``Buffer(S, H, K, E, num_ep_ranks, num_sms=None, token_padding=128,
   group=None, comm_stream_priority=-1, enable_pdl=True,
@@ -36,15 +36,17 @@ import torch
 import torch.distributed as dist
 
 from ...errors import config_error
-from .pull import ReferenceBuffer
+from ...layout.store import FFN_PROJECTIONS
+from .base import ReferenceBufferBase
+from .push_step import check_push_args, run_push
 from .limits import INT32_MAX, MAX_NVS
 from .planner import DispatchPlan
 from .planner_push import plan_push_dispatch, push_nvs_rows
 
-__all__ = ["PushReferenceBuffer"]
+__all__ = ["PushReferenceBuffer", "push_prefetch"]
 
 
-class PushReferenceBuffer(ReferenceBuffer):
+class PushReferenceBuffer(ReferenceBufferBase):
     """MoonEP's release ``Buffer`` (push generation) in pure PyTorch (see the module docstring).
 
     Collective: construct on every rank of ``group`` with identical arguments,
@@ -150,13 +152,31 @@ class PushReferenceBuffer(ReferenceBuffer):
         ``plan.experts_to_copy[d, b]``; returns ``None``, or with
         ``async_finish`` an event (complete on CPU).
         """
-        return super().prefetch_weight(
-            plan, async_finish, local_gate_weight=local_gate_weight, local_up_weight=local_up_weight,
-            local_down_weight=local_down_weight, gate_prefetch_buffer=gate_prefetch_buffer,
-            up_prefetch_buffer=up_prefetch_buffer, down_prefetch_buffer=down_prefetch_buffer,
-            local_gate_scale=local_gate_scale, local_up_scale=local_up_scale, local_down_scale=local_down_scale,
-            gate_scale_prefetch_buffer=gate_scale_prefetch_buffer, up_scale_prefetch_buffer=up_scale_prefetch_buffer,
-            down_scale_prefetch_buffer=down_scale_prefetch_buffer)
+        self._check_alive("prefetch_weight")
+        push_prefetch(self, plan, local_gate_weight=local_gate_weight, local_up_weight=local_up_weight,
+                      local_down_weight=local_down_weight, gate_prefetch_buffer=gate_prefetch_buffer,
+                      up_prefetch_buffer=up_prefetch_buffer, down_prefetch_buffer=down_prefetch_buffer,
+                      local_gate_scale=local_gate_scale, local_up_scale=local_up_scale,
+                      local_down_scale=local_down_scale, gate_scale_prefetch_buffer=gate_scale_prefetch_buffer,
+                      up_scale_prefetch_buffer=up_scale_prefetch_buffer,
+                      down_scale_prefetch_buffer=down_scale_prefetch_buffer)
+        return self._event() if async_finish else None
+
+
+def push_prefetch(buffer: ReferenceBufferBase, plan: Any, **keywords: Optional[torch.Tensor]) -> None:
+    """The push prefetch of ``plan`` over ``buffer``'s group: the keywords of the push ``prefetch_weight``
+    checked in one lockstep step (always collective: the push ends in a barrier), then the push of weights and
+    scales and the barrier; ``buffer.last_prefetch`` records it. Any reference buffer's plan works, so the
+    tests can push the slots a pull plan chose and compare them with the pull's."""
+    local = {p: keywords.get(f"local_{p}_weight") for p in FFN_PROJECTIONS}
+    pools = {p: keywords.get(f"{p}_prefetch_buffer") for p in FFN_PROJECTIONS}
+    local_scales = {p: keywords.get(f"local_{p}_scale") for p in FFN_PROJECTIONS}
+    scale_pools = {p: keywords.get(f"{p}_scale_prefetch_buffer") for p in FFN_PROJECTIONS}
+    with buffer._agree("prefetch_weight"):
+        buffer._check_plan(plan)
+        local, pools = check_push_args(buffer.rank, buffer.device, local, pools, local_scales, scale_pools,
+                                       buffer.R, buffer.epn, buffer.B)
+    buffer.last_prefetch = run_push(buffer, plan, local, pools)  # weights + scales, then the barrier
 
 
 _ABSENT = object()

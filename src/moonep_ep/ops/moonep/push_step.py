@@ -1,4 +1,4 @@
-"""The reference buffer's Gen B (push) prefetch: argument checks and the push step, weights with their scales.
+"""The push buffer's prefetch step: argument checks and the push step, weights with their scales.
 
 MoonEP's release moves each rank's own experts into the slot pools of the
 ranks that need them (``prefetch_weight(plan, local_*_weight, *_prefetch_buffer)``,
@@ -23,38 +23,38 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...errors import config_error
+from ...layout.store import FFN_PROJECTIONS
 from .commplan import CommPlan, PrefetchStats
-from .limits import SCALE_TILE_BYTES, check_gen_b_weights
+from .limits import SCALE_TILE_BYTES, check_push_weights
 from .prefetch import push_slots
 
-__all__ = ["PROJECTIONS", "check_push_args", "run_push"]
+__all__ = ["check_push_args", "run_push"]
 
-PROJECTIONS = ("gate", "up", "down")
 
 
 def check_push_args(rank: int, device: torch.device, local: Mapping[str, Any], pools: Mapping[str, Any],
                     local_scales: Mapping[str, Any], scale_pools: Mapping[str, Any], R: int, epn: int,
                     B: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Check a Gen B call; return ``({name: local [epn, ...]}, {name: pool [R, epn, ...]})`` with the
+    """Check a push call; return ``({name: local [epn, ...]}, {name: pool [R, epn, ...]})`` with the
     scales (when given) as ``gate_scale``, ``up_scale``, ``down_scale``.
 
-    Weights: ``limits.check_gen_b_weights``. Scales: all six tensors or none; uint8 weights only; each
+    Weights: ``limits.check_push_weights``. Scales: all six tensors or none; uint8 weights only; each
     ``local_*_scale`` a contiguous ``[epn, ...]`` tensor whose per-expert bytes are a multiple of 16384;
     each ``*_scale_prefetch_buffer`` ``[R, epn, ...]`` of the same trailing shape and dtype, each rank's
     rows contiguous (gaps between ranks allowed, as for the weights).
     """
-    check_gen_b_weights(rank, device, local, pools, R, epn, B)
-    out_local = {name: local[name] for name in PROJECTIONS}
-    out_pools = {name: pools[name] for name in PROJECTIONS}
-    given = [f"local_{n}_scale" for n in PROJECTIONS if local_scales.get(n) is not None] + \
-            [f"{n}_scale_prefetch_buffer" for n in PROJECTIONS if scale_pools.get(n) is not None]
+    check_push_weights(rank, device, local, pools, R, epn, B)
+    out_local = {name: local[name] for name in FFN_PROJECTIONS}
+    out_pools = {name: pools[name] for name in FFN_PROJECTIONS}
+    given = [f"local_{n}_scale" for n in FFN_PROJECTIONS if local_scales.get(n) is not None] + \
+            [f"{n}_scale_prefetch_buffer" for n in FFN_PROJECTIONS if scale_pools.get(n) is not None]
     if not given:
         return out_local, out_pools
-    if len(given) != 2 * len(PROJECTIONS):
-        raise config_error(rank, "Gen B scales must be given for all three projections, local and pool, or none",
+    if len(given) != 2 * len(FFN_PROJECTIONS):
+        raise config_error(rank, "push scales must be given for all three projections, local and pool, or none",
                            given, "pass local_{gate,up,down}_scale and {gate,up,down}_scale_prefetch_buffer "
                            "together, or none of them")
-    for name in PROJECTIONS:
+    for name in FFN_PROJECTIONS:
         weight = local[name]
         if weight.dtype != torch.uint8:
             raise config_error(rank, f"scales need uint8 weights (MoonEP's prefetch kernel); local_{name}_weight is",
@@ -92,7 +92,7 @@ def check_push_args(rank: int, device: torch.device, local: Mapping[str, Any], p
 
 def run_push(buffer: Any, plan: CommPlan, local: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
              t0: Optional[float] = None) -> PrefetchStats:
-    """The push step of ``buffer`` (a checked Gen B call): every tensor of every slot this rank owns the expert
+    """The push step of ``buffer`` (a checked push call): every tensor of every slot this rank owns the expert
     of, weights and scales in one issue, then the host waits for them and a barrier: on return every rank's
     slots are final. Collective."""
     t0 = time.perf_counter() if t0 is None else t0
@@ -101,8 +101,8 @@ def run_push(buffer: Any, plan: CommPlan, local: Mapping[str, torch.Tensor], poo
     copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, buffer.rank, buffer.epn,
                                        streams=buffer._streams, bytes_by_tensor=by_tensor, bytes_by_expert=by_expert)
     event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
-    buffer.comm.barrier("prefetch_weight (Gen B): every push landed")
+    buffer.comm.barrier("prefetch_weight (push): every push landed")
     # Counted at the pusher, which is the owner of every expert it pushes (into other ranks' slots)
-    return PrefetchStats("B", copies, nbytes, time.perf_counter() - t0, plan.slot_sources,
+    return PrefetchStats("push", copies, nbytes, time.perf_counter() - t0, plan.slot_sources,
                          bytes_by_owner={buffer.rank: nbytes} if nbytes else {}, remote_bytes=nbytes,
                          bytes_by_expert=by_expert, bytes_by_tensor=by_tensor)

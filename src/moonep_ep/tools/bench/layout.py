@@ -30,11 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _bench_rank(ctx: Any, layers: int, experts: int, gran: int) -> dict[str, Any]:
     from ...memory.host import HostDriver
-    from ...layout.store import ProjectionSpec, ShardedExpertStore
+    from ...layout.store import FFN_PROJECTIONS, ProjectionSpec, ShardedExpertStore
 
     driver = HostDriver(rank=ctx.rank, granularity=gran)
     row = (1, gran // 2)  # one bf16 row of one page per expert
-    projs = [ProjectionSpec(name, row) for name in ("gate", "up", "down")]
+    projs = [ProjectionSpec(name, row) for name in FFN_PROJECTIONS]
     epn = experts // ctx.world_size
     t0 = time.perf_counter()
     store = ShardedExpertStore(num_layers=layers, num_experts=experts, projections=projs, num_slots=epn,
@@ -46,7 +46,7 @@ def _bench_rank(ctx: Any, layers: int, experts: int, gran: int) -> dict[str, Any
         for layer in (0, layers - 1):
             store.owner_view(layer, "down")[:, 0, 0] = float(ctx.rank + 1)
         store.finish_loading()
-        ok = all(float(store.gen_a(layer, "down")[o * epn, 0, 0]) == o + 1
+        ok = all(float(store.pull_view(layer, "down")[o * epn, 0, 0]) == o + 1
                  for layer in (0, layers - 1) for o in range(ctx.world_size))
         with open("/proc/self/maps") as maps:
             vmas = sum(1 for _ in maps)

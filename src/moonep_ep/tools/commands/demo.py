@@ -10,7 +10,7 @@ VMM + NCCL when every rank has a GPU). Each rank:
    ``h <- h + moe_l(rmsnorm(h))``, with a skewed router
    ``logits = rmsnorm(h) @ W_r^T + skew * bias_l`` (``bias_l`` shared by all
    ranks, so a few experts are hot everywhere);
-3. per layer: :meth:`ReferenceBuffer.dispatch`, Gen A
+3. per layer: :meth:`ReferenceBuffer.dispatch`, pull
    :meth:`~ReferenceBuffer.prefetch_weight` on the store's ``[E+B]`` views
    (pull from the owners' pages), :func:`grouped_ffn`,
    :meth:`~ReferenceBuffer.combine`; compares with :func:`reference_moe` on
@@ -140,7 +140,7 @@ def demo_rank(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, rank))
         h = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
         report["fault"] = _inject_fault(cfg, store, shapes, h, device)
-        views = {(layer, p.name): store.gen_a(layer, p.name) for layer in range(L) for p in projs}
+        views = {(layer, p.name): store.pull_view(layer, p.name) for layer in range(L) for p in projs}
         recorder = CollectiveRecorder(views.values(), rows_per_tensor=E)
         layers_out, entries = [], []
         with recorder:
@@ -337,9 +337,9 @@ FIGURE_SOURCES: dict[str, str] = {
     "tokens_received_per_layer": "measured: as tokens_received, per layer",
     "redundant_experts": "measured: the plan's slots filled per rank and layer (expert, owner, page holders)",
     "prefetch_remote_bytes_per_rank": "measured: bytes the prefetch copies read from rows another rank owns, "
-                                      "counted at each copy (ops.prefetch.pull_slots)",
+                                      "counted at each copy (ops.moonep.prefetch.pull_slots)",
     "weight_allgather_bytes": "measured: expert-weight bytes found in any torch.distributed collective "
-                              "(ops.instrument.CollectiveRecorder, alias and content match)",
+                              "(ops.moonep.instrument.CollectiveRecorder, alias and content match)",
     "collective_bytes_per_rank": "measured: bytes of every collective of the forward (recorder)",
     "collectives_rank0": "measured: rank 0's collectives by phase (recorder)",
     "expert_bytes_per_rank": "measured: see expert_bytes_source (OS memfd sizes on the host driver; the CUDA "

@@ -259,7 +259,7 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
            "HF_HUB_OFFLINE": "1", **cfg.extra_env}
     if cfg.device == "cpu":
         # The CPU engine overrides; inert in the single-process run (default backend), where
-        # only their AMX permission request matters (see plugin._request_amx_permission).
+        # only their AMX permission request matters (see vllm/cpu/patches.py's request_amx_permission).
         env["MOONEP_EP_CPU"] = "1"
         env.update(triton_experts_env({**os.environ, **env}))
         if in_process(cfg, {**os.environ, **env}):

@@ -4,12 +4,9 @@ A top-k router is discontinuous. Where the oracle's (fp32) selection scores
 of the k-th and the (k+1)-th expert are closer than what bf16 arithmetic
 moves them, a correct bf16 engine may pick the other expert; that token's
 output then moves by an expert's worth, and so does everything that attends
-to it. Measured on the tiny DeepSeek-V3 (HF bf16 as the engine, fp32 as the
-oracle, the demo's prompts, 4,230 routing decisions): free-running, the
-largest ``|Δ log-prob|`` was 0.30 nats and the largest divergence gap 0.29,
-where the fp32 forward forced onto the bf16 forward's expert choices gave
-0.041 and 0.026, and every one of the 62 choices that differed had a margin
-of at most 0.012 in the forced forward's own scores.
+to it. How far bf16 arithmetic moves them, measured on the tiny
+DeepSeek-V3 (free-running and forced, the margins of the choices that
+differed): docs/design/vllm_observe.md, "Near-ties, explained".
 
 So the oracle explains a divergence (and a position over ``abs_max``) with
 measured quantities, never with a wider bound:
@@ -24,7 +21,7 @@ measured quantities, never with a wider bound:
    ``max(s[own not engine]) - min(s[engine not own])`` in the oracle's
    selection scores; each must be at most :attr:`NearTieRule.margin_bound`
    (``2^-5``: 8 bf16 ulps of a score in ``[0.5, 1)``, 2.6 times the largest
-   margin measured above) — a wrong expert (large margin) is not a near-tie;
+   margin measured there) — a wrong expert (large margin) is not a near-tie;
 3. the forced oracle must **agree** with the engine at the position: its gap
    to the engine's token and ``|Δ|`` of the engine's log-prob at most
    :attr:`NearTieRule.agreement` (the rule's ``p90_max``) — wrong expert math

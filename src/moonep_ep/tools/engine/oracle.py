@@ -7,7 +7,7 @@ generated position ``j``, its log-softmax: its argmax, its top two, and the
 log-prob of the engine's token. The engine reported its own log-prob of that
 token (vLLM's ``logprobs``), so ``Δ = engine − oracle`` is measured there.
 
-The rule (:class:`OracleRule`; why these numbers: ``docs/design/vllm.md``):
+The rule (:class:`OracleRule`; why these numbers: ``docs/design/vllm_observe.md``):
 
 1. **divergence gap** — where the engine's token is not the oracle's argmax,
    the oracle's log-prob of its argmax minus its log-prob of the engine's
@@ -56,7 +56,7 @@ RULE = OracleRule()
 #: W8A8 forward differs from its fp32 one by more than :data:`RULE` allows. Its tails are wider too: on a CPU
 #: without AMX that bf16 forward picked another expert than fp32 at one position of 96 (a routing near-tie,
 #: with or without the activation quantization), 2.15 nats of gap and 2.21 of |Δ| there. The bounds and the
-#: runs they come from: ``docs/design/vllm.md`` (FP8 activations).
+#: runs they come from: ``docs/design/vllm_observe.md`` (FP8 activations).
 W8A8_RULE = OracleRule(divergence_gap=1.5, p50_max=0.06, p90_max=0.20, abs_max=2.0)
 #: ``expert_activation_quant`` -> the rule its runs are judged by
 RULES = {None: RULE, "fp8-1x128": W8A8_RULE}

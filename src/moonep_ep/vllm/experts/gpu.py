@@ -58,7 +58,7 @@ from ...ops.experts.mxfp4_kernel import mxfp4_grouped_gemm
 __all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "fit_block_m", "gpu_grouped_ffn", "gpu_grouped_gemm",
            "int4_kernel_view", "kernel_config", "kernel_views"]
 
-#: format -> the kernel that serves it (docs/design/vllm.md's table)
+#: format -> the kernel that serves it (docs/design/vllm_experts.md's table)
 GPU_KERNELS = {"int4-g32": "vllm fused_moe_kernel_gptq_awq", "fp8-block": "vllm fused_moe_kernel (block 128x128)",
                "mxfp4": "moonep_ep mxfp4_grouped_gemm_kernel", "bf16": "vllm MoonEPExperts"}
 #: block sizes of the interpreter runs: few, wide programs (the interpreter pays per program and per op)

@@ -6,9 +6,10 @@ the weight copies and the compute of the rank's own experts run one after
 the other. Here:
 
 * :func:`prefetch` (the plugin's buffer wrapper calls it) asks the buffer for
-  ``async_finish=True`` and keeps the returned event for this thread's next
-  expert compute, in a step the prepare step armed (:func:`arm`) because the
-  layer's experts run :func:`apply`; other experts get the blocking call;
+  ``async_finish=True`` and hands the returned event over to this thread's
+  next expert compute (:class:`SlotFillHandoff`), in a step the prepare step
+  armed (:func:`arm`) because the layer's experts run :func:`apply`; other
+  experts get the blocking call;
 * :func:`apply` (in place of ``MoonEPExperts.apply``) computes groups
   ``[0, E)`` (own experts; on the sharded store also remote experts without a
   slot, read in place), then waits on the event, then computes the slot
@@ -19,7 +20,7 @@ the other. Here:
   makes that class declare SiTU too (``_supports_activation``), so vLLM's
   backend oracle keeps MoonEP for a SiTU layer and this ``apply`` serves it.
 
-On a GPU the wait (``ops.prefetch.wait_for_slots``, the one wait of every
+On a GPU the wait (``ops.moonep.prefetch.wait_for_slots``, the one wait of every
 path) makes the current stream wait on the event: the own groups' kernels are
 queued before it, the copies run on the buffer's copy stream meanwhile. On
 CPU the slot copies are deferred (``MOONEP_EP_CPU_DEFERRED_COPIES``) and land
@@ -28,9 +29,10 @@ records the order (``own``, ``waited``, ``slots``) for the tests. Splitting
 needs the row where the slot groups start on the host (one ``int`` read per
 layer): vLLM's MoonEP path is eager-only.
 
-The quantized layers' prefetch (``quantized_engine.prefetch_quantized``)
-hands its weight and scale events over with :func:`deliver`; their experts
-take them with :func:`take_event` and wait before any slot row is read.
+The quantized layers' prefetch (``quantized/engine.py``
+``prefetch_quantized``) hands its weight and scale events over with
+:func:`deliver_slot_fill`; their experts take them with :func:`take_slot_fill`
+and wait before any slot row is read.
 """
 
 from __future__ import annotations
@@ -45,11 +47,56 @@ from ...ops.moonep.prefetch import wait_for_slots
 from .activation import activation_name, activation_of
 from ..hooks import install, is_wrapped
 
-__all__ = ["arm", "prefetch", "deliver", "take_event", "apply", "patch_experts", "TRACE"]
-#: Set on an experts class whose ``apply`` takes this thread's pending event (:func:`take_event`) and waits.
+__all__ = ["SLOT_FILL_HANDOFF", "SlotFillHandoff", "arm", "prefetch", "deliver_slot_fill", "take_slot_fill", "apply",
+           "patch_experts", "TRACE"]
+#: Set on an experts class whose ``apply`` takes this thread's slot fill (:func:`take_slot_fill`) and waits.
 WAITS_ATTR = "_moonep_ep_waits_for_slot_fills"
 
-_pending = threading.local()
+
+class SlotFillHandoff(threading.local):
+    """A MoE layer's slot fill, handed from its prepare step to its experts on the same thread.
+
+    vLLM's modular kernel calls a layer's prepare (dispatch, then the prefetch that fills the slots) and then its
+    experts' ``apply``, one after the other on one thread, and carries nothing of ours between them. The fill's
+    event therefore goes beside those calls, here. Thread-local because the hand-off belongs to that one
+    thread's forward: where vLLM runs forwards on several threads (dual-batch overlap runs each micro-batch on
+    its own), one thread's event never reaches another thread's experts.
+
+    * :attr:`armed`: written by the prepare step (:func:`arm`, from the plugin's ``_pad_to_capacity`` in
+      ``prepare_finalize/padding.py``): this layer's experts take the event and wait on it; read and cleared by
+      the fill that follows (:meth:`take_armed`), which otherwise waits itself.
+    * :attr:`event`: written by an armed fill (:meth:`put`, from :func:`deliver_slot_fill`: :func:`prefetch`
+      for the buffer's fill, ``manager.py`` for the quantized one); read and cleared by the experts' ``apply``
+      (:meth:`take`, through :func:`take_slot_fill`: :func:`apply`, the quantized experts in
+      ``quantized/engine.py``) before any slot row is read.
+
+    If nobody takes the event (a layer that raised between its prepare and its experts), it stays until this
+    thread's next armed fill replaces it, or the next experts' ``apply`` takes it and waits on an older fill (a
+    wait too many, never one too few). A replaced event is never waited on: the reference buffer issues every
+    fill on one copy stream per device (on CPU one queue, ``ops/moonep/prefetch.py``), so the replacing fill's
+    event covers the copies queued before it too."""
+
+    armed: bool = False   # class defaults: each thread starts unarmed, with no event
+    event: Any = None
+
+    def take_armed(self) -> bool:
+        """Whether the prepare step armed this fill; disarmed for the next one."""
+        armed = self.armed
+        self.armed = False
+        return armed
+
+    def put(self, event: Any) -> None:
+        self.event = event
+
+    def take(self) -> Any:
+        """The event put last (None if none), once."""
+        event = self.event
+        self.event = None
+        return event
+
+
+#: The hand-off every thread of this process uses (:class:`SlotFillHandoff`: its fields are per thread).
+SLOT_FILL_HANDOFF = SlotFillHandoff()
 #: Per thread, when ``TRACE.events`` is a list: the order of the steps of :func:`apply`.
 TRACE = threading.local()
 
@@ -64,41 +111,36 @@ def arm(prepare: Any) -> None:
     """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
     layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
     experts = getattr(prepare, "_fused_experts", None)
-    _pending.armed = is_wrapped(getattr(type(experts), "apply", None)) or getattr(type(experts), WAITS_ATTR, False)
-
-
-def _take_armed() -> bool:
-    armed, _pending.armed = getattr(_pending, "armed", False), False
-    return armed
+    SLOT_FILL_HANDOFF.armed = (is_wrapped(getattr(type(experts), "apply", None))
+                               or getattr(type(experts), WAITS_ATTR, False))
 
 
 def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
     """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked."""
-    if not getattr(_pending, "armed", False) or async_finish:
-        _pending.armed = False
+    if not SLOT_FILL_HANDOFF.armed or async_finish:
+        SLOT_FILL_HANDOFF.armed = False
         return buffer.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
-    return deliver(buffer.prefetch_weight(plan=plan, async_finish=True, **weights), async_finish=False)
+    return deliver_slot_fill(buffer.prefetch_weight(plan=plan, async_finish=True, **weights), async_finish=False)
 
 
-def deliver(event: Any, async_finish: bool) -> Any:
+def deliver_slot_fill(event: Any, async_finish: bool) -> Any:
     """An issued slot fill's event, to whoever reads the slots first: the caller when it asked for
-    ``async_finish``; else this thread's next experts ``apply`` in an armed step; else the current stream, now."""
-    armed = _take_armed()
+    ``async_finish``; else this thread's next experts ``apply`` in an armed step (:class:`SlotFillHandoff`);
+    else the current stream, now."""
+    armed = SLOT_FILL_HANDOFF.take_armed()
     if async_finish:
         return event
     if armed:
-        _pending.event = event
+        SLOT_FILL_HANDOFF.put(event)
         _trace("prefetch issued")
     else:
         wait_for_slots(event)
     return None
 
 
-def take_event() -> Any:
-    """The slot-fill event this thread's last armed prefetch left for the experts (None if none); taken once."""
-    event = getattr(_pending, "event", None)
-    _pending.event = None
-    return event
+def take_slot_fill() -> Any:
+    """The slot-fill event this thread's last armed prefetch handed over to the experts (None if none); once."""
+    return SLOT_FILL_HANDOFF.take()
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -119,9 +161,10 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
           apply_router_weight_on_input: bool, *, original: Any = None) -> None:
     """``MoonEPExperts.apply`` with the own groups before the prefetch wait and the slot groups after, and the
     layer's activation (SiLU or SiTU, its betas from ``self.moe_config``)."""
-    event = take_event()
+    event = take_slot_fill()
     layout = getattr(self, "_weight_layout", None)
-    # Pull: [E+B] rows, the own part ends at E; push (push_path.PushWeightLayout): [2*epn], it ends at epn
+    # Pull: [E+B] rows, the own part ends at E; push (prepare_finalize/push.py's PushWeightLayout): [2*epn],
+    # it ends at epn
     E = int(getattr(layout, "own_groups", global_num_experts))
     act = activation_of(activation, getattr(self, "moe_config", None))   # refuses what the experts cannot compute
     known = layout is not None and expert_tokens_meta is not None

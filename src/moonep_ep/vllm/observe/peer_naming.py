@@ -27,8 +27,7 @@ so the wait is short; if it times out (a rank died at start-up), a later loss
 is reported by vLLM unchanged. A transport error that names none of the
 table's addresses is vLLM's own and stays as it was.
 
-Each patch takes ``install`` (``plugin._install``) and ``note`` (the plugin's
-state), like ``quantized_hooks``.
+Both patches are declared in :data:`PATCHES` (``plugin.py``'s convention).
 """
 
 from __future__ import annotations
@@ -38,9 +37,9 @@ import json
 import logging
 import socket
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from ..hooks import is_wrapped
+from ..hooks import Install, Mark, Note, Patch, is_wrapped
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -66,7 +65,7 @@ def named_loss(step: str, rank: Optional[int], group: Any, exc: BaseException) -
 
 # -- worker: the per-step DP batch synchronization ------------------------------------------------
 
-def patch_dp_batch_sync(module: ModuleType, install: Callable[..., None], note: dict[str, Any]) -> None:
+def patch_dp_batch_sync(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """``dp_utils._run_ar`` (an all-reduce over the DP group, every step): the store's table names the peer."""
     orig = getattr(module, "_run_ar", None)
     if orig is None or is_wrapped(orig):
@@ -113,7 +112,7 @@ def _serves_moonep(engine: Any) -> bool:
     return getattr(parallel, "all2all_backend", None) == "moonep" and getattr(engine, "dp_store", None) is not None
 
 
-def patch_engine_core(module: ModuleType, install: Callable[..., None], note: dict[str, Any]) -> None:
+def patch_engine_core(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """``DPEngineCoreProc.run_busy_loop``: publish the DP peer table first; a loss met in the loop's own DP
     all-reduce is raised as a PeerLostError naming the DP rank and host (MoonEP engines only)."""
     cls = getattr(module, "DPEngineCoreProc", None)
@@ -155,4 +154,4 @@ def patch_engine_core(module: ModuleType, install: Callable[..., None], note: di
     install(cls, "run_busy_loop", run_busy_loop, orig, "DPEngineCoreProc.run_busy_loop (a lost peer named)")
 
 
-PATCHES: dict[str, Callable[..., None]] = {MOD_DP_UTILS: patch_dp_batch_sync, MOD_ENGINE_CORE: patch_engine_core}
+PATCHES: tuple[Patch, ...] = (Patch(MOD_DP_UTILS, patch_dp_batch_sync), Patch(MOD_ENGINE_CORE, patch_engine_core))

@@ -34,9 +34,11 @@ import threading
 from typing import Any, Optional
 
 from ... import envs
-from ..hooks import is_wrapped
+from ..hooks import Install, Mark, Note, Patch, is_wrapped
 
-__all__ = ["bind_model", "patch_runner", "read_records", "record_dir"]
+__all__ = ["PATCHES", "bind_model", "patch_runner", "read_records", "record_dir"]
+
+MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 _lock = threading.Lock()
 
@@ -109,7 +111,7 @@ def bind_model(model: Any) -> int:
     return len(bound)
 
 
-def patch_runner(module: Any, install: Any) -> None:
+def patch_runner(module: Any, *, install: Install, mark: Mark, note: Note) -> None:
     """Wrap ``GPUModelRunner._prepare_inputs`` of ``module`` (vLLM's v1 runner, which the CPU runner keeps) so
     that each step's rows are known to the recorder."""
     cls = getattr(module, "GPUModelRunner", None)
@@ -126,6 +128,11 @@ def patch_runner(module: Any, install: Any) -> None:
 
     install(cls, "_prepare_inputs", _prepare_inputs, orig, f"{module.__name__.rsplit('.', 1)[-1]}."
                                                             "GPUModelRunner._prepare_inputs (routing record)")
+
+
+#: The plugin applies it only with ``MOONEP_EP_ROUTING_RECORD_DIR`` set (:func:`record_dir`); the routers are bound
+#: by the store's ``initialize_model`` patch (:func:`bind_model`, a no-op without the directory).
+PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, patch_runner),)
 
 
 def step_rows(runner: Any, num_scheduled_tokens: Any) -> None:

@@ -189,7 +189,7 @@ class Stats:
                     fwd["local_prefetched"] += 1
             if by_expert is not None:
                 fwd["copies_counted"] += 1
-            if getattr(copied, "generation", None) == "B":
+            if getattr(copied, "api", None) == "push":
                 # The push is counted at its copies, on the owner that pushes: by own expert and by tensor
                 # (weights and scales apart); every pushed byte lands in another rank's slot.
                 pushed = fwd.setdefault("pushed_bytes_by_expert", {})
@@ -366,8 +366,8 @@ def read_stats(directory: str) -> list[dict[str, Any]]:
 
 
 #: ``{"policy", "real_tokens", "pad", "S"}`` of this thread's last prepare (``pad``: ``[R, E]`` or None),
-#: written by the plugin's padding (``padding.py``); kept here so that stats only records and reads, and
-#: imports none of the plugin's other modules.
+#: written by the plugin's padding (``prepare_finalize/padding.py``); kept here so that stats only records and
+#: reads, and imports none of the plugin's other modules.
 LAST_PADDING = threading.local()
 
 
@@ -377,7 +377,7 @@ def last_padding() -> dict[str, Any] | None:
 
 def _step_padding(global_plan: Any, real_tokens: list[int]) -> Any:
     """This step's padding entries: the ``[R, E]`` matrix the plugin's padding routed
-    (``padding.py``), or vLLM's per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
+    (``prepare_finalize/padding.py``), or vLLM's per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
     from ...ops.moonep.padding import padding_entries
 
     state = last_padding()

@@ -28,7 +28,7 @@ selection (``manager.decisions``, ``buffers.agree_decisions``), never re-read pe
 Invalid (negative) top-k ids of real rows, which vLLM maps to expert 0 with
 weight 0, are mapped to the rank's own experts instead (weight 0 as well).
 The step's padding matrix is kept in :data:`LAST` for the instrumentation
-(``stats.py`` tells real entries from padding with it).
+(``observe/stats.py`` tells real entries from padding with it).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def _cost_model(self: Any, hidden: int, K: int, E: int, *, profile: str | None =
     gate = getattr(layout, "full_gate_weight", None)
     if gate is None:
         return None
-    # BF16: the gate view [E+B, I, H]; quantized (quantized_engine.QuantizedWeightLayout): the fused w13
+    # BF16: the gate view [E+B, I, H]; quantized (quantized/engine.py's QuantizedWeightLayout): the fused w13
     # weight [E+B, 2I, H/pack], the format on the layout. Bytes per expert, scales included, from layout.formats.
     fmt = getattr(layout, "format", None) or "bf16"
     intermediate = int(gate.shape[1]) // (1 if fmt == "bf16" else 2)

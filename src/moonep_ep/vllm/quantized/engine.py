@@ -1,14 +1,14 @@
 """Quantized experts in vLLM's engine over the sharded store (compressed-tensors W4A16 INT4 g32, MXFP4
 weight-only, and vLLM's FP8 with 128x128 block scales), on the GPU and the CPU engine.
 
-The BF16 path (``loading.py``, ``manager.py``) extended to a quantized
+The BF16 path (``store/loading.py``, ``manager.py``) extended to a quantized
 method, piece by piece:
 
-1. **Config check**: a scheme in ``quantized.ENGINE_FORMATS`` passes vLLM's
-   ``VllmConfig.__post_init__`` (``plugin._patch_config_check`` hides the
+1. **Config check**: a scheme in ``schemes.ENGINE_FORMATS`` (``checkpoint/schemes.py``) passes vLLM's
+   ``VllmConfig.__post_init__`` (``checkpoint/patches.py`` hides the
    quantization from its one ``moonep`` refusal only; every other rule of
    that block — bf16 dtype, no EPLB, linear placement, eager — still applies).
-2. **Backend** (``quantized_hooks.py``): for MoonEP layers vLLM's
+2. **Backend** (``quantized/hooks.py``): for MoonEP layers vLLM's
    selection points hand back this module's experts class —
    ``select_wna16_moe_backend`` (INT4), ``CompressedTensorsW4A4Mxfp4MoEMethod``'s
    ``__init__`` in place of CUTLASS / Marlin (both repack or swizzle the
@@ -16,7 +16,7 @@ method, piece by piece:
    weight-only label ``Fp8MoeBackend.CPU``: bf16 activations, as MoonEP
    dispatches them). Which class: :func:`experts_kind`
    (``MOONEP_EP_QUANTIZED_EXPERTS``): ``MoonEPTritonQuantizedExperts`` (the
-   formats' Triton grouped GEMMs, ``gpu_experts.py``; the default on GPUs) or
+   formats' Triton grouped GEMMs, ``experts/gpu.py``; the default on GPUs) or
    ``MoonEPQuantizedExperts`` (dequantize the used rows; the default on the
    CPU engine, where vLLM's quantized experts need x86 AMX). Each method
    keeps its own weight-only quant config.
@@ -33,8 +33,8 @@ method, piece by piece:
 5. **Prefetch** (:func:`prefetch_quantized`, called by the manager's
    buffer): weights and scales of each planned slot pulled through the
    mapped rows, their bytes counted apart at the copy; both copies' events
-   go to the experts (``overlap.deliver``), whose ``apply`` waits on them
-   (``ops.prefetch.wait_for_slots``) before any slot row is read.
+   go to the experts (``overlap.deliver_slot_fill``), whose ``apply`` waits on them
+   (``ops.moonep.prefetch.wait_for_slots``) before any slot row is read.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def method_format(method: Any) -> str | None:
                 and getattr(quant, "symmetric", False):
             return "int4-g32"
     if name == "CompressedTensorsW4A4Mxfp4MoEMethod" and getattr(method, "group_size", None) == 32:
-        return "mxfp4"  # weight-only by the config check (quantized.classify refuses activation quantization)
+        return "mxfp4"  # weight-only by the config check (schemes.classify refuses activation quantization)
     if name == "Fp8MoEMethod" and getattr(method, "block_quant", False) \
             and list(getattr(method, "weight_block_size", None) or ()) == [128, 128]:
         return "fp8-block"  # dynamic activations by the config check; computed weight-only (bf16 inputs)
@@ -170,7 +170,7 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
     layer.w13_weight = getattr(layer, f"w13_{weight}")
     layer.w2_weight = getattr(layer, f"w2_{weight}")
     w13 = params[f"w13_{weight}"]
-    if store.gen_b:  # the push API: [2*epn] rows, what the push prepare step hands the release's buffer
+    if store.api == "push":  # the push API: [2*epn] rows, what the push prepare step hands the release's buffer
         from ..prepare_finalize.push import make_push_layout
 
         layout = make_push_layout(store, idx, views)
@@ -252,7 +252,7 @@ def QuantizedWeightLayout(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.
 
 def experts_kind() -> str:
     """``MOONEP_EP_QUANTIZED_EXPERTS`` on this platform: ``triton`` (the formats' Triton grouped GEMMs,
-    ``gpu_experts.py``) or ``dequant`` (``ops.quantized_experts``); ``auto`` is triton on CUDA GPUs."""
+    ``experts/gpu.py``) or ``dequant`` (``ops.experts.quantized``); ``auto`` is triton on CUDA GPUs."""
     choice = envs.MOONEP_EP_QUANTIZED_EXPERTS
     if choice != "auto":
         return choice
@@ -282,7 +282,7 @@ def _check_triton_here() -> bool:
                           "CPU engine start through `moonep-ep vllm-demo` or `moonep-ep serve` (they run the "
                           "kernels in Triton's interpreter), or set MOONEP_EP_QUANTIZED_EXPERTS=dequant")
     if interpreter:
-        # MoonEP serves bf16, and the interpreter's bf16 dot and downcasts are wrong (docs/design/vllm.md)
+        # MoonEP serves bf16, and the interpreter's bf16 dot and downcasts are wrong (docs/design/vllm_experts.md)
         from ...testing.triton_interpreter import mend_interpreter
 
         mend_interpreter()
@@ -297,7 +297,7 @@ def _build_experts_class(kind: str) -> Any:
         raise ConfigError(f"moonep_ep: no quantized experts of kind {kind!r}. Fix: triton or dequant")
     base = moonep_experts.MoonEPExperts
 
-    from ..experts.overlap import WAITS_ATTR, take_event
+    from ..experts.overlap import WAITS_ATTR, take_slot_fill
 
     class _QuantizedExperts(base):  # type: ignore[misc, valid-type]
         experts_kind = kind
@@ -338,14 +338,14 @@ def _build_experts_class(kind: str) -> Any:
             cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
             route = None if apply_router_weight_on_input else topk_weights
             # Slot rows [E, E+B) are read below: the fills' weight and scale copies must have landed.
-            wait_for_slots(take_event())
+            wait_for_slots(take_slot_fill())
             output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids, activation=act))
             STATS.record_experts_call(time.perf_counter() - start, hidden_states.shape[0])
 
     setattr(_QuantizedExperts, WAITS_ATTR, True)  # apply takes the prefetch's events and waits (overlap.arm)
 
     class MoonEPQuantizedExperts(_QuantizedExperts):
-        """Dequantize the used ``[E+B]`` rows, then a bf16 grouped GEMM (``ops.quantized_experts``; the CPU
+        """Dequantize the used ``[E+B]`` rows, then a bf16 grouped GEMM (``ops.experts.quantized``; the CPU
         engine's path: vLLM's quantized CPU experts need x86 AMX)."""
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
@@ -360,7 +360,7 @@ def _build_experts_class(kind: str) -> Any:
                                          route, activation=activation)
 
     class MoonEPTritonQuantizedExperts(_QuantizedExperts):
-        """The formats' Triton grouped GEMMs over the ``[E+B]`` views (``gpu_experts.py``: vLLM's INT4 and
+        """The formats' Triton grouped GEMMs over the ``[E+B]`` views (``experts/gpu.py``: vLLM's INT4 and
         FP8-block MoE kernels, the project's MXFP4 kernel); on the CPU engine, in Triton's interpreter."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -413,7 +413,7 @@ def forget_layouts() -> None:
 def prefetch_quantized(views: dict[str, torch.Tensor], row: list[int], num_experts: int, rank: int, epn: int
                        ) -> dict[str, Any]:
     """Pull each used slot's weights, then its scales, through the mapped rows; bytes counted at the copy.
-    ``event``: both pulls' events, to wait on (``ops.prefetch.wait_for_slots``) before a slot row is read."""
+    ``event``: both pulls' events, to wait on (``ops.moonep.prefetch.wait_for_slots``) before a slot row is read."""
     from ...ops.moonep.prefetch import pull_slots
 
     weights = {n: v for n, v in views.items() if not n.endswith(("_scale", "_scale_inv"))}

@@ -1,12 +1,12 @@
 """The quantized MoE methods whose experts moonep_ep holds in the sharded store: where vLLM is patched.
 
-One patch per vLLM module, each registered by ``plugin.install`` to run when
-its module is first imported (``hooks.when_imported``). Every patch acts only
+One patch per vLLM module, declared in :data:`PATCHES` (``plugin.py``'s
+convention: each runs when its module is first imported). Every patch acts only
 for MoonEP layers (``--all2all-backend moonep``, expert parallelism over more
 than one rank, the sharded layout); every other layer takes vLLM's code
 unchanged. What the patched methods then do (placeholders on ``meta``, the
 store's loader, binding the ``[E+B]`` views, moonep_ep's experts) is in
-``quantized_engine.py``.
+``engine.py``.
 
 ================================== =============================== =========================================
 vLLM method                        format (``layout/formats.py``)   what is replaced
@@ -19,8 +19,8 @@ vLLM method                        format (``layout/formats.py``)   what is repl
 and, for all three, ``create_weights`` and ``process_weights_after_loading``
 (:func:`_wrap_quantized_method`).
 
-Each patch takes ``install`` (``plugin._install``: put a wrapper in place,
-marked so a second install skips it) and ``note`` (the plugin's state, for
+Each patch takes the plugin's ``install`` (put a wrapper in place, marked so a
+second install skips it), ``mark`` and ``note`` (the plugin's state, for
 log-once flags).
 """
 
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ... import envs
-from ..hooks import is_wrapped
+from ..hooks import Install, Mark, Note, Patch, is_wrapped
 
 logger = logging.getLogger("vllm.moonep_ep")
-
-Install = Callable[[Any, str, Any, Any, str], None]
 
 MOD_CT_WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                 "compressed_tensors_moe_wna16")
@@ -50,13 +48,13 @@ def _sharded_moonep(moe: Any) -> bool:
     return bool(parallel.use_moonep_kernels) and envs.MOONEP_EP_LAYOUT == "sharded" and parallel.ep_size > 1
 
 
-def _log_once(note: dict[str, Any], key: str, message: str, *args: Any) -> None:
+def _log_once(note: Note, key: str, message: str, *args: Any) -> None:
     if key not in note:
         note[key] = True
         logger.info(message, *args)
 
 
-def patch_wna16(module: ModuleType, install: Install, note: dict[str, Any]) -> None:
+def patch_wna16(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """compressed-tensors W4A16 MoE: moonep_ep's experts instead of ``select_wna16_moe_backend``'s choice."""
     cls = module.CompressedTensorsWNA16MoEMethod
     if is_wrapped(cls.create_weights):
@@ -78,7 +76,7 @@ def patch_wna16(module: ModuleType, install: Install, note: dict[str, Any]) -> N
     _wrap_quantized_method(cls, "CompressedTensorsWNA16MoEMethod", install)
 
 
-def patch_mxfp4(module: ModuleType, install: Install, note: dict[str, Any]) -> None:
+def patch_mxfp4(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """compressed-tensors MXFP4 MoE (``CompressedTensorsW4A4Mxfp4MoEMethod``, which vLLM picks for every
     MXFP4-weight scheme): moonep_ep's experts instead of the kernel its ``__init__`` picks (CUTLASS, or Marlin
     on CPU: both repack or swizzle the checkpoint layout)."""
@@ -107,7 +105,7 @@ def _fp8_block_128(weight_key: Any) -> bool:
     return bool(getattr(scale, "static", False)) and tuple(getattr(scale, "group_shape", ()) or ()) == (128, 128)
 
 
-def patch_fp8(module: ModuleType, install: Install, note: dict[str, Any]) -> None:
+def patch_fp8(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """vLLM's FP8 MoE (``Fp8MoEMethod``) with 128x128 block scales: moonep_ep's experts instead of the backend
     ``select_fp8_moe_backend`` picks (DeepGEMM / Triton / CUTLASS on GPUs; ``CPUExpertsFp8`` on CPU, which needs
     AMX). vLLM's choice is not consulted for these layers: the experts read the store's rows as they are.
@@ -138,7 +136,7 @@ def patch_fp8(module: ModuleType, install: Install, note: dict[str, Any]) -> Non
 
 def _wrap_quantized_method(cls: Any, label: str, install: Install) -> None:
     """``create_weights`` on ``meta`` with the store's loader, and ``process_weights_after_loading`` binding
-    the store's views, for a quantized MoE method whose experts are moonep_ep's (``quantized_engine.py``)."""
+    the store's views, for a quantized MoE method whose experts are moonep_ep's (``engine.py``)."""
     create, process = cls.create_weights, cls.process_weights_after_loading
 
     def create_weights(self: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
@@ -165,5 +163,5 @@ def _wrap_quantized_method(cls: Any, label: str, install: Install) -> None:
             f"{label}.process_weights_after_loading")
 
 
-#: vLLM module -> its patch
-PATCHES: dict[str, Callable[..., None]] = {MOD_CT_WNA16: patch_wna16, MOD_CT_MXFP4: patch_mxfp4, MOD_FP8: patch_fp8}
+PATCHES: tuple[Patch, ...] = (Patch(MOD_CT_WNA16, patch_wna16), Patch(MOD_CT_MXFP4, patch_mxfp4),
+                              Patch(MOD_FP8, patch_fp8))

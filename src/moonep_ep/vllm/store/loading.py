@@ -1,6 +1,6 @@
 """Zero-copy loading of MoonEP experts into the sharded store, and in-place weight updates.
 
-The sequence (docs/design/vllm.md draws it):
+The sequence (docs/design/vllm_store.md draws it):
 
 1. **Construction.** vLLM builds every MoE layer; for the MOONEP backend with
    the sharded layout, :func:`create_placeholder_weights` lets vLLM's own
@@ -54,6 +54,7 @@ import torch
 
 from ... import envs
 from ...errors import ConfigError, config_error
+from ...layout.store import FFN_PROJECTIONS
 from ..hooks import is_wrapped, mark_wrapped
 
 #: vLLM's shard ids of one expert's tensors -> the store's projections.
@@ -237,8 +238,8 @@ def layerwise_replay(param: torch.Tensor, store: Any, idx: int) -> bool:
     if param.is_meta:
         return False
     views = list(store.views(idx) if store.format == "bf16" else store.named_views(idx).values())
-    if getattr(store, "gen_b", False):  # the push API binds the parameters to the [2*epn] compute views
-        views += [store.store.push_view(idx, p) for p in ("gate", "up", "down")]
+    if getattr(store, "api", "pull") == "push":  # the push API binds the parameters to the [2*epn] compute views
+        views += [store.store.push_view(idx, p) for p in FFN_PROJECTIONS]
     if any(param.data_ptr() == view.data_ptr() for view in views):
         return False
     from ..observe.stats import STATS
@@ -408,7 +409,7 @@ def _format_problems(served: str, path: str) -> list[str]:
 def _expected_checkpoint_tensors(store: Any) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """``"<projection>.<tensor>"`` -> (shape, dtype or None) of one expert in the checkpoint's own layout."""
     if store.format == "bf16":
-        return {f"{p}.weight": (tuple(store.shapes[p]), None) for p in ("gate", "up", "down")}
+        return {f"{p}.weight": (tuple(store.shapes[p]), None) for p in FFN_PROJECTIONS}
     from ...layout.formats import expert_projections, get_format
 
     fmt = get_format(store.format)

@@ -30,13 +30,12 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import ConfigError, config_error
-from ...layout.store import ShardedExpertStore, ffn_projections
+from ...layout.store import FFN_PROJECTIONS, ShardedExpertStore, ffn_projections
 from ...memory.group import GroupComm, register_peers, transport_address
 from ..buffers import make_store_driver
 
 #: MoonEP kernels tile both expert dims by 128 (vLLM's MOONEP_WEIGHT_TILE).
 WEIGHT_TILE = 128
-PROJECTIONS = ("gate", "up", "down")
 
 
 @dataclasses.dataclass
@@ -69,10 +68,10 @@ class ModelExpertStore:
     def __init__(self, *, layer_names: Sequence[str], num_experts: int, hidden: int, intermediate: int,
                  num_slots: int, group: Any, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  driver: Any = None, local_expert_ids: Sequence[Sequence[int] | None] | None = None,
-                 layer_shapes: set | None = None, fmt: str = "bf16", gen_b: bool = False):
+                 layer_shapes: set | None = None, fmt: str = "bf16", api: str = "pull"):
         t0 = time.perf_counter()
         #: expert format: "bf16" (gate/up/down) or a quantized one of ``layout.formats`` (vLLM's fused
-        #: ``w13_*``/``w2_*`` weight and scale tensors, one row index for all, ``quantized_engine.py``)
+        #: ``w13_*``/``w2_*`` weight and scale tensors, one row index for all, ``quantized/engine.py``)
         self.format = fmt
         self.comm = GroupComm(group)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -80,10 +79,11 @@ class ModelExpertStore:
         self.index = {name: i for i, name in enumerate(self.layer_names)}
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.num_slots, self.dtype, self.device = num_slots, dtype, torch.device(device)
-        #: The push API's views too (``push_pool [R, epn]``, ``push_view [2*epn]``; num_slots = E/R)
-        self.gen_b = gen_b
+        #: The MoonEP API the store serves, "pull" or "push" (the push API's views too: ``push_pool [R, epn]``,
+        #: ``push_view [2*epn]``; num_slots = E/R), as the manager's agreed choice says.
+        self.api = api
         desc = (tuple(self.layer_names), num_experts, hidden, intermediate, num_slots, str(dtype),
-                self.device.type, fmt, gen_b)
+                self.device.type, fmt, api)
         with self.comm.step("check the MoonEP model description") as described:
             self._validate(local_expert_ids, layer_shapes)
             described.share((desc, socket.gethostname(), transport_address()))
@@ -103,7 +103,7 @@ class ModelExpertStore:
         self.store = ShardedExpertStore(num_layers=len(self.layer_names), num_experts=num_experts,
                                         projections=self._projections(),
                                         num_slots=num_slots, driver=self.driver, group=group,
-                                        api="push" if gen_b else "pull")
+                                        api=api)
         #: Each store tensor's data: its shape and dtype as the checkpoint and the experts see them (a push
         #: layout scale row is stored padded to 16 KiB bytes; :meth:`data_view` reads its head)
         self.data_specs = {p.name: p for p in self._projections(padded=False)}
@@ -121,7 +121,7 @@ class ModelExpertStore:
             return ffn_projections(self.hidden, self.intermediate, self.dtype)
         from ...layout.formats import expert_projections, push_store_projections
 
-        if self.gen_b:  # the release's push: gate, up, down apart, each with its scale rows (docs: vllm.md)
+        if self.api == "push":  # the release's push: gate, up, down apart, with scale rows (vllm_prepare_finalize.md)
             if padded:
                 return push_store_projections(self.format, self.hidden, self.intermediate)
             return expert_projections(self.format, self.hidden, self.intermediate, split_w13=True)
@@ -131,7 +131,7 @@ class ModelExpertStore:
         """Where vLLM's parameter ``name`` (shard ``part``: 0 = w1, 1 = w3, None = w2) lives in this store:
         itself (the pull layout: vLLM's fused names), or under the push layout's split names (``gate``,
         ``up``, ``down``, each ``<name>_scale`` for its scales)."""
-        if not self.gen_b or self.format == "bf16" or name in self.shapes:
+        if self.api != "push" or self.format == "bf16" or name in self.shapes:
             return name, part
         proj = {("w13", 0): "gate", ("w13", 1): "up", ("w2", None): "down"}.get((name.split("_", 1)[0], part))
         if proj is None:
@@ -310,7 +310,7 @@ class ModelExpertStore:
 
     def _check_coverage(self, p: WeightPass) -> None:
         epn, missing = self.experts_per_rank, []
-        parts = {proj: 1 for proj in PROJECTIONS} if self.format == "bf16" else self.row_parts
+        parts = {proj: 1 for proj in FFN_PROJECTIONS} if self.format == "bf16" else self.row_parts
         for idx, name in enumerate(self.layer_names):
             for proj, n in parts.items():
                 for j in range(epn):
@@ -331,7 +331,7 @@ class ModelExpertStore:
         Quantized formats: integer and FP8 weight rows cannot hold NaN, so their slot rows get zeros and the
         scale rows NaN (bf16/fp32 scales; an E8M0 scale of 0xFF is NaN by the OCP MX spec): a dequantized
         stale slot is NaN either way."""
-        for proj in (PROJECTIONS if self.format == "bf16" else self.shapes):
+        for proj in (FFN_PROJECTIONS if self.format == "bf16" else self.shapes):
             for slots in self.store.slot_views(proj):  # push: each layer's slot head too
                 if slots.is_floating_point() and slots.dtype.itemsize > 1:
                     slots.fill_(float("nan"))
@@ -344,17 +344,14 @@ class ModelExpertStore:
     # -- views and accounting ----------------------------------------------------------------
     def views(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """BF16 layer ``idx``'s gate, up, down: ``[E+B]`` pull views, or ``[2*epn]`` push views."""
-        s = self.store
-        view = s.push_view if self.gen_b else s.gen_a
+        view = self.store.compute_view
         return view(idx, "gate"), view(idx, "up"), view(idx, "down")
 
     def named_views(self, idx: int) -> dict[str, torch.Tensor]:
         """Quantized layer ``idx``'s views the experts read: ``{vLLM parameter name: [E+B, ...]}`` (pull), or
         ``{gate, gate_scale, up, up_scale, down, down_scale: [2*epn, ...]}`` (push: own experts, then the
         slots; scales as their data)."""
-        if self.gen_b:
-            return {name: self.data_view(self.store.push_view(idx, name), name) for name in self.shapes}
-        return {name: self.store.gen_a(idx, name) for name in self.shapes}
+        return {name: self.data_view(self.store.compute_view(idx, name), name) for name in self.shapes}
 
     def describe(self) -> dict[str, Any]:
         s = self.store
@@ -367,7 +364,7 @@ class ModelExpertStore:
             "driver": getattr(self.driver, "name", type(self.driver).__name__), "granularity": s.granularity,
             "physical_bytes": s.physical_bytes(), "os_bytes": self.os_bytes(),
             "replicated_bytes": s.replicated_bytes(),
-            "one_layer_local_bytes": self.one_layer_local_bytes, "push_layout": self.gen_b,
+            "one_layer_local_bytes": self.one_layer_local_bytes, "push_layout": self.api == "push",
             "collective_rounds": dict(s.symm.comm.rounds), "mappings": s.mapping_count,
             "allocate_seconds": round(self.allocate_seconds, 4), "ready": self.ready, "passes": list(self.settled),
         }

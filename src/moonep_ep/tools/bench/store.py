@@ -1,6 +1,5 @@
-"""Two performance facts of the sharded store, each a ratio measured side by side in one run.
-
-``python -m moonep_ep.tools.bench.gpu_perf --json`` (``scripts/gpu_check.sh`` part 2):
+"""``moonep-ep bench store``: two performance facts of the sharded store, each a ratio measured side by side in one
+run (``scripts/gpu_check.sh`` part 2 runs it on a GPU):
 
 * **slot fill**: ``slot <- full[e]`` from rows another rank allocated (read
   through this rank's *imported* mapping of the peer's memory) over the same
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -55,7 +53,7 @@ def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int,
     (``timer``: seconds of one call; default CUDA events on a GPU, the wall clock on CPU)."""
     from ...ops.experts.grouped import grouped_ffn
 
-    views = {p.name: store.gen_a(layer, p.name) for p in store.projections}
+    views = {p.name: store.pull_view(layer, p.name) for p in store.projections}
     plain = {name: torch.empty_like(v).copy_(v) for name, v in views.items()}
     device = views["gate"].device
     groups, hidden = views["gate"].shape[0], views["gate"].shape[2]
@@ -114,19 +112,20 @@ def perf_rank(ctx: Any, driver_name: str, hidden: int, inter: int, experts_per_r
             store.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ...launch import RankFailure, plan_launch, run_ranks
-
-    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.bench.gpu_perf", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_moe_shape_arguments(p, hidden=2048, intermediate=1024)
-    p.add_argument("--experts-per-rank", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--experts-per-rank", type=int, default=4, help="experts (and slots) per rank (default 4)")
+    p.add_argument("--tokens", type=int, default=2048, help="rows through the grouped FFN (default 2048)")
+    p.add_argument("--reps", type=int, default=7, help="timed trials per side (default 7)")
     p.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
                    help="bound on the whole run in seconds, and on a rank's wait while its peer measures "
                         f"(default {DEFAULT_DEADLINE_S:.0f}; not MOONEP_EP_TIMEOUT_S)")
-    add_run_arguments(p, driver_help=None, json_help=None)
-    args = p.parse_args(argv)
+    add_run_arguments(p, driver_help="memory driver (auto: cuda when torch sees a GPU, else host)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...launch import RankFailure, plan_launch, run_ranks
+
     plan = plan_launch(args.driver, 2)  # two ranks; on one GPU both share it (gloo), as selftest does
     try:
         per_rank = run_ranks(perf_rank, 2, args=(plan.driver, args.hidden, args.intermediate, args.experts_per_rank,
@@ -157,7 +156,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slot fill, imported mapping / local allocation (B/s over B/s): {fills}")
         print(f"grouped FFN, [E+B] views / torch.empty tensors (throughput): {ffns}")
     return 0 if summary["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,19 @@
-"""``tools/soak/run.py`` without an engine: the fault plan of a run, and the run-level verdicts on results
-built here (each with the failure it must name)."""
+"""``checks/soak/run.py`` without an engine: the fault plan of a run, and the run-level verdicts on results
+built here (each with the failure it must name); ``python -m checks.soak``'s flags and its refusal outside the
+engine's environment."""
 
 from __future__ import annotations
 
 import copy
+import pathlib
+import subprocess
+import sys
 
-from moonep_ep.tools.soak.run import SoakConfig, _verdicts, fault_plan
+import pytest
+
+from checks.soak.run import SoakConfig, _verdicts, fault_plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_a_three_minute_plan_has_every_fault_kind_between_the_start_and_the_kill_window():
@@ -71,11 +79,42 @@ def test_a_clean_result_passes_and_each_broken_part_names_itself():
 
 
 def test_a_warm_up_longer_than_the_run_is_refused_before_anything_starts(tmp_path):
-    import pytest
-
     from moonep_ep.errors import ConfigError
-    from moonep_ep.tools.soak.run import run_soak
+    from checks.soak.run import run_soak
 
     with pytest.raises(ConfigError, match="leaves nothing of a 90 s run to judge. Fix: more minutes"):
         run_soak(SoakConfig(minutes=1.5, out_dir=str(tmp_path)), lambda m: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def _soak_command(*args: str) -> subprocess.CompletedProcess:
+    """``python -m checks.soak`` as ``make soak`` runs it: from the repository root."""
+    return subprocess.run([sys.executable, "-m", "checks.soak", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_soak_command_keeps_its_flags():
+    """``make soak`` passes --minutes, --model and --replicated-minutes; the CI run adds --fit-load and the rest."""
+    proc = _soak_command("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m checks.soak"), proc.stderr
+    for flag in ("--minutes", "--model", "--seed", "--rate", "--concurrency", "--warmup", "--rss-bound",
+                 "--replicated-minutes", "--fit-load", "--no-kill", "--out", "--json"):
+        assert flag in proc.stdout, flag
+    # Control: an unknown flag is refused, not ignored.
+    assert _soak_command("--minutes", "3", "--no-such-flag").returncode == 2
+
+
+def test_the_soak_command_outside_the_engine_environment_names_the_fix():
+    """This interpreter has no vLLM or transformers (the main environment): one line with the fix, exit 2."""
+    try:
+        import transformers  # noqa: F401
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("this interpreter has vLLM and transformers: the soak would start")
+    proc = _soak_command("--minutes", "3")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.strip().startswith("python -m checks.soak: No module named")
+    assert proc.stderr.strip().endswith("Fix: run it from the CPU engine's environment (`make soak`)")
+    assert "Traceback" not in proc.stderr

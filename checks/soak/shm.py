@@ -1,4 +1,4 @@
-"""What `/dev/shm` holds and who holds it: the leak scans of `moonep-ep soak`, `serve_check` and `multihost_check`.
+"""What `/dev/shm` holds and who holds it: the leak scans of the soak, `serve_check` and `multihost_check`.
 
 An entry counts as left behind when it is new since a scan before the run, no live process holds it (open fd
 or mapping), and it stays so for a few seconds: under ``make test``'s two workers the other worker's tests

@@ -1,4 +1,4 @@
-"""The soak's parts that need no engine (``moonep_ep.tools.soak``): sampler, faults, bench client, verdicts, plot.
+"""The soak's parts that need no engine (``checks.soak``): sampler, faults, bench client, verdicts, plot.
 
 Every expected figure is worked out here, from the synthetic data's formula or by numpy, not by the code
 under test. Every verdict has a positive control (a planted leak fails it, and the message names the process,
@@ -24,10 +24,10 @@ import uuid
 import numpy as np
 import pytest
 
-from moonep_ep.tools.soak import bench_client, faults, plot, sampler, verdicts
-from moonep_ep.tools.soak.bench_client import BenchLoad, WindowFigures
-from moonep_ep.tools.soak.faults import FaultOutcome
-from moonep_ep.tools.soak.sampler import ProcessSample, Sample
+from checks.soak import bench_client, faults, plot, sampler, verdicts
+from checks.soak.bench_client import BenchLoad, WindowFigures
+from checks.soak.faults import FaultOutcome
+from checks.soak.sampler import ProcessSample, Sample
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -627,11 +627,11 @@ def test_fault_plan_is_determined_by_the_seed():
     assert faults.plan_faults(1234, 1800.0, dict(reversed(list(counts.items()))), 60.0, 1700.0) == plan
     assert faults.plan_faults(1235, 1800.0, counts, 60.0, 1700.0) != plan
     # Another interpreter, another hash seed: the same plan.
-    code = ("import json; from moonep_ep.tools.soak.faults import plan_faults; "
+    code = ("import json; from checks.soak.faults import plan_faults; "
             "print(json.dumps([[f.t_s, f.kind, f.index] for f in plan_faults(1234, 1800.0, "
             "{'weight_update': 1, 'bad_request': 7, 'drop_stream': 4, 'never_read': 3}, 60.0, 1700.0)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONHASHSEED="977"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONHASHSEED="977"))  # cwd: where `checks` is importable
     assert json.loads(out.stdout) == [[f.t_s, f.kind, f.index] for f in plan]
     assert faults.describe_plan(7, faults.plan_faults(7, 60.0, {"b": 1, "a": 2})) == "fault seed 7: 3 faults (a 2, b 1)"
     assert 0 <= faults.new_seed() < 2**32

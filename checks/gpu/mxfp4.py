@@ -1,9 +1,10 @@
 """MXFP4 experts on one GPU at Kimi K2 and K3 shapes (``scripts/gpu_check.sh`` part 6).
 
-``python -m moonep_ep.tools.bench.gpu_mxfp4 --check experts|kernel|race --json`` prints one JSON object.
-Needs one CUDA GPU, torch and Triton; not vLLM (the MXFP4 path of ``vllm.gpu_experts`` imports none). Where a
-precondition is missing (no GPU, the CUDA emulator, Triton missing or interpreting) it prints
-``{"not_applicable": reason, "ok": null}`` and exits 0.
+``python -m checks.gpu.mxfp4 --check experts|kernel|race --json``, from the repository root, prints one JSON
+object. It needs a machine with one GPU (compute capability 8.0+), torch, Triton and moonep_ep importable
+(installed, or ``src`` on ``PYTHONPATH`` as ``gpu_check.sh`` sets it); not vLLM (the MXFP4 path of
+``vllm.experts.gpu`` imports none). Where a precondition is missing (no GPU, the CUDA emulator, Triton missing
+or interpreting) it prints ``{"not_applicable": reason, "ok": null}`` and exits 0.
 
 **Weights.** One layer's ``[E+B]`` views of ``w13``/``w2`` weights and E8M0 scales at the model's real shape
 (``models.py``: K2 H 7168, I 2048, E 384; K3 H 3584 (latent), I 3072, E 896) and ``B`` = 8 slots: the store over
@@ -18,15 +19,15 @@ product, the route weight, the output). What it cannot place is fp32 summation o
 few ulps of the dtype at the row's scale: ``BOUND``.
 
 * ``experts``: rows of expert 0, of expert ``E-1`` (its weight rows start past 2^31 bytes of their views) and
-  of slot 0 (after every owner row; filled from expert 1 by ``ops.prefetch.pull_slots`` and waited for with
-  ``wait_for_slots``), an empty group between, through ``vllm.gpu_experts.gpu_grouped_ffn`` in bf16 and fp16.
+  of slot 0 (after every owner row; filled from expert 1 by ``ops.moonep.prefetch.pull_slots`` and waited for with
+  ``wait_for_slots``), an empty group between, through ``vllm.experts.gpu.gpu_grouped_ffn`` in bf16 and fp16.
   Negative control: one E8M0 byte of the slot's down-projection scales one higher (32 weights doubled); the
   slot rows must then exceed the bound and no other row may move.
 * ``kernel``: the MXFP4 grouped GEMM (``gpu_grouped_gemm``) against a dense bf16 grouped GEMM
   (``ops.experts.grouped_mm``) of the same weights dequantized by the reference, at a decode and a prefill
   load, with vLLM 0.33.0's default block config for each (:func:`vllm_default_config`); time ratio from each
-  side's fastest of interleaved trials (CUDA events; :mod:`.timing`), and the compiled kernels' registers
-  and spills as Triton reports them (``n_regs``, ``n_spills``).
+  side's fastest of interleaved trials (CUDA events; ``moonep_ep.tools.bench.timing``), and the compiled
+  kernels' registers and spills as Triton reports them (``n_regs``, ``n_spills``).
 * ``race``: every slot filled by ``pull_slots`` (a side stream) from other experts while it holds a stale
   expert, then the experts, trial after trial: without a wait (on a GPU the copies may still be in flight:
   what was read is reported, not judged) and after ``wait_for_slots`` (must equal, bitwise, the output of
@@ -81,7 +82,7 @@ class Shape:
 
 
 def shape_of(model: str, slots: int = SLOTS) -> Shape:
-    from ...models import get_model
+    from moonep_ep.models import get_model
 
     m = get_model(model)
     return Shape(m.name, m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k, slots)
@@ -135,10 +136,10 @@ def row_rel_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def vllm_default_config(tokens: int, experts: int) -> dict[str, int]:
     """The block config vLLM 0.33.0 gives a 16-bit MoE layer of ``tokens`` tokens and ``experts`` experts when
     no tuned file matches (``fused_moe.py`` ``get_default_config``, dtype ``None``, which is what
-    ``vllm.gpu_experts.kernel_config`` asks for MXFP4): M tiles of 16 / 32 / 64 / 128 up to 32 / 96 / 512 tokens
+    ``vllm.experts.gpu.kernel_config`` asks for MXFP4): M tiles of 16 / 32 / 64 / 128 up to 32 / 96 / 512 tokens
     and beyond; N tiles of 64 up to 64 tokens, else 128, and K tiles of 128, else 64; M groups of 16 above 128
-    tokens per expert; 4 warps up to 128 tokens, else 8; 4 stages up to 32 tokens, else 3. The lent machine has
-    no vLLM to ask (its tuned files are not read)."""
+    tokens per expert; 4 warps up to 128 tokens, else 8; 4 stages up to 32 tokens, else 3. A machine with one GPU
+    need not have vLLM to ask (its tuned files are not read)."""
     block_m = 16 if tokens <= 32 else 32 if tokens <= 96 else 64 if tokens <= 512 else 128
     return {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 64 if tokens <= 64 else 128,
             "BLOCK_SIZE_K": 128 if tokens <= 64 else 64, "GROUP_SIZE_M": 16 if tokens // max(experts, 1) > 128 else 1,
@@ -147,7 +148,7 @@ def vllm_default_config(tokens: int, experts: int) -> dict[str, int]:
 
 def _config(shape: Shape, rows: int, token_padding: int) -> dict[str, int]:
     """The config for ``rows`` grouped rows (``rows / top_k`` tokens), M tiles brought to divide the padding."""
-    from ...vllm.experts.gpu import fit_block_m
+    from moonep_ep.vllm.experts.gpu import fit_block_m
 
     cfg = vllm_default_config(max(1, rows // shape.top_k), shape.E)
     cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], token_padding)
@@ -156,7 +157,7 @@ def _config(shape: Shape, rows: int, token_padding: int) -> dict[str, int]:
 
 def missing_preconditions() -> list[str]:
     """Why this machine cannot run the checks ([] = it can)."""
-    from ... import envs
+    from moonep_ep import envs
 
     why = []
     if envs.MOONEP_EP_CUDA_EMULATOR:
@@ -183,9 +184,9 @@ def _store_views(shape: Shape) -> tuple[dict[str, torch.Tensor], Any, Any]:
     """The store over CUDA VMM on one rank (a one-process gloo group): ``(views, store, driver)``."""
     import torch.distributed as dist
 
-    from ...layout.formats import expert_projections
-    from ...layout.store import ShardedExpertStore
-    from ...memory import make_driver
+    from moonep_ep.layout.formats import expert_projections
+    from moonep_ep.layout.store import ShardedExpertStore
+    from moonep_ep.memory import make_driver
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -197,7 +198,7 @@ def _store_views(shape: Shape) -> tuple[dict[str, torch.Tensor], Any, Any]:
     except BaseException:
         driver.close()
         raise
-    return {p.name: store.gen_a(0, p.name) for p in projs}, store, driver
+    return {p.name: store.pull_view(0, p.name) for p in projs}, store, driver
 
 
 @contextlib.contextmanager
@@ -205,7 +206,7 @@ def expert_views(shape: Shape, device: torch.device, vmm: bool = True
                  ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
     """``({name: [E+B, ...] view}, info)``: the VMM store's views (``vmm``, when the driver allows), else plain
     tensors on ``device``; ``info["views"]`` says which, and why not the store."""
-    from ...layout.formats import expert_projections
+    from moonep_ep.layout.formats import expert_projections
 
     store = driver = None
     info: dict[str, Any] = {}
@@ -273,8 +274,8 @@ def check_experts(views: dict[str, torch.Tensor], shape: Shape, dtypes: tuple[to
                   (torch.bfloat16, torch.float16), rows: int = ROWS, seed: int = 0) -> dict[str, Any]:
     """Expert 0, expert ``E-1`` and slot 0 (filled from expert 1) through ``gpu_grouped_ffn`` against the
     reference, per dtype; then the negative control (see the module docstring)."""
-    from ...ops.moonep.prefetch import pull_slots, wait_for_slots
-    from ...vllm.experts.gpu import gpu_grouped_ffn
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     E, last = shape.E, shape.E - 1
     device = next(iter(views.values())).device
@@ -380,10 +381,10 @@ def compiled_kernels(kernel_name: str) -> list[dict[str, Any]]:
 def measure_kernel(views: dict[str, torch.Tensor], shape: Shape, loads: dict[str, int] = LOADS, trials: int = 20,
                    seed: int = 0) -> dict[str, Any]:
     """The MXFP4 grouped GEMM (both projections) against a dense bf16 grouped GEMM of the same weights."""
-    from ...ops.experts.grouped import grouped_mm, grouped_mm_supported
-    from ...ops.experts.grouped_blocks import grouped_blocks
-    from ...vllm.experts.gpu import gpu_grouped_gemm
-    from .timing import fastest_ratio, interleaved_trials, timer_for
+    from moonep_ep.ops.experts.grouped import grouped_mm, grouped_mm_supported
+    from moonep_ep.ops.experts.grouped_blocks import grouped_blocks
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_gemm
+    from moonep_ep.tools.bench.timing import fastest_ratio, interleaved_trials, timer_for
 
     device = next(iter(views.values())).device
     experts = list(range(7)) + [shape.E - 1]
@@ -441,8 +442,8 @@ def measure_kernel(views: dict[str, torch.Tensor], shape: Shape, loads: dict[str
 def run_race(views: dict[str, torch.Tensor], shape: Shape, trials: int = 20, rows: int = 16, seed: int = 0,
              hold_cycles: int = HOLD_CYCLES) -> dict[str, Any]:
     """Slot fills then the experts, without a wait and with ``wait_for_slots``, trial after trial (alternating)."""
-    from ...ops.moonep.prefetch import pull_slots, wait_for_slots
-    from ...vllm.experts.gpu import gpu_grouped_ffn
+    from moonep_ep.ops.moonep.prefetch import pull_slots, wait_for_slots
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     E, B = shape.E, shape.B
     device = next(iter(views.values())).device
@@ -518,7 +519,7 @@ def run_check(check: str, models: list[str], trials: int, vmm: bool = True) -> d
     """One check over each model's views on GPU 0."""
     import triton
 
-    from ...vllm.experts.gpu import GPU_KERNELS
+    from moonep_ep.vllm.experts.gpu import GPU_KERNELS
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 products stay fp32
     device = torch.device("cuda", 0)
@@ -556,7 +557,7 @@ def run_check(check: str, models: list[str], trials: int, vmm: bool = True) -> d
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.bench.gpu_mxfp4", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m checks.gpu.mxfp4", description=__doc__.splitlines()[0])
     p.add_argument("--check", choices=("experts", "kernel", "race"), required=True)
     p.add_argument("--models", default=None,
                    help="comma-separated models.py names (default: kimi-k2,kimi-k3; the race: kimi-k3)")

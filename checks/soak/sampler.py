@@ -16,7 +16,7 @@ import dataclasses
 import os
 import time
 
-from ...memory.accounting import is_moonep_memfd, rss_bytes
+from moonep_ep.memory.accounting import is_moonep_memfd, rss_bytes
 
 __all__ = ["ProcessSample", "Sample", "tree_pids", "sample_process", "sample_tree", "DEV_SHM"]
 

@@ -1,18 +1,20 @@
-"""``moonep-ep soak``: vLLM's OpenAI server (``moonep-ep serve``) under ``vllm bench serve`` for a bounded time,
-with faults injected, resources sampled and the answers checked (``tools/soak/run.py``). ``make soak`` runs it
-from the CPU engine's environment (the transformers oracle and vLLM's server live there)."""
+"""``python -m checks.soak``: vLLM's OpenAI server (``moonep-ep serve``) under ``vllm bench serve`` for a bounded
+time, with faults injected, resources sampled and the answers checked (``run.py``). ``make soak`` runs it from the
+repository root in the CPU engine's environment (the transformers oracle and vLLM's server live there)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Optional
+
+PROG = "python -m checks.soak"
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("soak", help="the OpenAI server under vLLM's load client for MINUTES, faults injected, "
-                                           "RSS/fds//dev/shm/memfds sampled, answers checked; JSON + PNG")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="the OpenAI server under vLLM's load client for MINUTES, "
+                                "faults injected, RSS/fds//dev/shm/memfds sampled, answers checked; JSON + PNG")
     p.add_argument("--minutes", type=float, default=30.0, help="load duration (default 30; SOAK_MIN in make soak)")
     p.add_argument("--model", default="tiny-deepseek-v3",
                    help="a tiny model (default tiny-deepseek-v3; SOAK_MODEL, e.g. tiny-kimi-k2-thinking-int4)")
@@ -30,7 +32,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL of one engine core at the end")
     p.add_argument("--out", default="soak-out", help="directory for soak.json, soak.png, logs (default soak-out)")
     p.add_argument("--json", action="store_true", help="print the whole result as one JSON line")
-    p.set_defaults(run=run)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,12 +40,12 @@ def run(args: argparse.Namespace) -> int:
         import transformers  # noqa: F401 - the oracle
         import vllm  # noqa: F401 - the server
     except ImportError as exc:
-        print(f"moonep-ep soak: {exc}. Fix: run it from the CPU engine's environment (`make soak`)", file=sys.stderr)
+        print(f"{PROG}: {exc}. Fix: run it from the CPU engine's environment (`make soak`)", file=sys.stderr)
         return 2
-    from ..tools.soak.run import SoakConfig, run_soak
+    from .run import SoakConfig, run_soak
 
     if args.minutes <= 0.5:
-        print(f"moonep-ep soak: --minutes {args.minutes}: too short for a minute's checks. Fix: 1 or more",
+        print(f"{PROG}: --minutes {args.minutes}: too short for a minute's checks. Fix: 1 or more",
               file=sys.stderr)
         return 2
     cfg = SoakConfig(minutes=args.minutes, model=args.model, seed=args.seed, request_rate=args.rate,
@@ -51,12 +53,12 @@ def run(args: argparse.Namespace) -> int:
                      replicated_minutes=args.replicated_minutes, kill=not args.no_kill, out_dir=args.out,
                      fit_load=args.fit_load)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    from ..errors import ConfigError
+    from moonep_ep.errors import ConfigError
 
     try:
         result = run_soak(cfg, say)
     except ConfigError as exc:
-        print(f"moonep-ep {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)  # its message names the soak and the fix
         return 2
     verdicts = result["verdicts"]
     if args.json:
@@ -66,3 +68,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {'ok ' if v['ok'] else 'FAIL'} {name}: {v['rule']}" + "".join(f"\n       {m}" for m in v["failures"]))
         print(f"soak: {'all verdicts pass' if result['ok'] else 'FAILED'}; {args.out}/soak.json, {result.get('png')}")
     return 0 if result["ok"] else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
