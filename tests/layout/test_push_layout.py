@@ -26,7 +26,7 @@ from moonep_ep.errors import ConfigError, MoonEPError
 from moonep_ep.launch import run_ranks
 from moonep_ep.layout.footprint import FootprintOptions, model_format, scheme_bytes
 from moonep_ep.layout.formats import push_store_projections, store_projections
-from moonep_ep.layout.plan import PushRowsPlan, plan_expert_region, predict_rank_bytes
+from moonep_ep.layout.plan import PushRowsPlan, plan_expert_region, plan_tensor, predict_rank_bytes
 from moonep_ep.layout.store import ShardedExpertStore, ffn_projections, plan_store
 from moonep_ep.models import DEFAULT_MODELS, get_model
 from tests.support.memory import run_emulated_ranks
@@ -321,3 +321,28 @@ def test_k3_mxfp4_real_row_bytes_push_layout_on_a_real_gpu():
         assert res["granularity"] % GPU_PAGE == 0 and res["bad"] == [], (rank, res)
         assert all(res["head_kept"].values()) and all(res["rest_shared"].values())
         assert res["physical"] == res["planned"] and res["leaks"] == {}, res
+
+
+def test_the_layout_name_and_the_push_slot_count_are_refused_in_words():
+    """The page plan's two refusals, word for word (house format: what, the value, the fix), each with a
+    control that passes: a layout other than pull or push, and a push plan whose slots are not E/R."""
+    with pytest.raises(ConfigError) as info:
+        plan_tensor("sideways", 8, 2, 4, 4096, 4096)
+    assert str(info.value) == ("the layout must be pull or push: got 'sideways'. "
+                               "Fix: pass api='pull' or api='push'")
+    assert plan_tensor("pull", 8, 2, 4, 4096, 4096)[1] == 4 * 4096          # control: pull plans
+    rows = [4096, 4096, 4096]
+    with pytest.raises(ConfigError) as info:
+        predict_rank_bytes(num_layers=2, num_experts=8, ep_size=2, num_slots=3, row_bytes=rows,
+                           granularity=4096, api="push")
+    assert str(info.value) == ("the push layout needs num_slots == E/R: got (3, 4). Fix: use E//R slots for the "
+                               "push API (MoonEP's release fixes it), or the pull API")
+    # Controls: E/R slots plan, on one rank too (E/R = E), and pull takes any slot count.
+    one_rank = predict_rank_bytes(num_layers=2, num_experts=8, ep_size=1, num_slots=8, row_bytes=rows,
+                                  granularity=4096, api="push")
+    assert one_rank["slot_bytes"] == 3 * PushRowsPlan(8, 8, 4096, 4096).pool_bytes
+    two_ranks = predict_rank_bytes(num_layers=2, num_experts=8, ep_size=2, num_slots=4, row_bytes=rows,
+                                   granularity=4096, api="push")
+    assert all(type(v) is int for v in (*one_rank.values(), *two_ranks.values())), (one_rank, two_ranks)  # bytes
+    assert predict_rank_bytes(num_layers=2, num_experts=8, ep_size=2, num_slots=3, row_bytes=rows,
+                              granularity=4096)["slot_bytes"] == 3 * 3 * 4096
