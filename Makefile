@@ -16,7 +16,8 @@ export PIP_RESUME_RETRIES ?= 20
 # A fresh set-up used at most 16.05 GiB of disk at its peak (df sampled every 2 s through
 # `make install-test venvs` on a clean clone: 14.0 GiB stay in the three environments, .venv-vllm 9.5,
 # .venv-vllm-cpu 3.6, .venv 1.1; the rest is pip's unpacked wheels), and the tests then wrote at most
-# 2.9 GiB more, so 16.9 GiB in all (tests/README.md, "Disk"). A set-up that runs out of disk half-way
+# 2.9 GiB more, so 16.9 GiB in all; a whole clean-clone `CI=true make test` (set-up included, nothing
+# else running) peaked at 16.85 GiB (tests/README.md, "Disk"). A set-up that runs out of disk half-way
 # leaves a broken environment behind, so it refuses to start below this much free space (GiB), the
 # measured need rounded up, and says how much there is.
 SETUP_FREE_GIB ?= 17

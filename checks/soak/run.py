@@ -6,9 +6,11 @@ Timeline (seconds after the server answered and the first checks passed;
 * ``[0, D)``: ``vllm bench serve`` (random prompts, a stated request rate and
   concurrency, ``rate·D`` requests at most) from the vLLM environment; the
   sampler every ``sample_s`` (RSS, fds, ``/dev/shm``, memfd bytes of the
-  server's tree); the fault plan (seeded, printed): every bad request of
-  ``faults.bad_requests`` (each must get vLLM's status and message), clients
-  that drop a stream mid-generation and clients that never read; the
+  server's tree) and, beside it, the server's ``/metrics`` (vLLM's own
+  request, token and latency counters: ``server_metrics``); the fault plan
+  (seeded, printed): every bad request of ``faults.bad_requests`` (each
+  must get vLLM's status and message), clients that drop a stream
+  mid-generation and clients that never read; the
   in-place update to checkpoint B at ``0.4·D`` and back to A at ``0.6·D``;
   greedy prompts every minute (tokens equal to the first minute's on A, to
   the first ones on B while B serves).
@@ -22,7 +24,8 @@ Timeline (seconds after the server answered and the first checks passed;
 
 It stops early when the server dies or on Ctrl-C (the verdicts then say so).
 Figures are measured (``/proc``, the load client's result file, the server's
-answers); verdicts name the process, resource and minute that failed.
+``/metrics`` and answers); verdicts name the process, resource and minute
+that failed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from . import faults as F
 from .bench_client import BenchLoad, bench_argv, errors_by_kind, read_results, windows_from_detailed
 from .sampler import sample_process, sample_tree
 from .server import HOST, WORKER_EXTENSION, SoakServer, http
+from .server_metrics import SCRAPE_TIMEOUT_S, Scrape, scrape_metrics, server_metrics_json
 from .shm import dev_shm_scan, settled_orphans
 from .verdicts import (Failure, Verdict, bad_requests_verdict, dev_shm_flat_verdict, fds_flat_verdict,
                        memfd_constant_verdict, rss_slope_verdict, summary)
@@ -301,6 +305,8 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
     stop = threading.Event()
     done: dict[str, list] = {"bad": [], "client": []}
     samples, events, updates = [], [], []
+    scrapes: list[Scrape] = []  # the server's /metrics, read with every sample (a failed read is a gap)
+    scrape_timeout = min(SCRAPE_TIMEOUT_S, cfg.sample_s / 2)
     bench_proc: Optional[subprocess.Popen] = None
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
@@ -343,6 +349,7 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
                 break
             if t_s >= next_sample:
                 samples.append(sample_tree(server.proc.pid))
+                scrapes.append(scrape_metrics(server.url, scrape_timeout))
                 next_sample += cfg.sample_s
             if pending and t_s >= pending[0][0]:
                 _, weights, target = pending.pop(0)
@@ -373,10 +380,12 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
             result["oracle_end"] = _oracle(_oracle_dir(cfg.model, path), final)
             result["digests_end"] = server.digests(os.path.join(cfg.out_dir, "digests-end"))
             samples.append(sample_tree(server.proc.pid))
+            scrapes.append(scrape_metrics(server.url, scrape_timeout))
         tree = sorted({p.pid for s in samples for p in s.processes} | {server.proc.pid})
         if cfg.kill and server.alive():
             result["sigkill"] = _kill_one_engine(server)
             events.append((time.monotonic() - t0, "SIGKILL"))
+            scrapes.append(scrape_metrics(server.url, scrape_timeout))  # the server has exited: a gap, recorded
         server.stop()
         result["after_exit"] = _leftovers(tree, shm_before)
         result["bench"] = _bench_figures(bench_file, t0)
@@ -390,17 +399,26 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         server.stop(timeout_s=30)
     result.update(samples=[_sample_json(s, t0) for s in samples], greedy=greedy.checks, updates=updates,
                   bad_requests=[{"t_s": round(t, 1), **dataclasses.asdict(o)} for t, o in done["bad"]],
-                  client_faults=done["client"], events=[(round(t, 1), k) for t, k in events])
+                  client_faults=done["client"], events=[(round(t, 1), k) for t, k in events],
+                  server_metrics=server_metrics_json(scrapes, t0, cfg.sample_s))
     result["verdicts"] = _verdicts(cfg, result, samples, t0, done)
     result["ok"] = result["verdicts"]["ok"]
+    marked = events + [(t, "bad request") for t, _ in done["bad"]] + [(c["t_s"], c["kind"]) for c in done["client"]]
+    write_outputs(cfg, result, samples, sorted(marked), t0)
+    return result
+
+
+def write_outputs(cfg: SoakConfig, result: dict[str, Any], samples: list, marked: list[tuple[float, str]],
+                  t0: float) -> None:
+    """``soak.png`` (the client's windows from ``result["bench"]``, the server's ``result["server_metrics"]``,
+    either may be empty) and ``soak.json`` in ``cfg.out_dir``. A PNG that fails is named in the JSON and fails
+    the run; the JSON is written regardless."""
     try:
         from .plot import plot_soak
 
-        marked = events + [(t, "bad request") for t, _ in done["bad"]] + \
-            [(c["t_s"], c["kind"]) for c in done["client"]]
         result["png"] = plot_soak(os.path.join(cfg.out_dir, "soak.png"), samples,
-                                  result.get("bench", {}).get("window_objects", []), sorted(marked), t0=t0,
-                                  title=f"soak: {cfg.model}, {cfg.minutes} min")
+                                  result.get("bench", {}).get("window_objects", []), marked, t0=t0,
+                                  title=f"soak: {cfg.model}, {cfg.minutes} min", server=result.get("server_metrics"))
     except Exception as exc:  # noqa: BLE001 - the JSON (and its verdicts) must still be written
         result["png_error"] = f"{type(exc).__name__}: {exc}"
         result["ok"] = False
@@ -408,7 +426,6 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         result.get("bench", {}).pop("window_objects", None)
     with open(os.path.join(cfg.out_dir, "soak.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    return result
 
 
 def _sample_json(s: Any, t0: float) -> dict[str, Any]:

@@ -282,7 +282,7 @@ def test_record_prefetch_counts_fills_padding_and_bytes_at_the_copy(tmp_path, mo
     # onto rank 1 with padding alone.
     plan = plan_dispatch(torch.tensor([[8, 8, 0, 0], [14, 0, 1, 1]]), S=8, K=2, E=4, R=2, B=2, token_padding=1)
     stats = Stats()
-    copied = PrefetchStats.from_copies("A", 3, {0: 3 * 100}, 0.0, [(0, 0, 0)], epn=2, rank=1)
+    copied = PrefetchStats.from_copies("pull", 3, {0: 3 * 100}, 0.0, [(0, 0, 0)], epn=2, rank=1)
     stats.record_prefetch(_Plan(plan), ep_rank=1, epn=2, copied=copied, real_tokens=[8, 1])
     fwd = stats.data["forward"]
     assert fwd["fills_by_owner_expert"] == {"0": {"0": {"fills": 1, "padding_only": 1, "real_entries": 0,
@@ -399,7 +399,7 @@ def test_record_prefetch_counts_a_push_at_the_owner(tmp_path, monkeypatch):
     plan = plan_dispatch(torch.tensor([[8, 8, 0, 0], [14, 0, 1, 1]]), S=8, K=2, E=4, R=2, B=2, token_padding=1)
     stats = Stats()
     # rank 0 pushed expert 0 into rank 1's slot: 3 tensors of 100 bytes, counted at its copies
-    pushed = PrefetchStats("B", 3, 300, 0.0, [], bytes_by_owner={0: 300}, remote_bytes=300,
+    pushed = PrefetchStats("push", 3, 300, 0.0, [], bytes_by_owner={0: 300}, remote_bytes=300,
                            bytes_by_expert={0: 300}, bytes_by_tensor={"gate": 100, "up": 100, "down": 100})
     stats.record_prefetch(_Plan(plan), ep_rank=0, epn=2, copied=pushed, real_tokens=[8, 1])
     fwd = stats.data["forward"]
