@@ -28,6 +28,18 @@ def add_run_arguments(p: argparse.ArgumentParser, *, driver_help: Any = OMIT, dr
         p.add_argument("--json", action="store_true", help=json_help)
 
 
+#: Bound on a whole run of ranks that take turns measuring, and on a rank's wait while a peer measures (the
+#: launcher's default run bound); not MOONEP_EP_TIMEOUT_S, which bounds waits on a peer that is only answering.
+DEFAULT_DEADLINE_S = 600.0
+
+
+def add_deadline_argument(p: argparse.ArgumentParser) -> None:
+    """``--deadline-s``: for tools whose ranks measure one at a time while the others wait in a barrier."""
+    p.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
+                   help="bound on the whole run in seconds, and on a rank's wait while its peer measures "
+                        f"(default {DEFAULT_DEADLINE_S:.0f}; not MOONEP_EP_TIMEOUT_S)")
+
+
 def add_moe_shape_arguments(p: argparse.ArgumentParser, *, hidden: int, intermediate: int,
                             experts: Any = OMIT) -> None:
     """``--hidden``, ``--intermediate`` (also spelled ``--inter``) and, when a default is given, ``--experts``."""

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..args import HOST_GRANULARITY_HELP, add_run_arguments
+from ..args import HOST_GRANULARITY_HELP, add_deadline_argument, add_run_arguments
 
 __all__ = ["add_arguments", "run", "page_holders", "split_by_holder", "measure_pull", "pull_rates",
            "bench_rank", "DEFAULT_SIZES"]
@@ -174,7 +174,9 @@ def _bench_size(ctx: Any, driver: Any, H: int, I: int, reps: int, experts_per_ra
         res: dict[str, Any] = {}
         for turn in range(ctx.world_size):  # one rank at a time: no contention between ranks' copies
             if turn == ctx.rank:
+                t0 = time.perf_counter()
                 res = measure_pull(store, 0, remote[:store.num_slots], reps)
+                res["measure_seconds"] = round(time.perf_counter() - t0, 3)  # how long the others waited
             store.finish_loading()  # also: nobody unmaps while a peer still reads its pages
         res.update(H=H, I=I, row_bytes=store.projections[0].row_bytes)
         return res
@@ -186,6 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (default 2; >= 2 for remote reads)")
     parser.add_argument("--reps", type=int, default=5, help="timed trials per side and size (default 5)")
     parser.add_argument("--experts-per-rank", type=int, default=2, help="experts (and slots) per rank (default 2)")
+    add_deadline_argument(parser)
     add_run_arguments(parser, driver_help="memory driver (auto: cuda with one GPU per rank, else host)",
                       granularity_help=HOST_GRANULARITY_HELP)
 
@@ -206,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         per_rank = run_ranks(bench_rank, args.ranks, args=(DEFAULT_SIZES, driver, args.granularity, args.reps,
                                                            args.experts_per_rank),
-                             backend=backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress)
+                             backend=backend, use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress,
+                             # ranks measure one at a time (bench_rank's turns): a waiting rank's barrier lasts as
+                             # long as its peer's measurement, bounded by the run's deadline
+                             timeout_s=args.deadline_s, group_timeout_s=args.deadline_s)
     except RankFailure as exc:
         print(json.dumps({"ok": False, "errors": exc.errors}, indent=2) if args.json else str(exc))
         return 1
@@ -219,12 +225,13 @@ def run(args: argparse.Namespace) -> int:
             "remote_gbps": [e["remote_gbps"] for e in entries],
             "local_gbps": [e["local_gbps"] for e in entries],
             "remote_over_local": [e["ratio"] for e in entries],
+            "measure_seconds": [e["measure_seconds"] for e in entries],
         })
     summary = {"ok": all(v is not None for row in rows for v in row["remote_gbps"]),
                "ranks": args.ranks, "driver": per_rank[0]["driver"], "emulated": per_rank[0]["emulated"],
                "backend": backend,
                "granularity": per_rank[0]["granularity"], "reps": args.reps,
-               "experts_per_rank": args.experts_per_rank, "sizes": rows}
+               "experts_per_rank": args.experts_per_rank, "deadline_s": args.deadline_s, "sizes": rows}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

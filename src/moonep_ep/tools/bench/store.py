@@ -38,12 +38,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..args import add_moe_shape_arguments, add_run_arguments
+from ..args import add_deadline_argument, add_moe_shape_arguments, add_run_arguments
 from .timing import fastest_ratio, interleaved_trials, timer_for
-
-
-#: Bound on a whole run (and on a rank's wait while its peer measures); the launcher's default.
-DEFAULT_DEADLINE_S = 600.0
 
 
 def ffn_views_vs_plain(store: Any, layer: int, tokens: int, reps: int,
@@ -117,9 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts-per-rank", type=int, default=4, help="experts (and slots) per rank (default 4)")
     p.add_argument("--tokens", type=int, default=2048, help="rows through the grouped FFN (default 2048)")
     p.add_argument("--reps", type=int, default=7, help="timed trials per side (default 7)")
-    p.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
-                   help="bound on the whole run in seconds, and on a rank's wait while its peer measures "
-                        f"(default {DEFAULT_DEADLINE_S:.0f}; not MOONEP_EP_TIMEOUT_S)")
+    add_deadline_argument(p)
     add_run_arguments(p, driver_help="memory driver (auto: cuda when torch sees a GPU, else host)")
 
 

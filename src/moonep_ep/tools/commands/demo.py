@@ -360,13 +360,17 @@ FIGURE_SOURCES: dict[str, str] = {
 
 def run_demo(cfg: DemoConfig, progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Spawn the ranks, run :func:`demo_rank`, and summarise (raises ``RankFailure``)."""
-    from ...launch import plan_launch, run_ranks
+    from ...launch import DEFAULT_RANK_TIMEOUT_S, plan_launch, run_ranks
 
     plan = plan_launch(cfg.driver, cfg.ranks)  # emulated CUDA: gloo, CPU tensors, one emulated GPU per rank
     backend = plan.backend
     t0 = time.perf_counter()
+    # The ranks time the pull one at a time (demo_rank's bandwidth turns) while the others wait in a barrier:
+    # that wait lasts as long as a peer's measurement, bounded by the run's own bound, not MOONEP_EP_TIMEOUT_S
+    # (a peer that dies is still reported at once, by the launcher).
     per_rank = run_ranks(demo_rank, cfg.ranks, args=(dataclasses.asdict(cfg),), backend=backend,
-                         use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress)
+                         use_cuda=plan.use_cuda, rank_envs=plan.rank_envs, progress=progress,
+                         group_timeout_s=DEFAULT_RANK_TIMEOUT_S)
     received = [r["tokens_received"] for r in per_rank]
     weight_bytes = sum(r["weight_collective_bytes"] for r in per_rank)
     measured = [r["measured_bytes"] for r in per_rank]
