@@ -15,7 +15,7 @@ of ``vllm/v1/engine/__init__.py``) and ``vllm:generation_tokens``, the histogram
 ``vllm:time_to_first_token_seconds``. prometheus_client exposes a counter as ``NAME_total`` and a histogram as
 ``NAME_bucket{le="..."}`` (cumulative counts), ``NAME_sum`` and ``NAME_count``: :data:`METRIC_NAMES`.
 
-Standard library only (``urllib``, and a small parser of the text format: ``name{labels} value
+Standard library only (the soak's ``server.http``, and a small parser of the text format: ``name{labels} value
 [timestamp]`` lines, ``#`` lines ignored).
 """
 
@@ -25,9 +25,9 @@ import dataclasses
 import math
 import re
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from .server import http
 
 __all__ = ["METRIC_NAMES", "COMPLETED_REASONS", "QUANTILE_RULE", "PromSample", "Histogram", "Scrape",
            "parse_prometheus_text", "scrape_from_text", "scrape_metrics", "histogram_quantile", "server_intervals",
@@ -187,12 +187,13 @@ def scrape_metrics(base_url: str, timeout_s: float = SCRAPE_TIMEOUT_S,
     """``GET base_url/metrics`` now; never raises: a failed read is a :class:`Scrape` with ``error`` (a gap)."""
     t = clock()
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as answer:
-            text = answer.read().decode("utf-8", errors="replace")
-        return scrape_from_text(text, t)
-    except urllib.error.HTTPError as exc:
-        return Scrape(t=t, error=f"HTTP {exc.code} from /metrics")
-    except Exception as exc:  # noqa: BLE001 - refused, reset, timed out, malformed: a gap, never the soak's end
+        status, body = http("GET", base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+        if status == 0:  # nothing answered: refused, reset, timed out
+            return Scrape(t=t, error=str(body)[:300])
+        if status != 200:
+            return Scrape(t=t, error=f"HTTP {status} from /metrics")
+        return scrape_from_text(body if isinstance(body, str) else str(body), t)
+    except Exception as exc:  # noqa: BLE001 - a cut read, malformed text: a gap, never the soak's end
         return Scrape(t=t, error=f"{type(exc).__name__}: {exc}"[:300])
 
 

@@ -277,12 +277,12 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
                 # Every tensor of the slot (weight and scale of each projection) in the same issue.
                 for name, local in local_weights.items():
                     pairs.append((pools[name][r, b], local[e - lo]))
-                    row = local[e - lo].numel() * local.element_size()
-                    nbytes += row
+                    row_bytes = local[e - lo].numel() * local.element_size()
+                    nbytes += row_bytes
                     if bytes_by_tensor is not None:
-                        bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + row
+                        bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + row_bytes
                     if bytes_by_expert is not None:
-                        bytes_by_expert[e] = bytes_by_expert.get(e, 0) + row
+                        bytes_by_expert[e] = bytes_by_expert.get(e, 0) + row_bytes
     device = next(iter(local_weights.values())).device if local_weights else torch.device("cpu")
     event = _run_copies(pairs, device, streams)
     return len(pairs), nbytes, event
