@@ -162,6 +162,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_ROUTING_RECORD_DIR", "str", None,
              "directory where every engine process records the experts its MoE routers chose, per request, "
              "position and layer (the oracle's near-tie evidence: vllm-demo sets it per run)", scope="vLLM plugin"),
+    Variable("MOONEP_EP_COUNT_HOST_SYNCS", "bool", False,
+             "count every device-to-host read inside the MoE ops per engine step (moonep_ep.testing.host_syncs; "
+             "a Python call per torch op there): vllm-demo's decode_host_syncs, which sets it for its runs",
+             scope="vLLM plugin"),
     Variable("MOONEP_EP_VLLM_FORCE", "bool", False,
              "activate the plugin on a vLLM build whose MoonEP files differ from 0.33.0's", scope="vLLM plugin"),
     # -- tools and tests ---------------------------------------------------------------------

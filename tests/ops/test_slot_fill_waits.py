@@ -341,9 +341,12 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         ("vllm/experts/overlap.py", "deliver_slot_fill", "wait_for_slots"),
         (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
     ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "take_slot_fill"): (
-        "quantized experts (dequant and Triton): wait_for_slots before any slot row is read",
-        ("vllm/quantized/engine.py", "_build_experts_class._QuantizedExperts.apply", "wait_for_slots"),
-        (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",)),
+        "quantized experts (dequant and Triton): handed to own_then_slots, which computes the own groups, then "
+        "waits (wait_for_slots) before any slot row is read; a decode-sized step waits first, then one pass",
+        ("vllm/quantized/engine.py", "own_then_slots", "wait_for_slots"),
+        (f"{VLLM_TEST}::test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it",
+         "tests/vllm/test_quantized_own_first.py::test_own_groups_first_then_the_wait_then_the_slots_with_one_pass_bits",
+         "tests/vllm/test_quantized_own_first.py::test_control_waiting_as_the_event_is_taken_fails_the_order_check")),
     ("tools/commands/demo.py", "demo_rank", "prefetch_weight"): (
         "blocking call: the buffer waits before returning", ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight",
                                                             "wait_for_slots"),

@@ -68,6 +68,7 @@ def _push_rank(ctx: Any, case: KernelCase) -> dict[str, Any]:
     from vllm.distributed import get_ep_group
 
     from moonep_ep.vllm.manager import ShardedMoonEPAll2AllManager
+    from moonep_ep.vllm.experts import overlap
     from moonep_ep.vllm.experts.overlap import TRACE
     from tests.support.vllm_moe_model import build
 
@@ -112,10 +113,14 @@ def _push_rank(ctx: Any, case: KernelCase) -> dict[str, Any]:
 
             pf.prepare = spy
             TRACE.events = []
+            # a prefill-sized step: the own/slot split this check traces (decode-sized steps run one pass after
+            # the wait, checked by slot_fill_check's bf16_decode round)
+            sized, overlap.decode_sized = overlap.decode_sized, lambda step_tokens, vllm_config: False
             try:
                 outs[api] = _forward(layer, x, ids, w, E)
             finally:
                 del pf.prepare
+                overlap.decode_sized = sized
             # overlap.apply's steps: own groups, the wait on the prefetch's event, the slot groups
             row[f"{api}_trace"] = [e for e in TRACE.events if e in ("own", "waited", "slots")]
             TRACE.events = None

@@ -45,6 +45,7 @@ class RecordingBuffer:
     def dispatch(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> Any:
         self.log.append(["dispatch", list(a1.shape), list(topk_ids.shape), int(tokens_per_expert.sum())])
+        self.dispatched = (topk_ids.clone(), tokens_per_expert.clone())
         counts = torch.tensor([3, 5, 0, 2], dtype=torch.int32)[: 2 * EPN]   # own experts, then the epn slots
         cu = torch.cumsum(counts, 0).to(torch.int32)
         nvs = a1.shape[0] * topk_ids.shape[1]
@@ -203,7 +204,48 @@ def run() -> dict[str, Any]:
     legacy = Pool(None, RecordingBuffer("legacy"))
     legacy.moonep_api = "push"   # the attribute's former name: no longer read
     out["chosen"]["moonep_api=push"] = type(build(legacy, S, 1, E)).__name__
+    out["counting"] = counting(vllm_moonep, make)
     return out
+
+
+def counting(vllm_moonep: Any, make: Any) -> dict[str, Any]:
+    """vLLM's ``prepare`` before and after the plugin's ``counting.count_on_device``: which aten ops count the
+    experts (``bincount`` reads its maximum back to the host; the scatter-add does not), and the counts MoonEP's
+    dispatch receives against ``torch.bincount`` of the ids it receives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moonep_ep.vllm.prepare_finalize.counting import TORCH_COUNTING_ON_DEVICE, count_on_device
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func: Any, types_: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            self.names.add(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    def step() -> dict[str, Any]:
+        buf = RecordingBuffer("counting")
+        pf = make(push_layout(), buf)
+        ops = Ops()
+        with ops:
+            pf.prepare(*_inputs(tokens=7))
+        ids, tpe = buf.dispatched
+        want = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).to(torch.int32)
+        return {"bincount_ran": "bincount" in ops.names, "index_add_ran": bool({"index_add", "index_add_"} & ops.names),
+                "counts_equal_bincount": bool(torch.equal(tpe, want)), "dtype": str(tpe.dtype),
+                "counts": [int(x) for x in tpe.tolist()]}
+
+    original = vllm_moonep.torch
+    result = {"before": step(), "patched_now": count_on_device(vllm_moonep)}
+    try:
+        result["after"] = step()
+        result["patched_twice"] = count_on_device(vllm_moonep)
+        result["module_torch_is_the_counting_one"] = vllm_moonep.torch is TORCH_COUNTING_ON_DEVICE
+    finally:
+        vllm_moonep.torch = original
+    return result
 
 
 def collect() -> dict[str, Any]:

@@ -71,12 +71,13 @@ def main() -> int:
         res: dict = {"saturation": S.saturation(hidden, groups, dense), "errors": {}, "seconds": {}}
         for name, act in runs.items():
             t = time.perf_counter()
-            y = gpu_grouped_ffn(fmt, hidden, views, cu, route, token_padding=S.TOKEN_PADDING, native_act_quant=True,
-                                activation=act)
+            y = torch.full(hidden.shape, 7.0, dtype=hidden.dtype)   # written in place; the tail keeps the 7s
+            gpu_grouped_ffn(fmt, hidden, views, cu, route, token_padding=S.TOKEN_PADDING, native_act_quant=True,
+                            activation=act, out=y)
             res["seconds"][name] = round(time.perf_counter() - t, 2)
             res["errors"][name] = S.row_error(y, ref, groups)
             if name == "situ":
-                res["tail_zero"] = bool((y[int(cu[-1]):] == 0).all())
+                res["tail_untouched"] = bool((y[int(cu[-1]):] == 7.0).all())
                 res["dtype"] = str(y.dtype).rsplit(".", 1)[-1]
         out["formats"][fmt] = res
     out["seconds"] = round(time.perf_counter() - t0, 1)

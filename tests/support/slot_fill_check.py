@@ -154,7 +154,21 @@ def _forward(kernel: Any, layer: Any, x: Any, ids: Any, w: Any, E: int) -> Any:
                         apply_router_weight_on_input=False)
 
 
-def bf16_rank(rank: int, world: int) -> dict[str, Any]:
+def bf16_rank(rank: int, world: int, *, decode_sized: bool = False) -> dict[str, Any]:
+    """The BF16 steps; ``decode_sized``: every step is taken for a decode step (the experts wait, then run one
+    pass), else for a prefill (own groups, the wait, the slot groups)."""
+    import torch
+
+    from moonep_ep.vllm.experts import overlap
+
+    sized, overlap.decode_sized = overlap.decode_sized, lambda step_tokens, vllm_config: decode_sized
+    try:
+        return _bf16_steps(rank, world)
+    finally:
+        overlap.decode_sized = sized
+
+
+def _bf16_steps(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     from moonep_ep.vllm.experts import overlap
@@ -281,6 +295,7 @@ def _check_rank(ctx: Any, cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     out["bf16"] = bf16_rank(rank, world)
     out["bf16"]["seconds"] = round(time.perf_counter() - t0, 2)
+    out["bf16_decode"] = bf16_rank(rank, world, decode_sized=True)
     out["quantized"] = {}
     materials: dict[str, Any] = {}
     for key, step_names in cases.items():
@@ -300,7 +315,7 @@ def verdict(ranks: list[dict[str, Any]]) -> list[str]:
     """Every failed expectation: fixed steps pass the oracle on every rank and layer with one wait per layer;
     every control step (wait removed) fails it somewhere, with slots in use."""
     failed = []
-    runs = [("bf16", [r["bf16"] for r in ranks])]
+    runs = [("bf16", [r["bf16"] for r in ranks]), ("bf16_decode", [r["bf16_decode"] for r in ranks])]
     runs += [(key, [r["quantized"][key] for r in ranks]) for key in ranks[0]["quantized"]]
     for name, per_rank in runs:
         for s, step in enumerate(per_rank[0]["steps"]):

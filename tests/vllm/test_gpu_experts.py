@@ -52,7 +52,8 @@ def test_gpu_experts_of_every_format_match_the_formats_own_dequantization_under_
         assert res["push_layout_equals_fused"], fmt
         for dtype in ("float16", "bfloat16"):
             d = res["dtypes"][dtype]
-            assert d["finite"] and d["tail_zero"], (fmt, dtype, d)
+            # rows past cu_seqlens[-1] are never written (combine never reads them: test_expert_bytes.py)
+            assert d["finite"] and d["tail_untouched"], (fmt, dtype, d)
             assert d["max_row_rel_err"] <= d["bound"], (fmt, dtype, d)
             rows.append((fmt, dtype, d["max_row_rel_err"], d["bound"], d["seconds"]))
         # every negative control fails the same bound the positive run passes

@@ -219,8 +219,9 @@ def test_activations_of_another_dtype_and_a_format_without_a_kernel_are_refused(
 
 class TorchMxfp4Launch:
     """``mxfp4_grouped_gemm_kernel[grid](...)`` computed in torch from its launch arguments: program ``pid_m``
-    writes rows ``[pid_m * BLOCK_M, +BLOCK_M)`` (below M) with weight row ``expert_ids[pid_m]`` unless that is -1
-    or the block starts at or past ``num_tokens_post_padded``; float64 sums rounded once to the output dtype.
+    writes rows ``[pid_m * BLOCK_M, +BLOCK_M)`` (below M) with weight row ``expert_ids[pid_m]``, zeros where that
+    is -1, nothing where the block starts at or past ``num_tokens_post_padded``; float64 sums rounded once to the
+    output dtype.
     Weights decoded from the E2M1 bit fields (``e2m1_values``) times ``2^(x - 127)``."""
 
     def __init__(self) -> None:
@@ -235,10 +236,10 @@ class TorchMxfp4Launch:
             weights = _dequantized(b, s)
             for pid in range(grid[0]):
                 e, start = int(expert_ids[pid]), pid * BLOCK_M
-                if e < 0 or start >= int(ntpp[0]):
+                if start >= int(ntpp[0]):
                     continue
                 rows = slice(start, min(start + BLOCK_M, M))
-                c[rows] = (a[rows].double() @ weights[e].T).to(c.dtype)
+                c[rows] = 0 if e < 0 else (a[rows].double() @ weights[e].T).to(c.dtype)
         return run
 
 
@@ -269,7 +270,7 @@ def _mxfp4_views() -> dict[str, torch.Tensor]:
 
 def _reference(hidden, views, cu, route) -> torch.Tensor:
     """float64 per row: its group's gate-up (rounded to bf16, as the kernel writes it), silu(gate) * up times
-    the route weight, then the group's down projection; rows at or past cu[-1] zero."""
+    the route weight, then the group's down projection; rows at or past cu[-1] zero (compared only before it)."""
     w13 = _dequantized(views["w13_weight_packed"], views["w13_weight_scale"])
     w2 = _dequantized(views["w2_weight_packed"], views["w2_weight_scale"])
     out = torch.zeros(hidden.shape[0], H, dtype=torch.float64)
@@ -295,10 +296,12 @@ def test_the_mxfp4_ffn_matches_a_per_group_reference_skipping_zero_weight_blocks
     cu = torch.tensor([16, 16, 48], dtype=torch.int32)      # group 0 rows 0-15, group 1 empty, group 2 rows 16-47
     route = torch.rand(64, generator=gen) + 0.5
     route[32:48] = 0                                        # block 2: padding rows only
-    out = gpu_grouped_ffn("mxfp4", hidden, views, cu, route, token_padding=16)
+    out = gpu_grouped_ffn("mxfp4", hidden, views, cu, route, token_padding=16,
+                          out=torch.full((64, H), 7.0, dtype=torch.bfloat16))
     want = _reference(hidden, views, cu.tolist(), route)
-    assert out.dtype == torch.bfloat16 and _close(out, want), (out.double() - want).abs().max()
-    assert bool((out[32:] == 0).all()) and bool((out[:32] != 0).any(dim=1).all())
+    assert out.dtype == torch.bfloat16 and _close(out[:48], want[:48]), (out[:48].double() - want[:48]).abs().max()
+    # block 2 (padding only) is the kernel's zeros; the tail past cu[-1] is never written (combine never reads it)
+    assert bool((out[32:48] == 0).all()) and bool((out[:32] != 0).any(dim=1).all()) and bool((out[48:] == 7).all())
     # INTERPRETER_CONFIG (M 16, N 128, K 64): gate-up K = H 64, down K = I 32; block 2 and the tail not computed
     gate_up, down = mxfp4_launch.launches
     assert gate_up == {"grid": (4, 1), "expert_ids": [0, 2, -1, -1], "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64,
@@ -309,22 +312,23 @@ def test_the_mxfp4_ffn_matches_a_per_group_reference_skipping_zero_weight_blocks
     plain = gpu_grouped_ffn("mxfp4", hidden, views, cu, None, token_padding=32,
                             config={"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "num_warps": 2,
                                     "num_stages": 2})
-    assert _close(plain, _reference(hidden, views, cu.tolist(), None))
+    assert _close(plain[:48], _reference(hidden, views, cu.tolist(), None)[:48])
     assert [(x["grid"], x["expert_ids"], x["BLOCK_K"], x["num_warps"], x["num_stages"])
             for x in mxfp4_launch.launches] == [((4, 2), [0, 2, 2, -1], 32, 2, 2), ((4, 2), [0, 2, 2, -1], 32, 2, 2)]
 
 
-def test_rows_past_the_last_group_are_zero_even_when_given_blocks_compute_them(mxfp4_launch):
-    """A caller's block metadata (the kernel tier's corrupted copy) may cover rows past ``cu_seqlens[-1]``:
-    the FFN zeroes them all the same; the groups' own rows are computed with the given blocks."""
+def test_given_blocks_are_computed_as_given_and_the_groups_rows_are_right(mxfp4_launch):
+    """A caller's block metadata (the kernel tier's corrupted copy) may cover rows past ``cu_seqlens[-1]``: they
+    are computed as the blocks say (no mask after the GEMM: MoonEP's combine never reads those rows,
+    ``tests/ops/test_expert_bytes.py``); the groups' own rows are computed with the given blocks."""
     views = _mxfp4_views()
     hidden = torch.full((48, H), 0.25, dtype=torch.bfloat16)
     cu = torch.tensor([16, 16, 32], dtype=torch.int32)
     wide = grouped_blocks(torch.tensor([16, 16, 48], dtype=torch.int32), 48, 16)     # group 2 runs to row 48
     out = gpu_grouped_ffn("mxfp4", hidden, views, cu, torch.ones(48), token_padding=16, blocks=wide)
     assert [x["expert_ids"] for x in mxfp4_launch.launches] == [[0, 2, 2]] * 2        # given blocks, not skipped
-    assert bool((out[32:] == 0).all()) and bool((out[:32] != 0).any(dim=1).all())
-    assert _close(out, _reference(hidden, views, [16, 16, 32], torch.ones(48)))
+    assert bool((out[:32] != 0).any(dim=1).all()) and bool((out[32:] != 0).any(dim=1).all())
+    assert _close(out[:32], _reference(hidden, views, [16, 16, 32], torch.ones(48))[:32])
 
 
 def test_the_ffn_refuses_cu_seqlens_of_another_row_count_and_passes_native_quantization_on(kernels):
@@ -339,9 +343,10 @@ def test_the_ffn_refuses_cu_seqlens_of_another_row_count_and_passes_native_quant
     cu = torch.tensor([16, 16, 16], dtype=torch.int32)                  # rows 16-31 are past the last group
     out = gpu_grouped_ffn("fp8-block", hidden, views, cu, None, token_padding=16, native_act_quant=True)
     assert len(kernels["native"]) == 2 and kernels["quant"] == []      # gate-up and down, both vLLM's torch path
-    # the stand-in kernel writes 5 everywhere: act = silu(5) * 5, then down writes 5; the tail is zeroed
+    # the stand-in kernel writes 5 everywhere: act = silu(5) * 5, then down writes 5; no mask after it (the
+    # tail past cu[-1] is left as the kernel left it: vLLM's writes nothing there)
     assert kernels["native"][1][0].shape == (32, 32) and bool((kernels["native"][1][0] == 24.875).all())
-    assert bool((out[:16] == 5).all()) and bool((out[16:] == 0).all())
+    assert bool((out == 5).all())
     gpu_grouped_ffn("fp8-block", hidden, views, cu, None, token_padding=16)
     assert len(kernels["quant"]) == 2 and len(kernels["native"]) == 2
 
@@ -379,7 +384,7 @@ class _MetaLaunch:
 
 def test_the_ffn_builds_every_tensor_on_the_inputs_device(monkeypatch):
     """On the meta device (tensors without values, as a GPU's are to the host) the whole FFN runs and every
-    tensor it makes (the GEMMs' outputs, the tail mask) is a meta tensor: one made on the CPU would fail there."""
+    tensor it makes (the GEMMs' outputs, the activation) is a meta tensor: one made on the CPU would fail there."""
     # torch imports its compiler at the first device-side assert on meta, and that import probes triton: done
     # here before the triton stand-in goes in
     grouped_blocks(torch.empty(1, dtype=torch.int32, device="meta"), 16, 16)
@@ -393,3 +398,17 @@ def test_the_ffn_builds_every_tensor_on_the_inputs_device(monkeypatch):
                           meta(48, dtype=torch.float32), token_padding=16)
     assert out.device.type == "meta" and out.shape == (48, H) and out.dtype == torch.bfloat16
     assert launch.devices == ["meta", "meta"]
+
+
+def test_the_callers_out_takes_the_down_projection_in_place_and_a_wrong_one_is_refused(mxfp4_launch):
+    views = _mxfp4_views()
+    hidden = torch.full((48, H), 0.25, dtype=torch.bfloat16)
+    cu = torch.tensor([16, 16, 32], dtype=torch.int32)
+    out = torch.full((48, H), 7.0, dtype=torch.bfloat16)
+    got = gpu_grouped_ffn("mxfp4", hidden, views, cu, torch.ones(48), token_padding=16, out=out)
+    assert got is out and bool((out[32:] == 7).all()) and _close(out[:32], _reference(hidden, views, [16, 16, 32],
+                                                                                      torch.ones(48))[:32])
+    for wrong in (torch.empty(48, H), torch.empty(40, H, dtype=torch.bfloat16),
+                  torch.empty(H, 48, dtype=torch.bfloat16).t()):
+        assert _refusal(lambda: gpu_grouped_ffn("mxfp4", hidden, views, cu, None, token_padding=16, out=wrong)
+                        ).startswith("out must be a contiguous [M, N] tensor of the activations' dtype")

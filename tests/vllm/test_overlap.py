@@ -93,3 +93,58 @@ def test_the_slot_fill_handoff_is_taken_once_and_stays_on_its_thread():
     other.join()
     assert seen_elsewhere == [(False, None)]
     assert overlap.take_slot_fill() is event and overlap.take_slot_fill() is None
+
+
+def _config(max_num_seqs, spec=None):
+    return types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs),
+                                 speculative_config=None if spec is None
+                                 else types.SimpleNamespace(num_speculative_tokens=spec))
+
+
+def test_a_decode_sized_step_runs_one_pass_after_the_wait_with_no_host_read():
+    """A decode-sized step (the prepare step's ``one_pass``): the experts wait, then compute every group in one
+    grouped GEMM, so no row index is read back (a ``_local_scalar_dense``/``tolist`` would show in the counted
+    ops); the rows equal the split's and vLLM's, rows past the last group zero. Control: the same step
+    unarmed splits, and the split reads."""
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__index__"):
+                self.calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    lengths = [16, 0, 32, 16, 16, 16]
+    results = {}
+    for one_pass in (True, False):
+        log = []
+        experts_module = types.SimpleNamespace(MoonEPExperts=type("MoonEPExperts", (), {"apply": lambda s: None}))
+        overlap.patch_experts(experts_module)
+        overlap.arm(types.SimpleNamespace(_fused_experts=experts_module.MoonEPExperts()), one_pass=one_pass)
+        overlap.TRACE.events = log
+        overlap.prefetch(_Buffer(log), plan=None, async_finish=False, weights={})
+        reads = Reads()
+        with reads:
+            output, expected = _run(lengths, log)
+        results[one_pass] = (output, expected, log, reads.calls)
+    output, expected, log, calls = results[True]
+    assert log == [("prefetch", True), "prefetch issued", ("wait", None), "waited", "one pass"]
+    assert calls == []
+    # rows past the last group are not defined in one pass (MoonEP's combine reads dispatched rows only)
+    assert torch.equal(output[:96], expected[:96])
+    split, _, split_log, split_calls = results[False]
+    assert split_log[-3:] == [("wait", None), "waited", "slots"] and split_calls == ["tolist"]   # the control
+    assert torch.equal(output[:96], split[:96])
+    assert overlap.SLOT_FILL_HANDOFF.one_pass is False   # taken by the layer that was armed
+
+
+def test_decode_sized_steps_are_bounded_by_the_sequences_a_step_decodes():
+    assert overlap.decode_token_bound(_config(256)) == 256
+    assert overlap.decode_token_bound(_config(64, spec=3)) == 256      # MTP: 1 + 3 tokens per sequence
+    assert overlap.decode_token_bound(None) is None and overlap.decode_token_bound(_config(None)) is None
+    assert overlap.decode_sized(256, _config(256)) and not overlap.decode_sized(257, _config(256))
+    assert not overlap.decode_sized(1, None)                              # no config: today's split

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from moonep_ep.ops.decode.padding import expert_padding, group_padding, padding_ids
+from moonep_ep.ops.decode.padding import expert_padding, group_padding, own_padding_row, padding_ids
 from moonep_ep.ops.moonep.padding import real_entries
 from moonep_ep.ops.moonep.planner import plan_dispatch
 from moonep_ep.vllm.prepare_finalize import padding as plugin_padding
@@ -244,3 +244,80 @@ def test_the_capacity_cost_model_prices_the_layer_in_its_stored_format(fmt, gate
     assert model.expert_bytes == expert_format_bytes(fmt, 512, 256)["total_bytes"]
     if fmt != "bf16":  # the negative control: the BF16 price of the same dims is what the old code used
         assert model.expert_bytes < expert_format_bytes("bf16", 512, 256)["total_bytes"] // 3
+
+
+def _group_padding_loops(policy, n, loads, S, K, R):
+    """The balanced and own rules restated as the plain greedy loops of their definition (the oracle of the
+    tensor-op implementation): own group first, then sources in rank order fill deficits in rank order."""
+    left = [(S - x) * K for x in n]
+    P = [[0] * R for _ in range(R)]
+    if policy == "own":
+        for s in range(R):
+            P[s][s] = left[s]
+        return P
+    need = [max(0, S * K - g) for g in loads]
+    for s in range(R):
+        take = min(left[s], need[s])
+        P[s][s] += take
+        left[s] -= take
+        need[s] -= take
+    for s in range(R):
+        for h in range(R):
+            take = min(left[s], need[h])
+            P[s][h] += take
+            left[s] -= take
+            need[h] -= take
+    for s in range(R):
+        P[s][s] += left[s]
+    return P
+
+
+def _expert_padding_loops(P, E, R):
+    epn = E // R
+    pad = [[0] * E for _ in range(R)]
+    for h in range(R):
+        offset = 0
+        for s in range(R):
+            for j in range(offset, offset + P[s][h]):
+                pad[s][h * epn + j % epn] += 1
+            offset += P[s][h]
+    return pad
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_padding_tensor_ops_equal_the_greedy_loops(seed):
+    """2,000 random steps (R, epn, K, S, real tokens, skewed loads, loads that disagree with the tokens): the
+    tensor-op padding (what the prepare step runs on the device) equals the loops of the definition."""
+    rng = torch.Generator().manual_seed(seed)
+    for _ in range(500):
+        R = int(torch.randint(1, 9, (1,), generator=rng))
+        epn = int(torch.randint(1, 6, (1,), generator=rng))
+        K = int(torch.randint(1, 5, (1,), generator=rng))
+        S = int(torch.randint(1, 12, (1,), generator=rng))
+        n = torch.randint(0, S + 1, (R,), generator=rng).tolist()
+        total = sum(n) * K
+        weights = torch.rand(R, generator=rng) ** 3     # skewed groups
+        loads = (weights / weights.sum() * total).floor().to(torch.int64)
+        loads[0] += total - int(loads.sum())
+        if int(torch.randint(0, 5, (1,), generator=rng)) == 0:  # loads that do not match the tokens
+            loads = torch.randint(0, 2 * S * K + 1, (R,), generator=rng)
+        loads = loads.tolist()
+        for policy in ("own", "balanced"):
+            want = _group_padding_loops(policy, n, loads, S, K, R)
+            assert group_padding(policy, n, loads, S=S, K=K, R=R) == want, (policy, n, loads, S, K, R)
+            got = expert_padding(policy, torch.tensor(n), torch.tensor(loads), S=S, K=K, E=R * epn, R=R)
+            assert got.tolist() == _expert_padding_loops(want, R * epn, R), (policy, n, loads, S, K, R)
+            for rank in range(R):
+                ids = padding_ids(got[rank], K, rows=S - n[rank])
+                assert torch.bincount(ids.reshape(-1), minlength=R * epn).tolist() == got[rank].tolist()
+        rank = int(torch.randint(0, R, (1,), generator=rng))
+        own = expert_padding("own", n, None, S=S, K=K, E=R * epn, R=R)[rank]
+        assert own_padding_row((S - n[rank]) * K, rank, E=R * epn, R=R).tolist() == own.tolist()
+
+
+def test_the_greedy_loops_oracle_is_not_the_rank_order_fill():
+    """Control: the oracle tells own-group-first from a plain rank-order fill (else the property test above
+    could not catch a tensor version that lost the own-group step)."""
+    assert _group_padding_loops("balanced", [8, 4, 4], [4, 4, 8], 8, 1, 3) == [[0, 0, 0], [0, 4, 0], [4, 0, 0]]
+    plain = [[0, 0, 0], [4, 0, 0], [0, 4, 0]]
+    assert _group_padding_loops("balanced", [8, 4, 4], [4, 4, 8], 8, 1, 3) != plain

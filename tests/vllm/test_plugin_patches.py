@@ -46,7 +46,7 @@ def test_every_patch_is_declared_one_way():
     every = [p for table in (plugin.PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES,
                              routing_record.PATCHES, prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES,
                              quantized_hooks.PATCHES, cpu_patches.PATCHES, experts_patches.PATCHES) for p in table]
-    assert len(every) == 31
+    assert len(every) == 32
     for patch in every:
         assert isinstance(patch, hooks.Patch) and (patch.target is None or patch.target.startswith("vllm."))
         params = inspect.signature(patch.apply).parameters
@@ -57,7 +57,8 @@ def test_every_patch_is_declared_one_way():
 def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkeypatch):
     order = _order(monkeypatch, cpu=True, record=True)
     assert order[0] == ("vllm.distributed.device_communicators.all2all", "patch_manager")
-    assert _on(order, MOONEP_PF) == ["count_gathers", "patch_padding"]          # padding wraps the counted module
+    # padding wraps the counted module; the prepare's expert counts on the device
+    assert _on(order, MOONEP_PF) == ["count_gathers", "patch_padding", "count_experts_on_device"]
     assert _on(order, ALL2ALL_UTILS) == ["bind_pf_names", "bind_push_choice"]    # the names, then the choice
     assert _on(order, EXPERTS) == ["subclass_experts", "patch_overlap"]           # the overlap last, on vLLM's class
     assert order[-1] == (EXPERTS, "patch_overlap")
@@ -65,7 +66,7 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
     assert order.index((RELOAD, "patch_reload")) < order.index((GPU_RUNNER, "patch_reload"))
     # set-up at install, in order: the cap first (it hides AMX from a capped process), the K3 default after
     assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
-    assert len(order) == len(set(order)) == 31  # every table applied, each patch once
+    assert len(order) == len(set(order)) == 32  # every table applied, each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):

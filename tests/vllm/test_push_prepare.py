@@ -251,3 +251,17 @@ def test_push_prepare_runs_vllms_prepare_with_the_push_prefetch():
     # the pool's `api` attribute picks the class; its former name is no longer read
     assert run["chosen"] == {"push": "MoonEPPushPrepareAndFinalize", "pull": "MoonEPPrepareAndFinalize",
                              "None": "MoonEPPrepareAndFinalize", "moonep_api=push": "MoonEPPrepareAndFinalize"}
+
+
+def test_the_prepare_counts_experts_on_the_device_once_patched():
+    """vLLM's ``prepare`` counts MoonEP's ``tokens_per_expert`` with ``torch.bincount`` (a device round trip on
+    GPUs: it reads the ids' maximum); the plugin's ``counting.count_on_device`` makes it a scatter-add. Same
+    counts as ``bincount`` of the ids the dispatch receives, int32 as MoonEP takes them; the control is the
+    unpatched run, which does call ``bincount``; the prepare's digest pin above covers the call it relies on."""
+    got = _collected()["run"]["counting"]
+    assert got["before"]["bincount_ran"] and not got["before"]["index_add_ran"]   # the control
+    assert got["after"]["index_add_ran"] and not got["after"]["bincount_ran"]
+    for run in (got["before"], got["after"]):
+        assert run["counts_equal_bincount"] and run["dtype"] == "torch.int32"
+    assert got["after"]["counts"] == got["before"]["counts"] and sum(got["after"]["counts"]) == 128 * 2  # S * K there
+    assert got["patched_now"] and not got["patched_twice"] and got["module_torch_is_the_counting_one"]

@@ -466,70 +466,80 @@ def _meta(counts: list[int]) -> Any:
     return types.SimpleNamespace(expert_num_tokens=torch.tensor(counts))
 
 
-def test_apply_waits_for_the_slot_fills_then_computes_with_the_groups_and_route_it_is_given(vllm, monkeypatch):
+def test_apply_computes_the_own_groups_waits_for_the_slot_fills_then_the_slot_groups(vllm, monkeypatch):
     from moonep_ep.ops.experts import quantized as quantized_experts
     from moonep_ep.vllm.experts import overlap
 
     order: list[str] = []
-    ffn = Calls(compute=True, result=lambda *a, **k: (order.append("ffn"), torch.full((6, 4), 7.0))[1])
+    ffn = Calls(compute=True, result=lambda hidden, *a, **k: (order.append("ffn"),
+                                                              torch.full((hidden.shape[0], 4), 7.0))[1])
     monkeypatch.setattr(quantized_experts, "quantized_grouped_ffn", ffn)
     cls = qe.experts_class("dequant")
     assert getattr(cls, overlap.WAITS_ATTR) is True and cls.__module__ == "moonep_ep.vllm.quantized.engine"
     assert cls.experts_kind == "dequant" and cls._supports_current_device()
     assert cls._supports_quant_scheme("any weight key", None) and not cls._supports_quant_scheme("w", "a")
     experts = cls(moe_config=types.SimpleNamespace(intermediate_size_per_partition=48), quant_config=None)
-    views = {"w13_weight_packed": torch.zeros(1), "w13_weight_scale": torch.zeros(2),
-             "w2_weight_packed": torch.zeros(3),
-             "w2_weight_scale": torch.zeros(4)}
+    # [E+B] = 2 experts and 1 slot; every view's row g holds g
+    views = {name: torch.arange(3.0)[:, None].expand(3, k).contiguous()
+             for name, k in (("w13_weight_packed", 1), ("w13_weight_scale", 2), ("w2_weight_packed", 3),
+                             ("w2_weight_scale", 4))}
     experts._weight_layout = types.SimpleNamespace(format="int4-g32", views=views)
-    hidden, topk_weights, topk_ids = torch.ones(6, 4), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int64)
-    assert experts.moe_problem_size(hidden, torch.zeros(5, 1), torch.zeros(1), topk_ids) == (5, 6, 48, 4, 2)
+    hidden = torch.arange(8.0)[:, None].expand(8, 4).contiguous()        # row i holds i; 6 and 7: past the groups
+    topk_weights, topk_ids = torch.arange(8.0), torch.zeros(3, 2, dtype=torch.int64)
+    assert experts.moe_problem_size(hidden, torch.zeros(5, 1), torch.zeros(1), topk_ids) == (5, 8, 48, 4, 2)
 
     class Event:
         def wait(self):
             order.append("wait")
 
     overlap.SLOT_FILL_HANDOFF.put((Event(), Event()))
-    output = torch.zeros(6, 4)
-    experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
+    output = torch.full((8, 4), -1.0)
+    experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 2, None, None, None, None, None,
                   _meta([2, 0, 4]), False)
-    assert order == ["wait", "wait", "ffn"] and bool((output == 7).all())
-    (args, kwargs), = ffn.calls
-    assert args[0] is hidden and args[1] == "int4-g32" and [a.numel() for a in args[2:6]] == [1, 2, 3, 4]
-    assert args[6].dtype == torch.int32 and args[6].tolist() == [2, 2, 6] and args[7] is topk_weights
-    assert kwargs == {"activation": SILU}                                # vLLM's None: SiLU
+    assert order == ["ffn", "wait", "wait", "ffn"]                        # own groups, the fill, the slot group
+    assert output[:6].eq(7).all() and output[6:].eq(-1).all()            # past the last group: not written
+    (own, own_kw), (slot, slot_kw) = ffn.calls
+    # own part: rows [0, 2), weight rows [0, 2) of every view, its cu_seqlens, its route weights
+    assert own[0][:, 0].tolist() == [0.0, 1.0] and own[1] == "int4-g32"
+    assert [a[:, 0].tolist() for a in own[2:6]] == [[0.0, 1.0]] * 4
+    assert own[6].dtype == torch.int32 and own[6].tolist() == [2, 2] and own[7].tolist() == [0.0, 1.0]
+    # slot part: rows [2, 6), weight row 2 (the slot), cu_seqlens from its first row
+    assert slot[0][:, 0].tolist() == [2.0, 3.0, 4.0, 5.0] and slot[1] == "int4-g32"
+    assert [a[:, 0].tolist() for a in slot[2:6]] == [[2.0]] * 4
+    assert slot[6].dtype == torch.int32 and slot[6].tolist() == [4] and slot[7].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert own_kw == slot_kw == {"activation": SILU}                     # vLLM's None: SiLU
     assert overlap.take_slot_fill() is None                              # taken once
-    experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
-                  _meta([6]), True)                                      # vLLM applied the route weights already
-    assert ffn.calls[1][0][7] is None and order[-1] == "ffn" and order.count("wait") == 2
-    assert STATS.data["experts_compute"]["calls"] == 2 and STATS.data["experts_compute"]["rows"] == 12
+    experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 2, None, None, None, None, None,
+                  _meta([6, 0, 0]), True)                                # own rows only; route weights applied
+    assert ffn.calls[2][0][7] is None and ffn.calls[2][0][0].shape[0] == 6 and order.count("wait") == 2
+    assert STATS.data["experts_compute"]["calls"] == 2 and STATS.data["experts_compute"]["rows"] == 16
     assert 0 <= STATS.data["experts_compute"]["seconds"] < 10          # two calls of a stand-in: milliseconds
     with pytest.raises(AssertionError):                                 # vLLM's expert_tokens_meta is required
-        experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
+        experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 2, None, None, None, None, None,
                       None, False)
     experts._weight_layout = None
     with pytest.raises(AssertionError):
-        experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
-                      _meta([6]), False)
+        experts.apply(output, hidden, None, None, topk_weights, topk_ids, None, 2, None, None, None, None, None,
+                      _meta([6, 0, 0]), False)
     # FP8's views go by their own names; built positionally, as vLLM may build an experts class
-    fp8 = {"w13_weight": torch.zeros(5), "w13_weight_scale_inv": torch.zeros(6), "w2_weight": torch.zeros(7),
-           "w2_weight_scale_inv": torch.zeros(8)}
+    fp8 = {name: torch.full((3, 1), float(v)) for name, v in (("w13_weight", 5), ("w13_weight_scale_inv", 6),
+                                                               ("w2_weight", 7), ("w2_weight_scale_inv", 8))}
     positional = cls(types.SimpleNamespace(intermediate_size_per_partition=48), "quant config")
     assert positional.quant_config == "quant config"
     positional._weight_layout = types.SimpleNamespace(format="fp8-block", views=fp8)
-    positional.apply(output, hidden, None, None, topk_weights, topk_ids, None, 8, None, None, None, None, None,
-                     _meta([6]), False)
-    assert ffn.calls[2][0][1] == "fp8-block" and [a.numel() for a in ffn.calls[2][0][2:6]] == [5, 6, 7, 8]
+    positional.apply(output, hidden, None, None, topk_weights, topk_ids, None, 2, None, None, None, None, None,
+                     _meta([6, 0, 0]), False)
+    assert ffn.calls[3][0][1] == "fp8-block" and [float(a[0, 0]) for a in ffn.calls[3][0][2:6]] == [5, 6, 7, 8]
     # the layer's activation, with its betas from the experts' moe_config; anything else refused by name
     positional.moe_config = types.SimpleNamespace(activation_situ_beta=4.0, activation_situ_linear_beta=25.0)
-    positional.apply(output, hidden, None, None, topk_weights, topk_ids, types.SimpleNamespace(value="situ"), 8,
-                     None, None, None, None, None, _meta([6]), False)
-    assert ffn.calls[3][1] == {"activation": GatedActivation("situ", beta=4.0, linear_beta=25.0)}
+    positional.apply(output, hidden, None, None, topk_weights, topk_ids, types.SimpleNamespace(value="situ"), 2,
+                     None, None, None, None, None, _meta([6, 0, 0]), False)
+    assert ffn.calls[4][1] == {"activation": GatedActivation("situ", beta=4.0, linear_beta=25.0)}
     assert cls._supports_activation(types.SimpleNamespace(value="situ")) and cls._supports_activation(None)
     assert not cls._supports_activation(types.SimpleNamespace(value="gelu"))
     assert "'gelu'" in _refusal(lambda: positional.apply(output, hidden, None, None, topk_weights, topk_ids, "gelu",
-                                                          8, None, None, None, None, None, _meta([6]), False))
-    assert len(ffn.calls) == 4
+                                                          2, None, None, None, None, None, _meta([6, 0, 0]), False))
+    assert len(ffn.calls) == 5
     vllm.platform.is_cpu = lambda: False
     assert not cls._supports_current_device()
     vllm.platform.is_cuda = lambda: True
@@ -574,7 +584,7 @@ def test_triton_experts_pick_tiles_from_the_steps_real_tokens_once_per_shape(vll
     # through apply: the tokens are topk_ids' rows (7 tokens, top-2 here)
     experts._weight_layout = layout
     out7 = torch.zeros(4, 8)
-    experts.apply(out7, hidden, None, None, torch.ones(7, 2), torch.zeros(7, 2, dtype=torch.int64), None, 8, None,
+    experts.apply(out7, hidden, None, None, torch.ones(7, 2), torch.zeros(7, 2, dtype=torch.int64), None, 1, None,
                   None, None, None, None, _meta([4]), False)
     assert configs.calls[-1][1]["tokens"] == 7 and bool((out7 == 3).all())
     assert qe.experts_class("triton").experts_kind == "triton"

@@ -137,21 +137,26 @@ def test_kernel_tier_fails_the_oracle_without_the_wait_and_passes_with_it(report
     assert set(ranks[0]["quantized"]) == set(CASES)
     assert {k.split("/")[1] for k in CASES} == {"dequant", "triton"}  # both quantized expert kinds
     # BF16: MoonEPExperts as the plugin patches it; the own groups run before the wait, the slot groups after.
-    steps = [r["bf16"]["steps"] for r in ranks]
-    assert all(r["bf16"]["experts_class"] == "MoonEPExperts" for r in ranks)
-    for s, name in enumerate(("poison", "fixed", "stale", "fixed")):
-        layers = [layer for per_rank in steps for layer in per_rank[s]["layers"]]
-        assert all(per_rank[s]["step"] == name and per_rank[s]["waits"] == {"calls": 2, "events": 2}
-                   for per_rank in steps)
-        if name == "fixed":
-            assert all(layer["within_oracle"] for layer in layers), (s, layers)
-            assert all(per_rank[s]["trace"] == ["prefetch issued", "own", "waited", "slots"] * 2 for per_rank in steps)
-        else:
-            assert any(layer["slots"] for layer in layers), (s, "no slot in use: the control would prove nothing")
-            assert not all(layer["within_oracle"] for layer in layers), (s, layers)
-    # the poison reaches the output without the wait; one step later the other layer's expert does (finite)
-    assert any(not layer["finite"] for per_rank in steps for layer in per_rank[0]["layers"])
-    assert any(layer["finite"] and not layer["within_oracle"] for per_rank in steps for layer in per_rank[2]["layers"])
+    # A prefill-sized step: the own groups run before the wait, the slot groups after. A decode-sized step: the
+    # wait, then one pass over every group (no row index read back); the controls fail the oracle in both.
+    for key, trace in (("bf16", ["prefetch issued", "own", "waited", "slots"]),
+                       ("bf16_decode", ["prefetch issued", "waited", "one pass"])):
+        steps = [r[key]["steps"] for r in ranks]
+        assert all(r[key]["experts_class"] == "MoonEPExperts" for r in ranks)
+        for s, name in enumerate(("poison", "fixed", "stale", "fixed")):
+            layers = [layer for per_rank in steps for layer in per_rank[s]["layers"]]
+            assert all(per_rank[s]["step"] == name and per_rank[s]["waits"] == {"calls": 2, "events": 2}
+                       for per_rank in steps)
+            if name == "fixed":
+                assert all(layer["within_oracle"] for layer in layers), (key, s, layers)
+                assert all(per_rank[s]["trace"] == trace * 2 for per_rank in steps), key
+            else:
+                assert any(layer["slots"] for layer in layers), (key, s, "no slot in use: the control proves nothing")
+                assert not all(layer["within_oracle"] for layer in layers), (key, s, layers)
+        # the poison reaches the output without the wait; one step later the other layer's expert does (finite)
+        assert any(not layer["finite"] for per_rank in steps for layer in per_rank[0]["layers"]), key
+        assert any(layer["finite"] and not layer["within_oracle"]
+                   for per_rank in steps for layer in per_rank[2]["layers"]), key
     rows = []
     for key, names in CASES.items():
         per_rank = [r["quantized"][key] for r in ranks]

@@ -37,10 +37,10 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm
 from ..errors import ConfigError
 from ..memory.group import GroupComm, register_peers
 from .buffers import agree_decisions, local_decisions, select_buffer, system_check
-from .prepare_finalize.padding import real_tokens_across_dp
 from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
 from .store.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
 from .store.sharded import ModelExpertStore
+from .observe.deferred import dp_token_counts
 from .observe.stats import STATS, stats_dir
 
 logger = logging.getLogger("vllm.moonep_ep")
@@ -67,8 +67,17 @@ class SlotFillBuffer:
         self._inner = inner
         self._manager = manager
         self._checked = False
-        #: ``(slot, expert, owner)`` of the last prefetch (recorded with stats on).
-        self.last_slots: list[tuple[int, int, int]] = []
+        #: The last prefetch's row of the slot table and ``E/R`` (kept with stats on): :attr:`last_slots`.
+        self._last_row: tuple[Any, int] | None = None
+
+    @property
+    def last_slots(self) -> list[tuple[int, int, int]]:
+        """``(slot, expert, owner)`` of the last prefetch (with stats on), read from the device when asked: the
+        prefetch only keeps its row (issue 45: no device read in the MoE op)."""
+        if self._last_row is None:
+            return []
+        row, epn = self._last_row
+        return [(b, e, e // epn) for b, e in enumerate(int(x) for x in row.tolist()) if e >= 0]
 
     @property
     def _ctx(self) -> Any:  # vLLM reads _ctx["NvS"]
@@ -118,10 +127,10 @@ class SlotFillBuffer:
                 if scales:  # every pushed byte lands in another rank's slot
                     weights = sum(by_tensor.values()) - scales
                     STATS.record_quantized_fill(weights, scales, weights, scales)
-            STATS.record_prefetch(plan, rank, epn, copied=last,
-                                  real_tokens=real_tokens_across_dp(), hosts=store.hosts if store else None)
-            row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
-            self.last_slots = [(b, e, e // epn) for b, e in enumerate(row) if e >= 0]
+            # A snapshot, analysed after the step (observe/deferred.py): nothing here reads the device.
+            STATS.defer_prefetch(plan, rank, epn, copied=last, real_tokens=dp_token_counts(),
+                                 hosts=store.hosts if store else None)
+            self._last_row = (plan.experts_to_copy[rank].clone(), epn)
         return out
 
     def _experts_per_rank(self) -> int:

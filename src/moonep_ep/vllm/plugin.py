@@ -29,7 +29,9 @@ patches on one vLLM module run in it:
 3. ``observe/patches.py`` (vLLM's expert-weight all-gather, counted),
    ``observe/peer_naming.py`` (a lost DP peer named), and with
    ``MOONEP_EP_ROUTING_RECORD_DIR`` set ``observe/routing_record.py`` (each
-   step's rows for the routers' record);
+   step's rows for the routers' record), and with ``MOONEP_EP_COUNT_HOST_SYNCS``
+   on ``observe/host_syncs.py`` (the host reads in the MoE ops, per step), and with
+   ``MOONEP_EP_VLLM_STATS_DIR`` set ``observe/deferred.py`` (the prefetch statistics analysed after each step);
 4. ``prepare_finalize/patches.py``: capacity padding (after 3's count, on the
    same module), vLLM's MoonEP names and the push API's choice;
 5. ``checkpoint/patches.py``: ``VllmConfig``'s check of quantized schemes;
@@ -59,7 +61,7 @@ from .compat import check_vllm
 from .cpu import patches as cpu_patches
 from .experts import patches as experts_patches
 from .hooks import Install, Mark, Note, Patch, when_imported
-from .observe import patches as observe_patches, peer_naming, routing_record
+from .observe import deferred, host_syncs, patches as observe_patches, peer_naming, routing_record
 from .prepare_finalize import patches as prepare_finalize_patches
 from .quantized import hooks as quantized_hooks
 from .store import patches as store_patches
@@ -126,6 +128,10 @@ def _patch_tables() -> list[tuple[Patch, ...]]:
     tables = [PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES]
     if routing_record.record_dir() is not None:
         tables.append(routing_record.PATCHES)
+    if host_syncs.enabled():
+        tables.append(host_syncs.PATCHES)
+    if deferred.enabled():
+        tables.append(deferred.PATCHES)
     tables += [prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES, quantized_hooks.PATCHES]
     if cpu_enabled():
         tables.append(cpu_patches.PATCHES)

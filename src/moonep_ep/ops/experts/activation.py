@@ -13,6 +13,11 @@ layer and calls it on the gate and up projections; none assumes SiLU.
   rounding of the product to the inputs' dtype. ``linear_beta`` unset (None,
   or ``<= 0`` as the CUDA op's ``-1.0`` means) leaves ``u`` as is. No clamp.
   Kimi K3 ships ``beta`` 4.0 and ``linear_beta`` 25.0.
+
+This eager chain (SiTU: about a dozen fp32 kernels) is the reference and the
+path where no Triton kernel runs. The GPU experts compute the same rounding
+steps, with the route weight, in one Triton pass over the row blocks that hold
+a token (:mod:`.gated_activation_kernel`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ vLLM 0.33.0 has no Triton kernel for MXFP4 weights with 16-bit activations
 project's own, in the form of vLLM's ``fused_moe_kernel``: one program per
 ``(BLOCK_M rows, BLOCK_N outputs)`` tile, the weight row from ``expert_ids``
 (:mod:`moonep_ep.ops.experts.grouped_blocks`), rows past ``num_tokens_post_padded``
-not computed; the config's ``num_warps`` and ``num_stages`` go to the launch.
+not computed, blocks whose ``expert_ids`` entry is ``-1`` written as zeros (as
+vLLM's kernels do); the config's ``num_warps`` and ``num_stages`` go to the launch.
 
 Weights ``[G, N, K/2]`` uint8, two E2M1 codes a byte, the even ``k`` in the low
 nibble (compressed-tensors ``pack_fp4_to_uint8``); scales ``[G, N, K/32]``
@@ -96,13 +97,18 @@ def _kernel() -> Any:
         if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
             return
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if expert < 0:
-            return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
         row_mask = offs_m < M
         n_mask = offs_n < N
+        if expert < 0:
+            # a block of padding only: zeros without reading a (as vLLM's write_zeros_to_output), so the output
+            # needs no zero fill and the rows feeding it need not be written
+            c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=compute_type),
+                     mask=row_mask[:, None] & n_mask[None, :])
+            return
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + (offs_k[:, None] // 2) * stride_bk
         shift = ((offs_k % 2) * 4).to(tl.int32)[:, None]
@@ -238,7 +244,8 @@ def mxfp4_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """``out[rows of group g] = a[rows] @ dequant(weight[g], scale[g]).T`` for every block of ``blocks``.
 
     ``a`` ``[M, K]`` bf16/fp16; ``weight`` ``[G, N, K/2]`` uint8; ``scale`` ``[G, N, K/32]`` uint8;
-    ``out`` ``[M, N]`` in ``a``'s dtype (rows of blocks not computed are left as they are); ``config``: a
+    ``out`` ``[M, N]`` in ``a``'s dtype (``-1`` blocks below ``num_tokens_post_padded`` are written as zeros, rows
+    at or past it are left as they are); ``config``: a
     vLLM-style block config (``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``num_warps``, ``num_stages``; see
     :func:`mxfp4_launch_config`, which holds it to the launch bound for ``blocks.block_m``)."""
     import triton.language as tl

@@ -15,7 +15,8 @@ prefetch writes them into the readers' slot pools.
 One call, rank ``r``, ``s`` tokens, ``K`` top-k, ``R`` ranks::
 
     dispatch   all_gather_object  (error?, s, tokens_per_expert[E], flags)   lockstep + plan input
-               plan_dispatch(T[R,E])  -> identical global plan on every rank
+               (lockstep_checks=False: all_gather_into_tensor [R, 5+E] int64, header read back)
+               plan_dispatch_device(T[R,E]) on the device -> identical global plan on every rank
                entry_dst(plan, r, topk) -> dst[s*K]  (rank*NvS + loff, dups as -raw-1)
                all_to_all_single  counts [R,2]        rows and entries per destination
                all_to_all_single  meta  [n,2|3] int32 (loff, primary row | -row-1, weight bits)
@@ -28,8 +29,9 @@ One call, rank ``r``, ``s`` tokens, ``K`` top-k, ``R`` ranks::
                source: out[t] = bf16(sum_k fp32(row))
 
 Each entry point is orchestration: **check** the inputs (``limits.py``),
-**agree** (one lockstep step, ``GroupComm.step``), **plan** (``planner.py``,
-a pure function of the gathered counts), **exchange** (``all_to_all_single``
+**agree** (one lockstep step, ``GroupComm.step``), **plan** (``planner_device.py``,
+a pure function of the gathered counts, tensor ops on the buffer's device; equal to
+``planner.py``'s plan, then copied to the host for the routing), **exchange** (``all_to_all_single``
 of counts, metadata and rows; ``routing.py`` decides who sends what), and
 **place** (rows into the shard, padding zeroed).
 
@@ -39,7 +41,11 @@ raises :class:`CollectiveError` on *every* rank before any data collective
 could hang. Dispatch folds this into the gather of
 ``tokens_per_expert`` it needs anyway; combine and prefetch add one small
 ``all_gather_object`` (``lockstep_checks=False`` removes it, restoring
-MoonEP's sync-free pull prefetch at the price of rank-local errors).
+MoonEP's sync-free pull prefetch at the price of rank-local errors, and
+gathers dispatch's counts as one fixed-size tensor whose header carries a
+failed check, the kind of call and ``s``: a rank's bad input, a disagreement
+on the kind of call, on ``s`` in uniform mode or on the varlen total still
+raises on every rank).
 
 Where it deviates from MoonEP, and why, is listed in docs/design/ops.md.
 """
@@ -47,6 +53,7 @@ Where it deviates from MoonEP, and why, is listed in docs/design/ops.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import warnings
 from typing import Any, Iterator, Optional
@@ -54,11 +61,12 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigError, config_error
+from ...errors import CollectiveError, ConfigError, config_error
 from ...memory.group import GroupComm, Lockstep
 from .commplan import CommPlan, PrefetchStats
 from .limits import check_hidden, check_shape, check_tensor, positive_int
-from .planner import DispatchPlan, entry_dst, plan_dispatch
+from .planner import DispatchPlan, check_token_totals, entry_dst
+from .planner_device import plan_dispatch_device
 from .prefetch import DoneEvent, SideStreams
 from .routing import Routing, dedup_tables, destination_routes, source_routes
 
@@ -283,7 +291,9 @@ class ReferenceBufferBase:
         self._check_alive("dispatch")
         fresh = plan is None
         topk = tpe = None
-        with self._agree("dispatch") as agreed:                      # check -> agree
+        # check -> agree; without lockstep checks a failed check travels in the counts gather (every rank raises)
+        agree = self._agree("dispatch") if self.lockstep_checks else self._check_until_gather("dispatch")
+        with agree as agreed:
             s = self._check_hidden(hidden_sh)
             if route_weights_sk is not None:
                 self._check_tensor("route_weights_sk", route_weights_sk, torch.float32, (s, self.K),
@@ -302,13 +312,20 @@ class ReferenceBufferBase:
                     raise config_error(self.rank, f"total_num_tokens must be in [s, R*S] = [{s}, {self.R * self.S}]",
                                        total_num_tokens, "pass the sum of s over all ranks")
             agreed.share((s, fresh, route_weights_sk is not None, total_num_tokens,
-                          tpe.tolist() if fresh else None))
-        everyone = agreed.gathered
+                          tpe.tolist() if fresh and self.lockstep_checks else None))
+        if self.lockstep_checks:
+            everyone = agreed.gathered
+            counts = torch.tensor([p[4] for p in everyone], dtype=torch.int64, device=self.device) if fresh else None
+        else:
+            everyone, counts = self._gather_counts(agreed, tpe if fresh else None)
         self._same_everywhere("dispatch", everyone, {1: "a fresh plan (plan=None) vs a reused plan",
                                                       2: "route weights (given vs None)", 3: "total_num_tokens"})
         if fresh:
-            gplan = self._plan([p[4] for p in everyone], total_num_tokens)                 # plan
-            plan = self._fresh_dispatch(gplan, entry_dst(gplan, self.rank, topk), hidden_sh, route_weights_sk)
+            # Each rank's counts passed its own checks (a bincount of its checked ids, 1 <= s <= S); the rules
+            # across ranks need only the gathered s, so the device planner's flag stays unread.
+            tokens = check_token_totals(self.rank, [p[0] for p in everyone], total_num_tokens)
+            gplan = self._plan(counts, sum(tokens))                                          # plan
+            plan = self._fresh_dispatch(gplan, topk, hidden_sh, route_weights_sk)
             cu = plan.cu_seqlens
         else:
             self._reuse_dispatch(plan, hidden_sh, route_weights_sk)
@@ -320,15 +337,65 @@ class ReferenceBufferBase:
         out = (hidden_nvsh, weights_nvs, cu, plan)
         return (*out, self._event()) if async_finish else out
 
-    def _plan(self, counts: list, total_num_tokens: Optional[int]) -> DispatchPlan:
-        """The global plan from every rank's counts (the pull plan; the push buffer plans its own)."""
-        return plan_dispatch(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
-                             token_padding=self.token_padding, total_num_tokens=total_num_tokens, rank=self.rank)
+    @contextlib.contextmanager
+    def _check_until_gather(self, name: str) -> Iterator[Lockstep]:
+        """Without lockstep checks: this rank's checks, their error held (``state.error``) until the counts
+        gather (:meth:`_gather_counts`) carries it to every rank, so no peer waits in the next collective."""
+        state = Lockstep(name)
+        state.error = None
+        try:
+            yield state
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the gather
+            state.error = exc
 
-    def _fresh_dispatch(self, gplan: DispatchPlan, dst: torch.Tensor, hidden_sh: torch.Tensor,
+    def _gather_counts(self, agreed: Lockstep, tpe: Optional[torch.Tensor]) -> tuple[list, Optional[torch.Tensor]]:
+        """Without lockstep checks: one fixed-size gather of ``[5 + E]`` int64 per rank on the device (a failed
+        check, ``s``, a fresh plan, route weights given, ``total_num_tokens`` or -1, then the counts) instead of
+        the object gather. Only the 5-int header is read back: who failed, the kind of call and each ``s``."""
+        error = agreed.error
+        s, fresh, weighted, total, _ = agreed.payload if error is None else (0, False, False, None, None)
+        head = torch.tensor([int(error is not None), s, int(fresh), int(weighted), -1 if total is None else total],
+                            dtype=torch.int64)
+        counts = tpe if tpe is not None and error is None else torch.zeros(self.E, dtype=torch.int64)
+        mine = torch.cat([head.to(self.device), counts.to(self.device, torch.int64)])
+        out = torch.empty(self.R * (5 + self.E), dtype=torch.int64, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name in torch >= 2.13
+        with self.comm.peer_loss_named("dispatch: counts gather"):
+            gather(out, mine, group=self.group)
+        out = out.view(self.R, 5 + self.E)
+        header = out[:, :5].to("cpu").tolist()
+        failed = [r for r, h in enumerate(header) if h[0]]
+        if failed:
+            failures = {r: "its dispatch checks failed (that rank's error names the value and the fix)"
+                        for r in failed}
+            if error is not None:
+                failures[self.rank] = f"{type(error).__name__}: {error}"
+            raise CollectiveError(agreed.name, failures, rank=self.rank) from error
+        everyone = [(h[1], bool(h[2]), bool(h[3]), None if h[4] < 0 else h[4], None) for h in header]
+        return everyone, out[:, 5:]
+
+    def _plan(self, counts: torch.Tensor, total_num_tokens: int) -> DispatchPlan:
+        """The global plan from every rank's ``[R, E]`` counts on the device (the pull plan, planned there:
+        ``planner_device.py``; the push buffer plans its own). ``total_num_tokens``: the group's token total,
+        checked on the host. The plan's error flag is not read (see dispatch)."""
+        plan, _ = plan_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
+                                       token_padding=self.token_padding, total_num_tokens=total_num_tokens,
+                                       rank=self.rank)
+        return plan
+
+    def _fresh_dispatch(self, gplan: DispatchPlan, topk: torch.Tensor, hidden_sh: torch.Tensor,
                         weights_sk: Optional[torch.Tensor]) -> CommPlan:
         """Exchange counts, metadata and rows of a fresh plan, then place them."""
         R, rank, dev = self.R, self.rank, self.device
+        # The routing below runs on the host (all_to_all splits, entry_dst): the plan's tables in one copy.
+        fields = gplan.tensor_fields()
+        flat = torch.cat([t.reshape(-1) for t in fields.values()]).to("cpu")
+        host, at = {}, 0
+        for name, t in fields.items():
+            host[name] = flat[at:at + t.numel()].view(t.shape)
+            at += t.numel()
+        gplan = dataclasses.replace(gplan, **host)
+        dst = entry_dst(gplan, rank, topk)
         send = source_routes(dst, hidden_sh.shape[0], self.K, self.NvS, R, weights_sk)
         counts_send = torch.tensor([send.row_splits, send.entry_splits], dtype=torch.int64).t().contiguous().to(dev)
         counts_recv = torch.empty_like(counts_send)

@@ -66,7 +66,7 @@ import torch
 from ...errors import config_error
 from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
-__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "entry_dst", "nvs_rows"]
+__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "check_token_totals", "entry_dst", "nvs_rows"]
 
 #: A generation's slot choice: ``(remote experts of d in ascending id, alloc, d, B) -> slot experts in slot order``.
 SlotPicker = Callable[[list[int], list[list[int]], int, int], list[int]]
@@ -359,6 +359,11 @@ def check_counts(rank: int | None, tokens_per_expert: Any, shape: DispatchShape,
             raise config_error(rank, f"rank {r} routes s = sum/K tokens, more than the capacity S={S}", s_r,
                                f"route at most S tokens per rank (sum of counts <= S*K = {shape.N}) or raise S")
         num_tokens.append(s_r)
+    return T, check_token_totals(rank, num_tokens, total_num_tokens)
+
+
+def check_token_totals(rank: int | None, num_tokens: list[int], total_num_tokens: int | None) -> list[int]:
+    """The cross-rank rules on the token counts ``s_r`` (uniform mode, the varlen total), or ConfigError."""
     total_tokens = sum(num_tokens)
     if total_num_tokens is None:
         # Uniform mode: MoonEP's rank 0 traps when ranks disagree.
@@ -371,7 +376,7 @@ def check_counts(rank: int | None, tokens_per_expert: Any, shape: DispatchShape,
         if total_num_tokens != total_tokens:
             raise config_error(rank, "total_num_tokens differs from the tokens routed by all ranks (sum of "
                                "tokens_per_expert / K)", total_num_tokens, f"pass total_num_tokens={total_tokens}")
-    return T, num_tokens
+    return num_tokens
 
 
 def _global_counts(C: list[int], total: int, R: int, epn: int) -> tuple[list[int], list[int]]:

@@ -20,9 +20,13 @@ every rank's slot pool::
     pool[r][b] <- local[e - rank*epn]   for every (r, b) with e = experts_to_copy[r, b]
                                         owned by this rank
 
-``pool`` is the ``[R, epn, out, in]`` view of every rank's slot chunk; after
-all ranks pushed, a barrier makes the writes visible before anyone reads its
-slots (the caller runs it: :meth:`ReferenceBuffer.prefetch_weight` does).
+``pool`` is the ``[R, epn, out, in]`` view of every rank's slot chunk. The
+writes land in memory other ranks read, so the caller orders them twice
+(``push_step.run_push``): before the first copy, a barrier that every rank
+reaches only once it has finished reading its slots (the pool is shared by
+all layers: a peer may still be reading the previous layer's slots), and
+after all ranks pushed, a barrier that makes the writes visible before
+anyone reads its slots.
 
 On CUDA every copy is one ``cudaMemcpyAsync`` (device to device, run by a
 copy engine) issued on a side stream that first waits for the current
@@ -263,9 +267,10 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
         bytes_by_expert: bytes pushed per own expert (global id), every tensor of its slots.
 
     Returns:
-        ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must
-        synchronize the event (the pushes landed), then barrier, before any
-        rank reads a slot.
+        ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must call
+        this only after every rank finished reading its slots (write after
+        read), and synchronize the event (the pushes landed), then barrier,
+        before any rank reads a slot.
     """
     table = experts_to_copy.to("cpu", torch.int64).tolist()
     lo, hi = rank * experts_per_rank, (rank + 1) * experts_per_rank

@@ -21,8 +21,11 @@ differs from the pull generation is the contract and the plan:
 * ``prefetch_weight(plan, async_finish=False, *, local_{gate,up,down}_weight
   [epn, out, in], {gate,up,down}_prefetch_buffer [R, epn, out, in], optional
   local_*_scale + *_scale_prefetch_buffer)``: every owner pushes its experts
-  into the slot pools of the ranks that need them, then a barrier (collective).
-  The experts then read ``[2*epn]`` rows: ``ShardedExpertStore.push_view``.
+  into the slot pools of the ranks that need them, between two barriers
+  (collective): the first waits until every rank has read its slots of the
+  previous layer (write after read: the pool is shared by all layers), the
+  second until every push landed (``push_step.py``). The experts then read
+  ``[2*epn]`` rows: ``ShardedExpertStore.push_view``.
 * ``async_finish`` on every call returns an event (complete on CPU: the gloo
   collectives and the host-side push have finished on return); ``zero_copy``
   on ``dispatch``/``combine`` as in the pull generation.
@@ -41,7 +44,8 @@ from .base import ReferenceBufferBase
 from .push_step import check_push_args, run_push
 from .limits import INT32_MAX, MAX_NVS
 from .planner import DispatchPlan
-from .planner_push import plan_push_dispatch, push_nvs_rows
+from .planner_device import plan_push_dispatch_device
+from .planner_push import push_nvs_rows
 
 __all__ = ["PushReferenceBuffer", "push_prefetch"]
 
@@ -108,9 +112,12 @@ class PushReferenceBuffer(ReferenceBufferBase):
         return super()._check_routing(topk, tpe, s)
 
     # -- plan ---------------------------------------------------------------------------------------------
-    def _plan(self, counts: list, total_num_tokens: Optional[int]) -> DispatchPlan:
-        return plan_push_dispatch(counts, S=self.S, K=self.K, E=self.E, R=self.R,
-                                  token_padding=self.token_padding, rank=self.rank)
+    def _plan(self, counts: torch.Tensor, total_num_tokens: int) -> DispatchPlan:
+        """The push plan on the counts' device (``planner_device.py``, equal to ``planner_push.py``'s); every
+        row is ``S*K`` (checked per rank in :meth:`_check_routing`), so the flag stays unread as in pull."""
+        plan, _ = plan_push_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R,
+                                            token_padding=self.token_padding, rank=self.rank)
+        return plan
 
     # -- the release's calls ------------------------------------------------------------------------------
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: Optional[torch.Tensor] = None,
@@ -165,14 +172,16 @@ class PushReferenceBuffer(ReferenceBufferBase):
 
 def push_prefetch(buffer: ReferenceBufferBase, plan: Any, **keywords: Optional[torch.Tensor]) -> None:
     """The push prefetch of ``plan`` over ``buffer``'s group: the keywords of the push ``prefetch_weight``
-    checked in one lockstep step (always collective: the push ends in a barrier), then the push of weights and
-    scales and the barrier; ``buffer.last_prefetch`` records it. Any reference buffer's plan works, so the
-    tests can push the slots a pull plan chose and compare them with the pull's."""
+    checked in one lockstep step (``lockstep_checks=False``: on this rank only, as every entry point's), then
+    the push of weights and scales between its two barriers (``push_step.run_push``: write after read, read
+    after write); ``buffer.last_prefetch`` records it. Any reference buffer's plan works, so the tests can push
+    the slots a pull plan chose and compare them with the pull's."""
     local = {p: keywords.get(f"local_{p}_weight") for p in FFN_PROJECTIONS}
     pools = {p: keywords.get(f"{p}_prefetch_buffer") for p in FFN_PROJECTIONS}
     local_scales = {p: keywords.get(f"local_{p}_scale") for p in FFN_PROJECTIONS}
     scale_pools = {p: keywords.get(f"{p}_scale_prefetch_buffer") for p in FFN_PROJECTIONS}
-    with buffer._agree("prefetch_weight"):
+    # Not a barrier the push relies on: run_push orders itself after every rank's reads (write after read)
+    with buffer._agree("prefetch_weight", buffer.lockstep_checks):
         buffer._check_plan(plan)
         local, pools = check_push_args(buffer.rank, buffer.device, local, pools, local_scales, scale_pools,
                                        buffer.R, buffer.epn, buffer.B)

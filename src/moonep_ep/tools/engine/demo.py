@@ -256,6 +256,9 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
                                           wrong_shape_model_dir=choice.wrong_shape_dir,
                                           control_model_dir=cfg.reload_control) \
                 if layout == "sharded" else engine_cfg
+            if layout == "sharded":  # its decode_host_syncs (issue 45): the host reads in the MoE ops
+                run_cfg = dataclasses.replace(run_cfg, extra_env={**run_cfg.extra_env,
+                                                                  "MOONEP_EP_COUNT_HOST_SYNCS": "1"})
             results[run] = run_dp(run_cfg, progress, layout=layout)
         timings[run] = round(time.perf_counter() - t0, 1)
     progress("oracle: HF transformers, fp32 and bf16, teacher-forced along every run's own tokens")

@@ -68,6 +68,13 @@ FIGURE_SOURCES: dict[str, str] = {
     "prefetch_calls_by_rank": "measured: prefetch_weight calls per rank (first generation)",
     "remote_bytes_from_owners_by_rank": "measured: bytes the prefetch copies read from rows another rank owns, "
                                         "counted at the copy (ops.moonep.commplan.PrefetchStats)",
+    "decode_host_syncs": "measured: the most device-to-host reads one MoE layer made in one decode step, over "
+                         "both ranks (moonep_ep.testing.host_syncs around vLLM's modular MoE kernel of each layer, "
+                         "MOONEP_EP_COUNT_HOST_SYNCS; on the CPU engine the tensors' device is taken for the "
+                         "device); decode: every scheduled request gets its one next token (vllm/observe/"
+                         "host_syncs.py)",
+    "decode_host_syncs_by_rank": "measured: per rank, decode steps and MoE calls counted, the reads in them by kind "
+                                 "and site (file:line function), and the mean per layer and step",
     "quantized_fill_bytes_by_rank": "measured: quantized experts' slot fills, weight bytes and scale bytes "
                                     "counted apart at the copy (all and from remote owners)",
     "without_padding_by_owner_expert": "derived: the fills MoonEP's planner makes for the real entries alone "
@@ -199,8 +206,27 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
     quantized = [(dp.get(r, {}).get("forward_stats") or {}).get("quantized_bytes_at_copy") for r in ranks]
     if any(quantized):
         fields["quantized_fill_bytes_by_rank"] = quantized
+    fields.update(host_sync_fields(dp, ranks))
     fields.update(load_memory_fields(stats, ranks))
     return fields
+
+
+def host_sync_fields(dp: dict[int, Any], ranks: list[int]) -> dict[str, Any]:
+    """``decode_host_syncs`` (an int: the most reads of one MoE layer in one decode step, over the ranks; None
+    where no decode step was counted) and its detail per rank; nothing where no rank counted."""
+    tables = [((dp.get(r) or {}).get("forward_stats") or {}).get("host_syncs") for r in ranks]
+    if not any(tables):
+        return {}
+    decode = [(t or {}).get("decode") or {} for t in tables]
+    counted = [d for d in decode if d.get("moe_calls")]
+    return {
+        "decode_host_syncs": max(int(d["max_reads_per_call"]) for d in counted) if counted else None,
+        "decode_host_syncs_by_rank": [{
+            "steps": d.get("steps", 0), "moe_calls": d.get("moe_calls", 0), "reads": d.get("reads", 0),
+            "mean_per_layer_step": round(d["reads"] / d["moe_calls"], 2) if d.get("moe_calls") else None,
+            "max_per_layer_step": d.get("max_reads_per_call", 0), "by_kind": d.get("by_kind", {}),
+            "by_site": d.get("by_site", {})} for d in decode],
+    }
 
 
 def _expert_bytes(store: dict[str, Any]) -> int:

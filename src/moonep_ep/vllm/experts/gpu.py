@@ -8,8 +8,11 @@ like an owner's row. The FFN is :class:`MoonEPExperts`' math (vLLM 0.33.0,
 ``experts/moonep_experts.py``) with the layer's activation between the two
 grouped GEMMs: ``act = silu(gate) * up`` in the activation dtype, or SiTU
 (Kimi K3) in fp32 rounded once (``ops/experts/activation.py``), times the route weight cast to that dtype (unless vLLM applied it on
-the input), then the down projection; rows at or past ``cu_seqlens[-1]`` are
-zero. The K-sum happens in MoonEP's combine.
+the input), then the down projection. Between the GEMMs that is one Triton
+kernel over the row blocks that hold a token
+(``ops/experts/gated_activation_kernel.py``); rows at or past
+``cu_seqlens[-1]`` are not written (combine never reads them). The K-sum
+happens in MoonEP's combine.
 
 ====================== ======================================== ==========================================
 format                 kernel                                   stored layout / conversion
@@ -50,6 +53,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...errors import config_error
+from ...ops.experts import gated_activation_kernel as gk
 from ...ops.experts.activation import SILU, GatedActivation
 from ...ops.experts.grouped_blocks import (GroupedBlocks, assert_segments_aligned, check_block_size, grouped_blocks,
                                   skip_zero_weight_blocks)
@@ -175,10 +179,19 @@ def quantize_activations_fp8(a: torch.Tensor, *, native: bool = False) -> tuple[
 
 
 def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blocks: GroupedBlocks,
-                     config: Mapping[str, int], *, native_act_quant: bool = False) -> torch.Tensor:
-    """``[M, N]``: every block's rows times its weight row, in ``fmt``; rows of blocks not computed are zero."""
+                     config: Mapping[str, int], *, native_act_quant: bool = False,
+                     out: Optional[torch.Tensor] = None,
+                     a_quant: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``[M, N]``: every block's rows times its weight row, in ``fmt``. The kernels write every row below
+    ``num_tokens_post_padded`` (a ``-1`` block as zeros) and nothing at or past it, so ``out`` (default: a new
+    ``torch.empty``; the caller's, written in place) needs no zero fill: rows past ``cu_seqlens[-1]`` are left as
+    they were. ``a_quant``: FP8's ``(e4m3, scales)`` of ``a`` when the caller quantized it already."""
     M, N = a.shape[0], weight.shape[1]
-    out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    elif tuple(out.shape) != (M, N) or out.dtype != a.dtype or not out.is_contiguous():
+        raise config_error(None, "out must be a contiguous [M, N] tensor of the activations' dtype",
+                           (tuple(out.shape), out.dtype), f"pass out = empty({M}, {N}, dtype={a.dtype})")
     # the whole config (a tuned one's num_warps / num_stages too), with the block rows the metadata was built for
     cfg = {**config, "BLOCK_SIZE_M": blocks.block_m, "GROUP_SIZE_M": config.get("GROUP_SIZE_M", 1)}
     if fmt == "mxfp4":
@@ -194,7 +207,7 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
                                                        use_int8_w8a16=False, use_int4_w4a16=True,
                                                        block_shape=[0, 32], **common)
     elif fmt == "fp8-block":
-        a_q, a_scale = quantize_activations_fp8(a, native=native_act_quant)
+        a_q, a_scale = a_quant if a_quant is not None else quantize_activations_fp8(a, native=native_act_quant)
         fused_moe.invoke_fused_moe_triton_kernel(a_q, weight, out.view(M, 1, N), a_scale, scale,
                                                  use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False,
                                                  use_int4_w4a16=False, per_channel_quant=False,
@@ -204,16 +217,35 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
     return out
 
 
+def _fp8_limits() -> tuple[float, float, torch.dtype]:
+    """vLLM's FP8 range and dtype for the activation quantization (e4m3fn: +-448; the platform's own)."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import get_fp8_min_max
+
+    from vllm.platforms import current_platform
+
+    lo, hi = get_fp8_min_max()
+    return float(lo), float(hi), current_platform.fp8_dtype()
+
+
 def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, torch.Tensor],
                     cu_seqlens: torch.Tensor, route_weights_nvs: Optional[torch.Tensor], *, token_padding: int,
                     config: Optional[Mapping[str, int]] = None, blocks: Optional[GroupedBlocks] = None,
-                    native_act_quant: bool = False, activation: GatedActivation = SILU) -> torch.Tensor:
+                    native_act_quant: bool = False, activation: GatedActivation = SILU,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MoonEPExperts' FFN over quantized ``[E+B]`` views with the format's GPU kernel.
 
     ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales); ``blocks``: the block
     metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control);
     ``native_act_quant``: FP8's activation quantization by vLLM's torch path (:func:`quantize_activations_fp8`);
-    ``activation``: the layer's gated activation (SiLU or SiTU) on the gate and up halves of the first GEMM."""
+    ``activation``: the layer's gated activation (SiLU or SiTU) on the gate and up halves of the first GEMM;
+    ``out``: ``[NvS, H]`` the down projection writes in place (default: a new tensor).
+
+    Work follows the rows that carry tokens: the GEMMs' outputs are ``torch.empty`` (the kernels write every
+    row they are asked for), and where the kernels run (:func:`~moonep_ep.ops.experts.gated_activation_kernel.
+    use_triton`) the activation, the route weight and FP8's quantizations are one kernel each over the computed
+    row blocks only, bounded on the device by ``cu_seqlens[-1]`` and ``expert_ids``. Rows at or past
+    ``cu_seqlens[-1]`` of the result are not written (MoonEP's combine reads only the rows of dispatched
+    (token, expert) pairs, all before it: ``tests/ops/test_expert_bytes.py``); ``-1`` blocks are zeros."""
     cfg = dict(INTERPRETER_CONFIG if config is None else config)
     block_m = int(cfg["BLOCK_SIZE_M"])
     check_block_size(block_m, token_padding)
@@ -228,17 +260,26 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
     if cu_seqlens.numel() != w13.shape[0]:
         raise config_error(None, "cu_seqlens must have one entry per [E+B] weight row",
                            (cu_seqlens.numel(), w13.shape[0]), "pass dispatch's cu_seqlens with the layer's views")
-    gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, native_act_quant=native_act_quant)
+    fused = gk.use_triton(hidden_nvsh)
+    # FP8 on the kernels' path: the 1x128 quantizations bounded like the activation (vLLM's covers all NvS rows)
+    quant = _fp8_limits() if fmt == "fp8-block" and fused and not native_act_quant else None
+    gemm = dict(native_act_quant=native_act_quant)
+    first = dict(gemm, a_quant=gk.fused_quantize_fp8(hidden_nvsh, blocks, quant)) if quant else gemm
+    gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, **first)
     if "up" in views:  # the push layout stores gate and up apart: a second GEMM over the up rows
         w_up = int4_kernel_view(views["up"]) if fmt == "int4-g32" else views["up"]
-        up = gpu_grouped_gemm(fmt, hidden_nvsh, w_up, views["up_scale"], blocks, cfg,
-                              native_act_quant=native_act_quant)
-        act = activation(gate_up, up)
+        up = gpu_grouped_gemm(fmt, hidden_nvsh, w_up, views["up_scale"], blocks, cfg, **first)
+        gate = gate_up
     else:
         inter = gate_up.shape[1] // 2
-        act = activation(gate_up[:, :inter], gate_up[:, inter:])
-    if route_weights_nvs is not None:
-        act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
-    out = gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg, native_act_quant=native_act_quant)
-    tail = torch.arange(M, device=out.device) >= cu_seqlens[-1].to(torch.int64)
-    return out.masked_fill_(tail[:, None], 0)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if fused:
+        act = gk.fused_gated_activation(gate, up, route_weights_nvs, blocks, activation, quant=quant)
+        if quant:  # the down GEMM reads the quantized pair; ``a`` only gives its shape and dtype
+            rows = hidden_nvsh.new_empty(1, act[0].shape[1]).expand(M, -1)
+            return gpu_grouped_gemm(fmt, rows, w2, s2, blocks, cfg, a_quant=act, out=out)
+    else:  # the eager chain (meta, or a CPU without Triton's interpreter): every row, as the reference
+        act = activation(gate, up)
+        if route_weights_nvs is not None:
+            act.mul_(route_weights_nvs.to(act.dtype).unsqueeze(-1))
+    return gpu_grouped_gemm(fmt, act.contiguous(), w2, s2, blocks, cfg, native_act_quant=native_act_quant, out=out)

@@ -27,7 +27,10 @@ CPU the slot copies are deferred (``MOONEP_EP_CPU_DEFERRED_COPIES``) and land
 at that wait, so a missing wait reads stale slots there too; :data:`TRACE`
 records the order (``own``, ``waited``, ``slots``) for the tests. Splitting
 needs the row where the slot groups start on the host (one ``int`` read per
-layer): vLLM's MoonEP path is eager-only.
+layer), so only prefill-sized steps split: a decode-sized step (at most
+vLLM's ``max_num_seqs`` times one plus the speculative tokens, the most of
+any DP rank: :func:`decode_sized`) waits, then runs every group in one pass
+(``waited``, ``one pass``) and reads nothing back.
 
 The quantized layers' prefetch (``quantized/engine.py``
 ``prefetch_quantized``) hands its weight and scale events over with
@@ -47,7 +50,7 @@ from ...ops.moonep.prefetch import wait_for_slots
 from .activation import activation_name, activation_of
 from ..hooks import install, is_wrapped
 
-__all__ = ["SLOT_FILL_HANDOFF", "SlotFillHandoff", "arm", "prefetch", "deliver_slot_fill", "take_slot_fill", "apply",
+__all__ = ["SLOT_FILL_HANDOFF", "SlotFillHandoff", "arm", "decode_sized", "decode_token_bound", "prefetch", "deliver_slot_fill", "take_slot_fill", "apply",
            "patch_experts", "TRACE"]
 #: Set on an experts class whose ``apply`` takes this thread's slot fill (:func:`take_slot_fill`) and waits.
 WAITS_ATTR = "_moonep_ep_waits_for_slot_fills"
@@ -78,6 +81,14 @@ class SlotFillHandoff(threading.local):
 
     armed: bool = False   # class defaults: each thread starts unarmed, with no event
     event: Any = None
+    one_pass: bool = False
+
+    def take_one_pass(self) -> bool:
+        """Whether the prepare step asked this layer's experts for one pass after the wait (a decode-sized
+        step: :func:`arm`); cleared for the next layer."""
+        one_pass = self.one_pass
+        self.one_pass = False
+        return one_pass
 
     def take_armed(self) -> bool:
         """Whether the prepare step armed this fill; disarmed for the next one."""
@@ -107,12 +118,36 @@ def _trace(step: str) -> None:
         events.append(step)
 
 
-def arm(prepare: Any) -> None:
+def arm(prepare: Any, *, one_pass: bool = False) -> None:
     """Called by the prepare step: the next prefetch of this thread may finish asynchronously only when the
-    layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch."""
+    layer's experts run :func:`apply` (which waits on the event); any other experts get a blocking prefetch.
+
+    ``one_pass``: a decode-sized step (:func:`decode_sized`): the experts wait, then compute every group in
+    one pass, so that no row index is read back to the host (the own/slot split needs one)."""
     experts = getattr(prepare, "_fused_experts", None)
     SLOT_FILL_HANDOFF.armed = (is_wrapped(getattr(type(experts), "apply", None))
                                or getattr(type(experts), WAITS_ATTR, False))
+    SLOT_FILL_HANDOFF.one_pass = bool(one_pass)
+
+
+def decode_token_bound(vllm_config: Any) -> int | None:
+    """The most tokens a rank's decode step carries: vLLM's ``max_num_seqs`` times one plus the speculative
+    tokens per sequence (None without a config)."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not seqs:
+        return None
+    spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
+    return int(seqs) * (1 + int(spec))
+
+
+def decode_sized(step_tokens: int, vllm_config: Any) -> bool:
+    """Whether a step of ``step_tokens`` tokens (the most of any DP rank: host values vLLM keeps) is
+    decode-sized: at most :func:`decode_token_bound`. Such steps run the experts in one pass after the slot
+    fill's wait: the own/slot split reads the split row back to the host (a device round trip per MoE layer,
+    and an op no CUDA graph can hold) to overlap copies with GEMMs that are short at decode. Larger steps
+    (prefill) keep the overlap: their GEMMs hide the copies, and one read per layer is small beside them."""
+    bound = decode_token_bound(vllm_config)
+    return bound is not None and step_tokens <= bound
 
 
 def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
@@ -179,6 +214,15 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     assert cu.numel() == w1.size(0)
     weights = None if apply_router_weight_on_input else topk_weights
     up = layout.full_up_weight
+    if SLOT_FILL_HANDOFF.take_one_pass():
+        # decode-sized: wait, then every group at once; rows past the last group are left undefined (MoonEP's
+        # combine reads the dispatched rows only)
+        if event is not None:
+            wait_for_slots(event)
+            _trace("waited")
+        output.copy_(_mlp(hidden_states, w1, up, w2, cu, weights, activation=act))
+        _trace("one pass")
+        return
     own_end, end = (int(x) for x in cu[[E - 1, -1]].tolist())
     output[own_end:].zero_()
     if own_end:

@@ -24,7 +24,8 @@ finds the last complete object). Contents:
   would not make (``absent_without_padding``) and, apart, the fills that
   plan makes (``without_padding_by_owner_expert``) — recorded only where the
   plan is the reference buffer's (``global_plan``) and vLLM's forward context
-  gives every DP rank's real token count, else ``unclassified_fills``;
+  gives every DP rank's real token count, else ``unclassified_fills``. The MoE op only snapshots each
+  prefetch (:meth:`Stats.defer_prefetch`); the analysis runs after the step (``deferred.py``);
 * ``load_memory`` / ``update_memory``: the peak of this rank's expert bytes
   while the model loads (until the initial pass settled) and during later
   weight updates, sampled at every expert ``weight_loader`` call, when the
@@ -43,15 +44,17 @@ finds the last complete object). Contents:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from ... import envs
 
-_lock = threading.Lock()
+#: Reentrant: a reader holding it (``host_syncs.py``) may read ``data``, which may drain (and take it again).
+_lock = threading.RLock()
 
 
 def stats_dir() -> str | None:
@@ -60,7 +63,7 @@ def stats_dir() -> str | None:
 
 class Stats:
     def __init__(self) -> None:
-        self.data: dict[str, Any] = {
+        self._data: dict[str, Any] = {
             "pid": os.getpid(), "ep_rank": None, "ep_size": None, "buffer": None, "device": None,
             "store": None,
             "load": {"layers_converted": 0, "collectives": {}, "collective_weight_bytes": 0,
@@ -76,28 +79,41 @@ class Stats:
         self._remote_set: set[int] = set()
         self._last_write = 0.0
         self.memory = ExpertMemorySampler()
+        self._pending: collections.deque[PrefetchRecord] = collections.deque()  # taken in the MoE op
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """Every record so far: a read outside a step of vLLM's runner first analyses the prefetch snapshots
+        waiting (inside one they wait for its end: ``deferred.py``)."""
+        if self._pending and not in_step():
+            self.drain()
+        return self._data
+
+    @data.setter
+    def data(self, value: dict[str, Any]) -> None:
+        self._data = value
 
     # -- updates ----------------------------------------------------------------------------
     def set(self, **fields: Any) -> None:
         with _lock:
-            self.data.update(fields)
+            self._data.update(fields)
         self.flush()
 
     def add_collectives(self, by_op: dict[str, dict[str, int]]) -> None:
         with _lock:
-            agg = self.data["load"]["collectives"]
+            agg = self._data["load"]["collectives"]
             for op, entry in by_op.items():
                 dst = agg.setdefault(op, {"calls": 0, "bytes": 0, "weight_bytes": 0})
                 for k in dst:
                     dst[k] += int(entry.get(k, 0))
-            self.data["load"]["collective_weight_bytes"] = sum(e["weight_bytes"] for e in agg.values())
+            self._data["load"]["collective_weight_bytes"] = sum(e["weight_bytes"] for e in agg.values())
 
     def count_vllm_gather(self, w13_local: Any, w2_local: Any) -> None:
         """vLLM's all-gather of one layer (replicated layout) starts, with its local parameters alive."""
         with _lock:
-            self.data["load"]["vllm_gather_calls"] += 1
+            self._data["load"]["vllm_gather_calls"] += 1
             if stats_dir() is not None:
-                rep = self.data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
+                rep = self._data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
                                                           "one_layer_local_bytes": None})
                 if rep["one_layer_local_bytes"] is None:
                     rep["one_layer_local_bytes"] = sum(t.untyped_storage().nbytes() for t in (w13_local, w2_local))
@@ -119,7 +135,7 @@ class Stats:
         """An expert tensor the loader received: a collective carrying its bytes would be counted."""
         if self._recorder is not None:
             self._recorder.register(tensor)
-            self.data["load"]["expert_tensors_loaded"] += 1
+            self._data["load"]["expert_tensors_loaded"] += 1
 
     def stop_load_recording(self) -> None:
         recorder, self._recorder = self._recorder, None
@@ -130,19 +146,53 @@ class Stats:
 
     def record_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any = None,
                         real_tokens: Optional[list[int]] = None, hosts: Optional[list[str]] = None) -> None:
-        """One ``prefetch_weight`` call of this rank: its slot fills, classified (see ``forward`` above).
+        """One ``prefetch_weight`` call of this rank: its slot fills, classified (see ``forward`` above), now.
 
         ``copied``: the buffer's :class:`~moonep_ep.ops.moonep.commplan.PrefetchStats`
         (bytes counted at the copy), None for a buffer that does not count.
         ``real_tokens``: every DP rank's real token count this step.
-        ``hosts``: every EP rank's host (the store's), to count remote fills by the owner's host."""
+        ``hosts``: every EP rank's host (the store's), to count remote fills by the owner's host.
+        Reads the plan from the device: inside a MoE op use :meth:`defer_prefetch`."""
+        self._analyse_prefetch(plan, ep_rank, epn, copied, real_tokens, hosts, last_padding())
+        self.flush()
+
+    def defer_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any = None, real_tokens: Any = None,
+                       hosts: Optional[list[str]] = None) -> None:
+        """:meth:`record_prefetch` for the MoE op: a snapshot of what its analysis reads, this step's padding
+        included, analysed by :meth:`drain` (when: ``deferred.py``). Reads no value from the device, except
+        once per :data:`BOUND` calls. ``real_tokens``: a list, or a tensor read at the analysis."""
+        record = _snapshot(plan, ep_rank, epn, copied, real_tokens, hosts, last_padding())
+        with _lock:
+            self._pending.append(record)
+            full = len(self._pending) >= BOUND
+        if full:
+            self.drain()  # the bound: a read inside the op, once per BOUND prefetches
+
+    def drain(self) -> int:
+        """Analyse the prefetch snapshots waiting, in order (the same analysis as :meth:`record_prefetch`), then
+        write the stats file; returns how many."""
+        with _lock:
+            records = list(self._pending)
+            self._pending.clear()
+        for r in records:
+            tokens = r.real_tokens
+            if tokens is not None and not isinstance(tokens, list):
+                tokens = [int(n) for n in tokens.tolist()]  # vLLM's counts, read here
+            self._analyse_prefetch(r.plan, r.ep_rank, r.epn, r.copied, tokens, r.hosts, r.padding)
+        if records:
+            self.flush()
+        return len(records)
+
+    def _analyse_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any, real_tokens: Optional[list[int]],
+                          hosts: Optional[list[str]], padding: Optional[dict[str, Any]]) -> None:
+        """The analysis of one prefetch; ``padding``: the plugin's padding state of its step (``LAST_PADDING``)."""
         from ...ops.moonep.padding import classify_slot_fills, real_entries, replan_without_padding
 
         global_plan = getattr(plan, "global_plan", None)
         real, replanned, classification_error = None, None, None
         if global_plan is not None and real_tokens is not None:
             try:
-                pads = _step_padding(global_plan, real_tokens)
+                pads = _step_padding(global_plan, real_tokens, padding)
                 real = real_entries(global_plan, pads)
                 replanned = replan_without_padding(global_plan, pads)
             except ValueError as exc:  # counts that do not fit the plan: report, never break a forward
@@ -155,7 +205,7 @@ class Stats:
         replanned_row = set(replanned.experts_to_copy[ep_rank].tolist()) if replanned is not None else None
         by_expert = dict(getattr(copied, "bytes_by_expert", None) or {}) if copied is not None else None
         with _lock:
-            fwd = self.data["forward"]
+            fwd = self._data["forward"]
             fwd["prefetch_calls"] += 1
             for expert, fill in fills:
                 owner = expert // epn
@@ -208,13 +258,12 @@ class Stats:
             fwd["remote_experts"] = sorted(self._remote_set)
             if classification_error and "classification_error" not in fwd:
                 fwd["classification_error"] = classification_error
-        self.flush()
 
     def record_quantized_fill(self, weight_bytes: int, scale_bytes: int, remote_weight: int, remote_scale: int
                               ) -> None:
         """Quantized slot fills: weight and scale bytes counted apart at the copy (all, and from remote owners)."""
         with _lock:
-            q = self.data["forward"].setdefault("quantized_bytes_at_copy", {
+            q = self._data["forward"].setdefault("quantized_bytes_at_copy", {
                 "weight_bytes": 0, "scale_bytes": 0, "remote_weight_bytes": 0, "remote_scale_bytes": 0})
             q["weight_bytes"] += weight_bytes
             q["scale_bytes"] += scale_bytes
@@ -229,7 +278,7 @@ class Stats:
         if stats_dir() is None:
             return
         with _lock:
-            c = self.data.setdefault("experts_compute", {"calls": 0, "seconds": 0.0, "rows": 0})
+            c = self._data.setdefault("experts_compute", {"calls": 0, "seconds": 0.0, "rows": 0})
             c["calls"] += 1
             c["seconds"] = round(c["seconds"] + seconds, 3)
             c["rows"] += int(rows)
@@ -245,10 +294,10 @@ class Stats:
         if stats_dir() is None:
             return
         phase = "update_memory" if self.memory.loaded else "load_memory"
-        sample = self.memory.sample(self.data.get("ep_rank"), self.data.get("device"), where)
+        sample = self.memory.sample(self._data.get("ep_rank"), self._data.get("device"), where)
         with _lock:
-            peak = self.data.setdefault(phase, {"peak_expert_bytes": 0, "samples": 0,
-                                                "method": self.memory.method(self.data.get("device"))})
+            peak = self._data.setdefault(phase, {"peak_expert_bytes": 0, "samples": 0,
+                                                "method": self.memory.method(self._data.get("device"))})
             peak["samples"] += 1
             if sample["total"] >= peak["peak_expert_bytes"]:
                 peak.update(peak_expert_bytes=sample["total"], peak_at=where, store_bytes_at_peak=sample["store"],
@@ -261,8 +310,8 @@ class Stats:
         if stats_dir() is None:
             return
         with _lock:
-            self.data["passes"] = list(store.settled)
-            self.data["store"] = store.describe()
+            self._data["passes"] = list(store.settled)
+            self._data["store"] = store.describe()
         self.flush()
 
     def record_replicated_layout(self, gathered: tuple[Any, ...], layout: Any) -> None:
@@ -276,7 +325,7 @@ class Stats:
             self.watch_expert_tensor(t, "vLLM [E+B] layout")
         self.sample_expert_memory("vLLM all-gather (replicated layout)")
         with _lock:
-            rep = self.data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
+            rep = self._data.setdefault("replicated", {"layers": 0, "layout_bytes": 0,
                                                       "one_layer_local_bytes": None})
             rep["layers"] += 1
             rep["layout_bytes"] += sum(t.untyped_storage().nbytes() for t in tensors)
@@ -288,8 +337,8 @@ class Stats:
         if d is None:
             return
         with _lock:
-            rank = self.data.get("ep_rank")
-            text = json.dumps(self.data, indent=1, default=str)
+            rank = self._data.get("ep_rank")
+            text = json.dumps(self._data, indent=1, default=str)
             self._last_write = time.monotonic()
         os.makedirs(d, exist_ok=True)
         name = f"rank{rank if rank is not None else 'x'}-{os.getpid()}.json"
@@ -355,6 +404,49 @@ class ExpertMemorySampler:
 STATS = Stats()
 
 
+#: Prefetch snapshots kept before a prefetch analyses them itself (``deferred.py``: when they are analysed).
+BOUND = 1024
+#: Nesting of vLLM's runner step methods in this process (``deferred.py`` wraps them and drains at the end).
+STEP_DEPTH = [0]
+
+
+def in_step() -> bool:
+    """Inside a step of vLLM's runner: a read of ``STATS.data`` leaves the step's snapshots for its end."""
+    return STEP_DEPTH[0] > 0
+
+
+class PrefetchRecord(NamedTuple):
+    """What :meth:`Stats.record_prefetch`'s analysis reads of one prefetch, taken without reading a value."""
+
+    plan: Any
+    ep_rank: int
+    epn: int
+    copied: Any
+    real_tokens: Any  # a list, a tensor (a clone of vLLM's counts) or None
+    hosts: Optional[list[str]]
+    padding: Optional[dict[str, Any]]
+
+
+def _clone(value: Any) -> Any:
+    import torch
+
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _snapshot(plan: Any, ep_rank: int, epn: int, copied: Any, real_tokens: Any, hosts: Optional[list[str]],
+              padding: Optional[dict[str, Any]]) -> PrefetchRecord:
+    """One prefetch's snapshot. The global plan by reference: frozen and built anew by every dispatch (a clone
+    would copy its ``[R, E, R]`` routes per layer); ``experts_to_copy`` cloned: a buffer may refill its own
+    table in place; the padding state's tensors cloned (cheap, ``[R, E]``), the dict copied."""
+    import types
+
+    kept = types.SimpleNamespace(global_plan=getattr(plan, "global_plan", None),
+                                 experts_to_copy=_clone(plan.experts_to_copy))
+    state = None if padding is None else {k: _clone(v) for k, v in padding.items()}
+    tokens = list(real_tokens) if isinstance(real_tokens, (list, tuple)) else _clone(real_tokens)
+    return PrefetchRecord(kept, ep_rank, epn, copied, tokens, list(hosts) if hosts is not None else None, state)
+
+
 def read_stats(directory: str) -> list[dict[str, Any]]:
     """Every stats object written into ``directory`` (sorted by EP rank)."""
     out = []
@@ -375,16 +467,18 @@ def last_padding() -> dict[str, Any] | None:
     return getattr(LAST_PADDING, "state", None)
 
 
-def _step_padding(global_plan: Any, real_tokens: list[int]) -> Any:
+def _step_padding(global_plan: Any, real_tokens: list[int], state: dict[str, Any] | None) -> Any:
     """This step's padding entries: the ``[R, E]`` matrix the plugin's padding routed
-    (``prepare_finalize/padding.py``), or vLLM's per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
+    (``prepare_finalize/padding.py``; ``state``: its :data:`LAST_PADDING` state of the plan's step), or vLLM's
+    per-source counts on expert 0 (``MOONEP_EP_PADDING=vllm``)."""
     from ...ops.moonep.padding import padding_entries
 
-    state = last_padding()
     if state is not None and state.get("S") != global_plan.S:
         state = None  # not this plan's step (a prepare step of another buffer ran in between)
     if state is not None and state.get("pad") is not None:
-        return state["pad"]
+        # built on the device (the padding reads nothing back); the plan's tables may sit elsewhere (the host)
+        pad = state["pad"]
+        return pad.to(global_plan.tokens_per_expert.device) if hasattr(pad, "to") else pad
     if state is not None and state.get("policy") not in (None, "vllm"):
         raise ValueError("the plugin's padding of this step is not known on this rank (no per-rank real token "
                          "counts): its fills are not classified")

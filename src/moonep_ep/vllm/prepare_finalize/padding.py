@@ -11,8 +11,10 @@ receive its rows, since it runs before ``Buffer.dispatch``.
   planner moves nothing unless a group's real load exceeds ``S*K``, and never
   moves a padding entry. Costs one all-gather of ``R + 1`` integers per MoE
   layer and step (each rank's real token count and its real entries per home
-  group), on the EP group's device group (a host copy of ``R + 1`` integers
-  follows: vLLM's MoonEP path is eager-only).
+  group), on the EP group's device group. The padding is built from the
+  gathered counts by tensor ops (``ops/decode/padding.py``): nothing is read
+  back to the host, except the busiest group's load where the cost model
+  below applies (its answer picks a Buffer, which the host must know).
   Where a home group's real load exceeds ``S*K`` (the planner would move
   entries whatever the padding), the cost model (``ops/decode/cost.py``)
   may run the step at a larger capacity of the pool instead, so the padding
@@ -39,9 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import envs
-from ...ops.decode.padding import expert_padding, padding_ids
+from ...ops.decode.padding import expert_padding, own_padding_row, padding_ids
 from ..hooks import install, is_wrapped
-from ..observe.stats import LAST_PADDING, last_padding  # noqa: F401 - last_padding: this module's reader for tests
+from ..observe.stats import LAST_PADDING, last_padding, stats_dir  # noqa: F401 - last_padding: this module's reader for tests
 
 #: This thread's last prepare, recorded in ``stats`` (which reads it and imports nothing of this module).
 LAST = LAST_PADDING
@@ -75,16 +77,17 @@ def _gather_loads(manager: Any, local: torch.Tensor) -> torch.Tensor:
         # The first collective of a MoE layer: a dead peer surfaces here, so it is named here, as the
         # Buffer's own steps name it (memory/group.py), not left a bare backend error.
         raise peer_lost_error("capacity padding", manager.rank, group, exc) from exc
-    return torch.stack(out).cpu()
+    return torch.stack(out)   # stays where the counts are: the padding is built from it there
 
 
 def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     capacity: int, *, original: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Drop-in for ``MoonEPPrepareAndFinalize._pad_to_capacity`` (same arguments and result)."""
-    from ..experts.overlap import arm
+    from ..experts.overlap import arm, decode_sized
 
-    arm(self)
     manager = getattr(getattr(self, "buffer_pool", None), "_manager", None)
+    step_tokens = max(real_tokens_across_dp() or [a1.shape[0]])
+    arm(self, one_pass=decode_sized(step_tokens, getattr(manager, "vllm_config", None)))
     chosen = policy(manager)
     if chosen == "vllm" or manager is None:
         LAST.state = {"policy": "vllm", "real_tokens": None, "pad": None, "S": capacity}
@@ -97,44 +100,45 @@ def pad_to_capacity(self: Any, a1: torch.Tensor, topk_ids: torch.Tensor, topk_we
     epn = E // R
     ids = topk_ids.to(torch.int32)
     weights = topk_weights.to(torch.float32)
+    # Same zero weight as vLLM, but on this rank's own experts instead of expert 0. Unconditional: asking
+    # whether any id is invalid would read the device.
     invalid = ids < 0
-    if bool(invalid.any()):
-        # Same zero weight as vLLM, but on this rank's own experts instead of expert 0.
-        own = (torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).reshape(ids.shape) % epn) + rank * epn
-        ids = torch.where(invalid, own, ids)
-        weights = torch.where(invalid, torch.zeros_like(weights), weights)
-    ids, weights, a1 = ids.contiguous(), weights.contiguous(), a1.contiguous()
+    own = (torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).reshape(ids.shape) % epn) + rank * epn
+    ids = torch.where(invalid, own, ids).contiguous()
+    weights = torch.where(invalid, torch.zeros_like(weights), weights).contiguous()
+    a1 = a1.contiguous()
+    real_tokens = pad = None
     if chosen == "balanced":
-        counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=E).reshape(R, epn).sum(1)
-        local = torch.cat([torch.tensor([num_tokens], dtype=torch.int64, device=counts.device), counts])
+        flat = ids.reshape(-1).to(torch.int64)
+        # real entries per home group, counted on the device (bincount would read its maximum back)
+        counts = torch.zeros(R, dtype=torch.int64, device=ids.device).index_add_(0, flat // epn,
+                                                                                 torch.ones_like(flat))
+        local = torch.cat([torch.full((1,), num_tokens, dtype=torch.int64, device=ids.device), counts])
         gathered = _gather_loads(manager, local)
-        real_tokens = [int(x) for x in gathered[:, 0].tolist()]
-        loads = [int(x) for x in gathered[:, 1:].sum(0).tolist()]
-        capacity = _capacity_by_cost(self, capacity, max(loads), a1.shape[1], K, E, manager)
+        real_tokens, loads = gathered[:, 0], gathered[:, 1:].sum(0)
+        capacity = _capacity_by_cost(self, capacity, loads, a1.shape[1], K, E, manager)
         pad = expert_padding("balanced", real_tokens, loads, S=capacity, K=K, E=E, R=R)
+        pad_row = pad[rank]
     else:
-        real_tokens = _dp_tokens(R)
-        if real_tokens is not None and real_tokens[rank] != num_tokens:
-            real_tokens = None  # not one EP rank per DP rank: only this rank's row is known
-        if real_tokens is not None:
-            pad = expert_padding("own", real_tokens, None, S=capacity, K=K, E=E, R=R)
-        else:
-            pad = None
-        row = torch.zeros(E, dtype=torch.int64)
-        row[rank * epn:(rank + 1) * epn] = torch.bincount(torch.arange((capacity - num_tokens) * K) % epn,
-                                                          minlength=epn)
+        # each rank's own-policy row needs no other rank's count; the whole matrix only for the statistics
+        pad_row = own_padding_row((capacity - num_tokens) * K, rank, E=E, R=R, device=ids.device)
+        if stats_dir() is not None:
+            real_tokens = _dp_tokens(R)
+            if real_tokens is not None and real_tokens[rank] == num_tokens:
+                pad = expert_padding("own", real_tokens, None, S=capacity, K=K, E=E, R=R)
+            else:
+                real_tokens = None  # not one EP rank per DP rank: only this rank's row is known
     LAST.state = {"policy": chosen, "real_tokens": real_tokens, "pad": pad, "S": capacity}
     if num_tokens == capacity:
         return a1, ids, weights, num_tokens
-    pad_row = pad[rank] if pad is not None else row
-    extra = padding_ids(pad_row, K).to(device=ids.device, dtype=torch.int32)
+    extra = padding_ids(pad_row, K, rows=capacity - num_tokens).to(torch.int32)
     return (F.pad(a1, (0, 0, 0, capacity - num_tokens)),
             torch.cat([ids, extra]).contiguous(),
             F.pad(weights, (0, 0, 0, capacity - num_tokens)),
             num_tokens)
 
 
-def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, K: int, E: int,
+def _capacity_by_cost(self: Any, capacity: int, loads: torch.Tensor, hidden: int, K: int, E: int,
                       manager: Any) -> int:
     """A larger capacity (so the padding absorbs the imbalance) where the cost model says that moving an
     expert costs more than the extra padding rows; the same on every rank (``busiest_load`` is gathered).
@@ -144,10 +148,13 @@ def _capacity_by_cost(self: Any, capacity: int, busiest_load: int, hidden: int, 
     one is a collective), so every input here is agreed: the load is gathered, the cost model's inputs are
     the ones every rank agreed at backend selection (:func:`cost_inputs`)."""
     pool = self.buffer_pool
-    if busiest_load <= capacity * K:
-        return capacity
     profile, overrides, applies = cost_inputs(manager)
     if not applies:
+        return capacity
+    # The one host read of the balanced step, where the cost model applies (a GPU, or a profile named): the
+    # capacity picks a Buffer, which the host must know. The CPU engine's runs do not read it.
+    busiest_load = int(loads.max())
+    if busiest_load <= capacity * K:
         return capacity
     model = _cost_model(self, hidden, K, E, profile=profile, overrides=overrides)
     if model is None:

@@ -2,6 +2,8 @@
 
 * ``MoonEPPrepareAndFinalize._pad_to_capacity``: capacity padding that moves no weights (``padding.py``,
   ``MOONEP_EP_PADDING``); its prepare step also arms the slot-fill hand-off (``experts/overlap.py``).
+* ``prepare_finalize.moonep``'s ``torch.bincount`` (the prepare's expert counts): a scatter-add on the device
+  (``counting.py``: bincount reads its maximum back to the host).
 * ``all2all_utils``: the MoonEP prepare/finalize names, which vLLM binds only on CUDA with ``moonep``
   importable, are bound when missing (the reference buffer needs no ``moonep`` package); then the class name
   builds the push prepare/finalize for a push pool (``MOONEP_EP_MOONEP_API=push``, ``push.py``) and vLLM's class
@@ -30,6 +32,14 @@ def patch_padding(module: ModuleType, *, install: Install, mark: Mark, note: Not
         mark("MoonEPPrepareAndFinalize._pad_to_capacity (MOONEP_EP_PADDING)")
 
 
+def count_experts_on_device(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
+    """``prepare_finalize.moonep``'s ``torch.bincount``: ``counting.bincount_on_device``."""
+    from .counting import count_on_device
+
+    if count_on_device(module):
+        mark("MoonEPPrepareAndFinalize.prepare's expert counts on the device (no bincount)")
+
+
 def bind_pf_names(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """``all2all_utils``: the names of :data:`PF_NAMES` it lacks, from vLLM's ``prepare_finalize.moonep``."""
     if all(hasattr(module, n) for n in PF_NAMES):
@@ -56,6 +66,7 @@ def bind_push_choice(module: ModuleType, *, install: Install, mark: Mark, note: 
 #: padding comes after ``observe/patches.py``'s count of the all-gathers (the plugin's order of tables).
 PATCHES: tuple[Patch, ...] = (
     Patch(MOD_MOONEP_PF, patch_padding),
+    Patch(MOD_MOONEP_PF, count_experts_on_device),
     Patch(MOD_ALL2ALL_UTILS, bind_pf_names),
     Patch(MOD_ALL2ALL_UTILS, bind_push_choice),
 )

@@ -33,8 +33,9 @@ method, piece by piece:
 5. **Prefetch** (:func:`prefetch_quantized`, called by the manager's
    buffer): weights and scales of each planned slot pulled through the
    mapped rows, their bytes counted apart at the copy; both copies' events
-   go to the experts (``overlap.deliver_slot_fill``), whose ``apply`` waits on them
-   (``ops.moonep.prefetch.wait_for_slots``) before any slot row is read.
+   go to the experts (``overlap.deliver_slot_fill``), whose ``apply`` computes the own groups first, then
+   waits on them (``ops.moonep.prefetch.wait_for_slots``), then computes the slot groups (:func:`own_then_slots`,
+   the BF16 experts' order: the fill overlaps the own experts' GEMMs).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ... import envs
 from ...errors import ConfigError
 from ...ops.experts.activation import SILU
 from ...ops.moonep.prefetch import wait_for_slots
+from ..experts.overlap import SLOT_FILL_HANDOFF, _trace, take_slot_fill
 
 FORMAT_ATTR = "_moonep_ep_format"
 #: w1/w3 -> the half of the fused w13 row; w2 -> the whole w2 row
@@ -289,6 +291,50 @@ def _check_triton_here() -> bool:
     return interpreter
 
 
+def own_then_slots(experts: Any, layout: Any, output: torch.Tensor, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                   route: torch.Tensor | None, topk_ids: torch.Tensor, activation: Any, own_groups: int,
+                   event: Any, *, one_pass: bool = False) -> None:
+    """``output`` = the experts' FFN, in ``overlap.apply``'s order for BF16: the own groups ``[0, own_groups)``
+    first (the owners' rows, final before the step), then the wait for the slot fill ``event``, then the slot
+    groups, so the fill's copies overlap the own experts' GEMMs. Each part is ``experts.grouped_ffn`` over its
+    rows and its weight rows alone: every group is an independent GEMM per row block, so the rows equal one pass
+    over all groups, bit for bit (``tests/vllm/test_quantized_own_first.py``). :data:`overlap.TRACE` records
+    ``own``, ``waited``, ``slots``.
+
+    The split reads its row on the host (one ``int`` per layer, as ``overlap.apply``), so a decode-sized step
+    (``one_pass``: ``overlap.decode_sized``, as the BF16 experts decide) waits, then runs every group in one
+    pass (``waited``, ``one pass``) and reads nothing back. Rows at or past the last group are not written
+    (MoonEP's combine reads only the rows of dispatched entries, all before it). A part writes its rows of
+    ``output`` in place where the experts' ``grouped_ffn`` takes ``out`` (the Triton experts), else one copy."""
+
+    def part(lo: int, hi: Any, groups: slice) -> None:
+        rows = types.SimpleNamespace(format=layout.format, views={n: v[groups] for n, v in layout.views.items()})
+        cu = cu_seqlens[groups] if lo == 0 else cu_seqlens[groups] - lo
+        dst = output[lo:hi]
+        got = experts.grouped_ffn(rows, hidden[lo:hi], cu, None if route is None else route[lo:hi], topk_ids,
+                                  activation=activation, out=dst)
+        if got.data_ptr() != dst.data_ptr():
+            dst.copy_(got)
+
+    if one_pass:
+        if event is not None:
+            wait_for_slots(event)
+            _trace("waited")
+        part(0, None, slice(None))   # every row and group: nothing is read back
+        _trace("one pass")
+        return
+    own_end, end = (int(x) for x in cu_seqlens[[own_groups - 1, -1]].tolist())
+    if own_end:
+        part(0, own_end, slice(0, own_groups))
+    _trace("own")
+    if event is not None:
+        wait_for_slots(event)   # the slot rows [own_groups, ...) are read below: weights and scales landed
+        _trace("waited")
+    if end > own_end:
+        part(own_end, end, slice(own_groups, None))
+    _trace("slots")
+
+
 def _build_experts_class(kind: str) -> Any:
     from vllm.model_executor.layers.fused_moe.experts import moonep_experts
     from vllm.model_executor.layers.fused_moe.prepare_finalize.moonep import MOONEP_DEFAULT_TOKEN_PADDING
@@ -297,7 +343,7 @@ def _build_experts_class(kind: str) -> Any:
         raise ConfigError(f"moonep_ep: no quantized experts of kind {kind!r}. Fix: triton or dequant")
     base = moonep_experts.MoonEPExperts
 
-    from ..experts.overlap import WAITS_ATTR, take_slot_fill
+    from ..experts.overlap import WAITS_ATTR
 
     class _QuantizedExperts(base):  # type: ignore[misc, valid-type]
         experts_kind = kind
@@ -335,11 +381,13 @@ def _build_experts_class(kind: str) -> Any:
             act = activation_of(activation, self.moe_config)  # SiLU or SiTU with the layer's betas; else refused
 
             start = time.perf_counter()
+            event = take_slot_fill()
             cu_seqlens = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
             route = None if apply_router_weight_on_input else topk_weights
-            # Slot rows [E, E+B) are read below: the fills' weight and scale copies must have landed.
-            wait_for_slots(take_slot_fill())
-            output.copy_(self.grouped_ffn(layout, hidden_states, cu_seqlens, route, topk_ids, activation=act))
+            # pull: [E+B] rows, the own part ends at E; push (PushWeightLayout): [2*epn], it ends at epn
+            own_groups = int(getattr(layout, "own_groups", global_num_experts))
+            own_then_slots(self, layout, output, hidden_states, cu_seqlens, route, topk_ids, act, own_groups, event,
+                           one_pass=SLOT_FILL_HANDOFF.take_one_pass())
             STATS.record_experts_call(time.perf_counter() - start, hidden_states.shape[0])
 
     setattr(_QuantizedExperts, WAITS_ATTR, True)  # apply takes the prefetch's events and waits (overlap.arm)
@@ -349,7 +397,8 @@ def _build_experts_class(kind: str) -> Any:
         engine's path: vLLM's quantized CPU experts need x86 AMX)."""
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
-                        topk_ids: torch.Tensor, *, activation: Any = SILU) -> torch.Tensor:
+                        topk_ids: torch.Tensor, *, activation: Any = SILU, out: Any = None) -> torch.Tensor:
+            """The FFN's rows (a new tensor: ``quantized_grouped_ffn`` takes no ``out``; the caller copies)."""
             from ...ops.experts.quantized import SPLIT_NAMES, is_split, quantized_grouped_ffn, views_of
 
             if is_split(layout.views):  # the push layout: [2*epn] rows, gate and up apart
@@ -370,7 +419,8 @@ def _build_experts_class(kind: str) -> Any:
             self._configs: dict[tuple[str, int, int], dict[str, int]] = {}
 
         def grouped_ffn(self, layout: Any, hidden: torch.Tensor, cu_seqlens: torch.Tensor, route: Any,
-                        topk_ids: torch.Tensor, *, activation: Any = SILU) -> torch.Tensor:
+                        topk_ids: torch.Tensor, *, activation: Any = SILU, out: Any = None) -> torch.Tensor:
+            """The FFN's rows, written into ``out`` (``[rows, H]``, contiguous) when given."""
             from ..experts.gpu import gpu_grouped_ffn, kernel_config
 
             # Tiles follow the step's real tokens: topk_ids holds the tokens vLLM routed this step (MoonEP's prepare
@@ -384,9 +434,12 @@ def _build_experts_class(kind: str) -> Any:
                     layout.format, local_experts=self.moe_config.num_local_experts, hidden=hidden.shape[1],
                     intermediate=self.moe_config.intermediate_size_per_partition, tokens=tokens, top_k=top_k,
                     token_padding=self.token_padding, interpreter=self.interpreter)
+            # the down GEMM writes the caller's rows in place where they fit its output (contiguous, same dtype)
+            fits = out is not None and out.is_contiguous() and out.dtype == hidden.dtype
+            into = {"out": out} if fits else {}
             return gpu_grouped_ffn(layout.format, hidden, layout.views, cu_seqlens, route,
                                    token_padding=self.token_padding, config=self._configs[key],
-                                   native_act_quant=self.interpreter, activation=activation)
+                                   native_act_quant=self.interpreter, activation=activation, **into)
 
     cls = MoonEPTritonQuantizedExperts if kind == "triton" else MoonEPQuantizedExperts
     cls.__module__ = __name__
