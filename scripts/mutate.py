@@ -108,7 +108,9 @@ MODULES: dict[str, dict] = {
     },
     "vllm/experts/gpu": {   # in this process, with vLLM's kernels and lookups recorded (the interpreter tier
         # runs them for real in the vLLM environment, where mutmut's stats pass cannot see it)
-        "tests": ["tests/vllm/test_gpu_experts_decisions.py", "tests/ops/test_grouped_blocks.py"],
+        # test_expert_bytes drives the fused-activation branch (its launches recorded on meta tensors)
+        "tests": ["tests/vllm/test_gpu_experts_decisions.py", "tests/ops/test_grouped_blocks.py",
+                  "tests/ops/test_expert_bytes.py"],
         "canary": None,
     },
     "vllm/quantized/engine": {
@@ -203,6 +205,8 @@ EQUIVALENT: dict[str, str] = {
     "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_4":
         "remote_stats rows start [1, 0]: index 0 of every row is assigned (remote_stats[d][0] = len(remote)) for "
         "every d before it is read",
+    "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_79":
+        "copy_owner e // epn also for e = -1: -1 // epn is -1 for every positive epn, the value the else gives",
     "moonep_ep.ops.moonep.planner.x__destination_tables__mutmut_80":
         "copy_owner e / epn for e // epn: e >= 0, and i32() builds an int64 tensor, which truncates the quotient "
         "toward zero, i.e. floors it",
@@ -331,6 +335,29 @@ EQUIVALENT: dict[str, str] = {
         "the key 'h200' never found: the loop then returns nothing for an H200 and detect_profile falls back to "
         "'h200', its default (no GPU name holds h200 and a key tried after it)",
     "moonep_ep.ops.decode.cost.x_detect_profile__mutmut_18": "the key 'h200' never found: as mutmut_17",
+    "moonep_ep.ops.decode.padding.x__check__mutmut_25": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x__check__mutmut_27": "torch.tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x__check__mutmut_7":
+        ".to(None) for .to(torch.int64): the gathered counts are int64 already (the prepare step's index_add_ "
+        "and its token count), and every use takes integer arithmetic either way",
+    "moonep_ep.ops.decode.padding.x__group_padding__mutmut_15": "torch.as_tensor of Python ints is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x__group_padding__mutmut_17": "torch.as_tensor of Python ints is int64: as mutmut_15",
+    "moonep_ep.ops.decode.padding.x__round_robin__mutmut_15":
+        "x - k - epn - 1 for x - k + epn - 1: both floor quotients drop by exactly 2, which cancels in "
+        "below(end) - below(begin)",
+    "moonep_ep.ops.decode.padding.x__round_robin__mutmut_3": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x__round_robin__mutmut_6": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x_own_padding_row__mutmut_24":
+        "a float 0 for begin: below(begin) is 0 in either dtype and the int64 row keeps the integer counts",
+    "moonep_ep.ops.decode.padding.x_own_padding_row__mutmut_27": "a float 0 for begin: as mutmut_24",
+    "moonep_ep.ops.decode.padding.x_own_padding_row__mutmut_31":
+        "torch.full of an int is int64 without dtype= (torch >= 1.8)",
+    "moonep_ep.ops.decode.padding.x_own_padding_row__mutmut_35": "torch.full of an int is int64: as mutmut_31",
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_14":
+        "repeat_interleave(counts) for repeat_interleave(arange(len), counts): the one-tensor form repeats each "
+        "index by its count, on the counts' device, int64",
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_18": "torch.arange of an int is int64 without dtype=",
+    "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_21": "torch.arange of an int is int64 without dtype=",
     "moonep_ep.ops.decode.padding.x_padding_ids__mutmut_2":
         "pad_row.to(None) for .to(torch.int64): rows are integer tensors (expert_padding's int64); "
         "repeat_interleave and the sums give the same ids for any integer dtype",

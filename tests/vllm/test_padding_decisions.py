@@ -321,3 +321,23 @@ def test_the_greedy_loops_oracle_is_not_the_rank_order_fill():
     assert _group_padding_loops("balanced", [8, 4, 4], [4, 4, 8], 8, 1, 3) == [[0, 0, 0], [0, 4, 0], [4, 0, 0]]
     plain = [[0, 0, 0], [4, 0, 0], [0, 4, 0]]
     assert _group_padding_loops("balanced", [8, 4, 4], [4, 4, 8], 8, 1, 3) != plain
+
+
+def test_the_padding_stays_int64_on_the_counts_device():
+    """What the prepare step feeds MoonEP: int64 counts and ids on the device of the gathered counts (meta here:
+    a tensor made on another device, or a float one, would show), with nothing read back (meta holds no values)."""
+    n, loads = torch.tensor([3, 8, 1, 8], device="meta"), torch.tensor([30, 20, 90, 20], device="meta")
+    for policy in ("vllm", "own", "balanced"):
+        pad = expert_padding(policy, n, loads, S=8, K=8, E=16, R=4)
+        assert (pad.device.type, pad.dtype, tuple(pad.shape)) == ("meta", torch.int64, (4, 16)), policy
+    row = own_padding_row(40, 1, E=16, R=4, device="meta")
+    assert (row.device.type, row.dtype, tuple(row.shape)) == ("meta", torch.int64, (16,))
+    ids = padding_ids(torch.empty(16, dtype=torch.int64, device="meta"), 8, rows=5)
+    assert (ids.device.type, ids.dtype, tuple(ids.shape)) == ("meta", torch.int64, (5, 8))
+    host = expert_padding("balanced", [3, 8, 1, 8], [30, 20, 90, 20], S=8, K=8, E=16, R=4)
+    assert host.dtype == torch.int64 and own_padding_row(40, 1, E=16, R=4).dtype == torch.int64
+    assert padding_ids(host[0], 8).dtype == torch.int64 and padding_ids(host[0], 8, rows=5).dtype == torch.int64
+    # loads given as host values beside device counts go to the counts' device; a misshaped count tensor is named
+    assert expert_padding("balanced", n, [30, 20, 90, 20], S=8, K=8, E=16, R=4).device.type == "meta"
+    with pytest.raises(ValueError, match=r"^need one real-token count per rank \(4\), got shape \(2,\)$"):
+        expert_padding("own", torch.tensor([1, 2]), None, S=8, K=8, E=16, R=4)

@@ -46,7 +46,7 @@ def test_every_patch_is_declared_one_way():
     every = [p for table in (plugin.PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES,
                              routing_record.PATCHES, prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES,
                              quantized_hooks.PATCHES, cpu_patches.PATCHES, experts_patches.PATCHES) for p in table]
-    assert len(every) == 32
+    assert len(every) == 33
     for patch in every:
         assert isinstance(patch, hooks.Patch) and (patch.target is None or patch.target.startswith("vllm."))
         params = inspect.signature(patch.apply).parameters
@@ -66,7 +66,7 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
     assert order.index((RELOAD, "patch_reload")) < order.index((GPU_RUNNER, "patch_reload"))
     # set-up at install, in order: the cap first (it hides AMX from a capped process), the K3 default after
     assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
-    assert len(order) == len(set(order)) == 32  # every table applied, each patch once
+    assert len(order) == len(set(order)) == 33  # every table applied, each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):

@@ -215,4 +215,5 @@ def test_every_patch_is_registered_for_its_vllm_module():
                     "compressed_tensors_moe_wna16", qh.patch_wna16),
         hooks.Patch("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                     "compressed_tensors_moe_w4a4_mxfp4", qh.patch_mxfp4),
-        hooks.Patch("vllm.model_executor.layers.quantization.fp8", qh.patch_fp8))
+        hooks.Patch("vllm.model_executor.layers.quantization.fp8", qh.patch_fp8),
+        hooks.Patch("vllm.v1.worker.gpu_worker", qh.patch_gpu_worker))   # the experts' warm-up (test_experts_warmup)

@@ -195,6 +195,9 @@ def bind_quantized_layer(method: Any, layer: Any) -> None:
         method.moe_kernel = mk.FusedMoEKernel(prepare_finalize, experts)
         _record_experts(experts, store.format)
     method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    from ..experts.warmup import register_experts
+
+    register_experts(method.moe_kernel.fused_experts)  # its Triton variants compile at vLLM's warm-up
 
 
 def _record_experts(experts: Any, fmt: str) -> None:

@@ -17,7 +17,8 @@ vLLM method                        format (``layout/formats.py``)   what is repl
 ================================== =============================== =========================================
 
 and, for all three, ``create_weights`` and ``process_weights_after_loading``
-(:func:`_wrap_quantized_method`).
+(:func:`_wrap_quantized_method`); ``gpu_worker.kernel_warmup`` runs the Triton
+experts' warm-up after vLLM's own (``experts/warmup.py``).
 
 Each patch takes the plugin's ``install`` (put a wrapper in place, marked so a
 second install skips it), ``mark`` and ``note`` (the plugin's state, for
@@ -40,6 +41,7 @@ MOD_CT_WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.comp
 MOD_CT_MXFP4 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                 "compressed_tensors_moe_w4a4_mxfp4")
 MOD_FP8 = "vllm.model_executor.layers.quantization.fp8"
+MOD_GPU_WORKER = "vllm.v1.worker.gpu_worker"
 
 
 def _sharded_moonep(moe: Any) -> bool:
@@ -163,5 +165,13 @@ def _wrap_quantized_method(cls: Any, label: str, install: Install) -> None:
             f"{label}.process_weights_after_loading")
 
 
+def patch_gpu_worker(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
+    """vLLM's GPU worker: the quantized Triton experts' variants compile at its kernel warm-up
+    (``experts/warmup.py``), not on the first step of each token-count bucket."""
+    from ..experts.warmup import patch_kernel_warmup
+
+    patch_kernel_warmup(module, install=install, mark=mark, note=note)
+
+
 PATCHES: tuple[Patch, ...] = (Patch(MOD_CT_WNA16, patch_wna16), Patch(MOD_CT_MXFP4, patch_mxfp4),
-                              Patch(MOD_FP8, patch_fp8))
+                              Patch(MOD_FP8, patch_fp8), Patch(MOD_GPU_WORKER, patch_gpu_worker))
