@@ -22,7 +22,10 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MOONEP_EP_CUDA_EMULATOR")}
+    # the emulator's settings are the test's own, except which emulated machine: each pytest worker keeps its
+    # own (tests/conftest.py), else two workers' selftests share one emulated GPU and its fabric trial
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("MOONEP_EP_CUDA_EMULATOR") or k == "MOONEP_EP_CUDA_EMULATOR_MACHINE"}
     full.update(env or {})
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True,
                           timeout=timeout)
