@@ -112,6 +112,16 @@ def is_wrapped(fn: Any) -> bool:
     return bool(getattr(fn, WRAPPED_ATTR, False))
 
 
+def wrapped_with(fn: Any, mark: str) -> bool:
+    """True when ``fn`` or anything it wraps (its ``__wrapped__`` chain) carries the attribute ``mark``: an
+    observer's own wrapper found under others' (two observers may wrap one vLLM method)."""
+    while fn is not None:
+        if getattr(fn, mark, False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def mark_wrapped(wrapper: Any) -> Any:
     """Mark ``wrapper`` as the plugin's, for :func:`is_wrapped`; returns it."""
     setattr(wrapper, WRAPPED_ATTR, True)

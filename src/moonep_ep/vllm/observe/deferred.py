@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import envs
-from ..hooks import Install, Mark, Note, Patch
+from ..hooks import Install, Mark, Note, Patch, wrapped_with
 
 __all__ = ["PATCHES", "STEP_METHODS", "dp_token_counts", "drain_after_steps", "enabled"]
 
@@ -48,26 +48,26 @@ def enabled() -> bool:
     return envs.MOONEP_EP_VLLM_STATS_DIR is not None
 
 
-def dp_token_counts() -> Any:
-    """A clone of every DP rank's real token count this step (vLLM's forward context), unread; None outside a
-    forward. ``prepare_finalize/padding.py``'s ``real_tokens_across_dp`` reads the same counts as a list."""
+def dp_token_tensor() -> Any:
+    """vLLM's host tensor of every DP rank's real token count this step (its forward context), unread; None
+    outside a forward. ``prepare_finalize/padding.py``'s ``real_tokens_across_dp`` reads it as a list."""
     try:
         from vllm.forward_context import get_forward_context
 
         meta = get_forward_context().dp_metadata
     except (AssertionError, ImportError):
         return None
-    if meta is None:
-        return None
-    return meta.num_tokens_across_dp_cpu.clone()
+    return None if meta is None else meta.num_tokens_across_dp_cpu
+
+
+def dp_token_counts() -> Any:
+    """A clone of :func:`dp_token_tensor` (vLLM reuses its tensor next step), unread; None outside a forward."""
+    counts = dp_token_tensor()
+    return None if counts is None else counts.clone()
 
 
 def _mine(fn: Any) -> bool:
-    while fn is not None:
-        if getattr(fn, _MARK, False):
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    return wrapped_with(fn, _MARK)
 
 
 def _step(orig: Any) -> Any:

@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from ... import envs
-from ..hooks import Install, Mark, Note, Patch
+from ..hooks import Install, Mark, Note, Patch, wrapped_with
 
 __all__ = ["PATCHES", "enabled", "step_kind"]
 
@@ -61,11 +61,7 @@ def step_kind(scheduler_output: Any) -> str:
 
 
 def _mine(fn: Any) -> bool:
-    while fn is not None:
-        if getattr(fn, _MARK, False):
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    return wrapped_with(fn, _MARK)
 
 
 def count_step_kinds(module: Any, *, install: Install, mark: Mark, note: Note) -> None:

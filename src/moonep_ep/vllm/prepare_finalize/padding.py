@@ -233,15 +233,10 @@ def _cost_model(self: Any, hidden: int, K: int, E: int, *, profile: str | None =
 def real_tokens_across_dp() -> list[int] | None:
     """Every DP rank's real token count this step (vLLM's forward context; the prepare step pads each
     rank's batch to the buffer's capacity), or None outside a forward."""
-    try:
-        from vllm.forward_context import get_forward_context
+    from ..observe.deferred import dp_token_tensor
 
-        meta = get_forward_context().dp_metadata
-    except (AssertionError, ImportError):
-        return None
-    if meta is None:
-        return None
-    return [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+    counts = dp_token_tensor()
+    return None if counts is None else [int(n) for n in counts.tolist()]
 
 
 def _dp_tokens(R: int) -> list[int] | None:
