@@ -181,3 +181,51 @@ def test_a_live_row_at_a_block_edge_keeps_its_own_block_only():
     w[15] = 1.0    # the last row of block 0
     w[48] = 1.0    # the first row of block 3
     assert skip_zero_weight_blocks(blocks, w).expert_ids.tolist() == [0, -1, -1, 0]
+
+
+# -- a launch limited to the own groups or the slots (the BF16 experts' parts on a GPU) -----------------------------
+
+def test_a_part_keeps_its_groups_blocks_and_marks_every_other_block_as_writing_nothing():
+    from moonep_ep.ops.experts.grouped_blocks import restrict_to_groups
+
+    # own groups 0-3 end at row 64, slots 4-5 at 80; 16 stale rows follow
+    cu = torch.tensor([16, 16, 48, 64, 64, 80], dtype=torch.int32)
+    b = grouped_blocks(cu, 96, 16)
+    own = restrict_to_groups(b, cu, 0, 4)
+    assert own.num_tokens_post_padded.tolist() == [64]        # the slot block (row 64) exits at once
+    assert own.expert_ids.tolist() == b.expert_ids.tolist() and own.sorted_token_ids is b.sorted_token_ids
+    slots = restrict_to_groups(b, cu, 4, 6)
+    assert slots.num_tokens_post_padded.tolist() == [80]
+    assert slots.expert_ids.tolist() == [-1, -1, -1, -1, 5, -1]   # written out by hand: only row 64's block
+    # the own blocks' row ids lie past every row (96 = 6 blocks x 16): vLLM's zero write for a -1 block is masked
+    assert slots.sorted_token_ids.tolist() == [96] * 64 + list(range(64, 96))
+    # the control: the whole range is the blocks as they were, and the parts' computed blocks make up the whole
+    whole = restrict_to_groups(b, cu, 0, 6)
+    assert whole.expert_ids.tolist() == b.expert_ids.tolist() and whole.num_tokens_post_padded.tolist() == [80]
+    starts = torch.arange(6) * 16
+
+    def computed(p):
+        return set((starts[(p.expert_ids >= 0) & (starts < p.num_tokens_post_padded)] // 16).tolist())
+
+    assert computed(own) | computed(slots) == computed(b) and not computed(own) & computed(slots)
+    # an empty part (slots without rows) computes nothing
+    none = restrict_to_groups(b, torch.tensor([16, 16, 48, 64, 64, 64], dtype=torch.int32), 4, 6)
+    assert none.num_tokens_post_padded.tolist() == [64] and (none.expert_ids[:4] == -1).all()
+
+
+def test_a_part_is_bounded_on_the_device_and_an_empty_range_is_refused_naming_it():
+    from moonep_ep.ops.experts.grouped_blocks import restrict_to_groups
+
+    cu = torch.tensor([16, 16, 48, 64, 64, 80], dtype=torch.int32)
+    b = grouped_blocks(cu, 96, 16)
+    with _HostReads() as reads:
+        restrict_to_groups(b, cu, 4, 6)
+        restrict_to_groups(b, cu, 0, 4)
+    assert reads.calls == []
+    meta = torch.empty(6, dtype=torch.int32, device="meta")
+    assert restrict_to_groups(grouped_blocks(meta, 96, 16), meta, 4, 6).expert_ids.device.type == "meta"
+    wide = restrict_to_groups(b, cu.to(torch.int64), 0, 4)        # the kernels read an int32 row count
+    assert wide.num_tokens_post_padded.dtype == torch.int32 and wide.num_tokens_post_padded.tolist() == [64]
+    assert _refusal(lambda: restrict_to_groups(b, cu, 4, 4)) == (
+        "weight rows [4, 4) are not a non-empty part of the 6 groups: got (4, 4). Fix: pass 0 <= lo < hi <= 6")
+    assert "[0, 7)" in _refusal(lambda: restrict_to_groups(b, cu, 0, 7))

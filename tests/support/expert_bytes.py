@@ -14,7 +14,8 @@
   route weights (:func:`scenario`). A documented model, not a measurement; the kernels' early exits are
   checked under the interpreter (``tests/vllm/test_gated_activation.py``) and ``mxfp4_kernel``'s tests.
   The grouped GEMMs' writes are counted apart (``gemm``); the non-GEMM kernels (the fused gated activation,
-  FP8's activation quantization) count as non-GEMM.
+  FP8's activation quantization) count as non-GEMM. A launch limited to the own groups or the slots (the BF16
+  experts on CUDA, ``restrict_to_groups``) is counted from that function applied to the CPU metadata.
 
 The scenario: Kimi K3 (``models.py``: latent H 3584, I 3072, E 896, top-k 16) at EP 8, capacity S 128,
 MoonEP's decode ``token_padding`` 128 (vLLM 0.33.0's ``MOONEP_DEFAULT_TOKEN_PADDING``), ``NvS = S·K +
@@ -74,22 +75,25 @@ class Scenario:
         return int(((b.expert_ids >= 0) & (starts < int(self.cu[-1]))).sum()) * b.block_m
 
 
-def scenario(block_m: int = 16, seed: int = 0) -> Scenario:
+def scenario(block_m: int = 16, seed: int = 0, slot_groups: int = 0) -> Scenario:
+    """``slot_groups``: the live rows drawn over the rank's experts and that many of its prefetch slots (rows
+    ``[E, E + slot_groups)``, after every expert's), as when the rank computes remote experts it prefetched."""
     k3 = get_model("kimi-k3")
     E, K, H, I = k3.num_experts, k3.top_k, k3.hidden_size, k3.moe_intermediate_size
     epn = E // EP
     nvs = nvs_rows(CAPACITY, K, E, EP, TOKEN_PADDING)
     live = CAPACITY * K
     gen = torch.Generator().manual_seed(seed)
-    counts = torch.bincount(torch.randint(0, epn, (live,), generator=gen), minlength=epn)
-    padded = torch.zeros(E + SLOTS, dtype=torch.int64)
-    padded[:epn] = (counts + TOKEN_PADDING - 1) // TOKEN_PADDING * TOKEN_PADDING
+    groups = list(range(epn)) + list(range(E, E + slot_groups))
+    drawn = torch.bincount(torch.randint(0, len(groups), (live,), generator=gen), minlength=len(groups))
+    counts = torch.zeros(E + SLOTS, dtype=torch.int64)
+    counts[groups] = drawn
+    padded = (counts + TOKEN_PADDING - 1) // TOKEN_PADDING * TOKEN_PADDING
     cu = padded.cumsum(0).to(torch.int32)
     route = torch.zeros(nvs)
-    start = 0
-    for g in range(epn):
+    for g in groups:
+        start = int(cu[g] - padded[g])
         route[start:start + int(counts[g])] = torch.rand(int(counts[g]), generator=gen) * 0.9 + 0.1
-        start += int(padded[g])
     return Scenario(H=H, I=I, E=E, K=K, nvs=nvs, live_rows=live, cu=cu, route=route, block_m=block_m)
 
 
@@ -122,31 +126,60 @@ class WriteCounter(TorchDispatchMode):
 
 
 class KernelModel:
-    """Stand-ins for the Triton launches, each counting its modeled writes (module docstring)."""
+    """Stand-ins for the Triton launches, each counting its modeled writes (module docstring).
 
-    def __init__(self, sc: Scenario) -> None:
+    A launch limited to a part of the weight rows (the BF16 experts' own groups, then slots:
+    ``restrict_to_groups``) is told apart by its ``num_tokens_post_padded`` tensor, recorded when the code
+    makes it (:meth:`record_part`); its rows are counted from the same function applied to the CPU metadata."""
+
+    BLOCK_MS = (16, 32, 64, 128)
+
+    def __init__(self, sc: Scenario, parts: tuple = ()) -> None:
         self.sc = sc
         self.gemm = 0
         self.non_gemm: dict[str, int] = {}
+        self.made: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}   # id(ntpp) -> (ntpp, part)
+        # (block_m, part) -> (rows a bounded kernel computes, rows a GEMM writes): counted here, outside the
+        # write counter (inside a launch it would count the counting)
+        self.rows = {(m, part): self._rows(m, part) for m in self.BLOCK_MS for part in (None, *parts)}
+
+    def _rows(self, block_m: int, part: tuple[int, int] | None) -> tuple[int, int]:
+        from moonep_ep.ops.experts.grouped_blocks import restrict_to_groups
+
+        b = self.sc.blocks(block_m)
+        if part is not None:
+            b = restrict_to_groups(b, self.sc.cu, *part)
+        starts = torch.arange(b.num_blocks) * block_m
+        live = starts < int(b.num_tokens_post_padded)
+        computed = int((live & (b.expert_ids >= 0)).sum()) * block_m
+        # computed blocks, and zeros for -1 ones at their valid row ids (vLLM's write_zeros_to_output)
+        ids = b.sorted_token_ids.view(-1, block_m)
+        written = int((live[:, None] & (ids < self.sc.nvs)).sum())
+        return computed, written
+
+    def record_part(self, blocks: Any, part: tuple[int, int]) -> None:
+        self.made[id(blocks.num_tokens_post_padded)] = (blocks.num_tokens_post_padded, part)
+
+    def part_of(self, ntpp: Any) -> tuple[int, int] | None:
+        made = self.made.get(id(ntpp))
+        return made[1] if made is not None and made[0] is ntpp else None
 
     def add(self, name: str, n: int) -> None:
         self.non_gemm[name] = self.non_gemm.get(name, 0) + n
 
-    def gemm_rows(self) -> int:
-        """A grouped GEMM writes every block below ``cu_seqlens[-1]``: computed ones, and zeros for ``-1`` ones
-        (vLLM's ``write_zeros_to_output``, the MXFP4 kernel's own)."""
-        return -(-int(self.sc.cu[-1]) // self.sc.block_m) * self.sc.block_m
-
-    def gemm_out(self, c: torch.Tensor) -> None:
-        self.gemm += self.gemm_rows() * c.shape[-1] * c.element_size()
+    def gemm_out(self, c: torch.Tensor, ntpp: Any = None) -> None:
+        """A grouped GEMM writes every block below ``num_tokens_post_padded``: computed ones, and zeros for
+        ``-1`` ones (vLLM's ``write_zeros_to_output``, the MXFP4 kernel's own) at their valid row ids."""
+        rows = self.rows[(self.sc.block_m, self.part_of(ntpp))][1]
+        self.gemm += rows * c.shape[-1] * c.element_size()
 
 
 def _vllm_stubs(monkeypatch: Any, model: KernelModel) -> None:
     def wna16(A, B, C, *args, **kwargs):
         model.gemm_out(C)
 
-    def fp8(A, B, C, *args, **kwargs):
-        model.gemm_out(C)
+    def fused(A, B, C, *args, **kwargs):   # vLLM's fused_moe_kernel: FP8 block, and BF16 unquantized
+        model.gemm_out(C, kwargs.get("num_tokens_post_padded"))
 
     def per_token_group_quant_fp8(a, group, use_ue8m0=False, **kwargs):
         # vLLM's kernel: one program per (row, group) over every row of a
@@ -155,7 +188,7 @@ def _vllm_stubs(monkeypatch: Any, model: KernelModel) -> None:
         model.add("vllm per_token_group_quant_fp8", q.numel() + s.numel() * 4)
         return q, s
 
-    fused = types.SimpleNamespace(invoke_fused_moe_wna16_triton_kernel=wna16, invoke_fused_moe_triton_kernel=fp8)
+    fused = types.SimpleNamespace(invoke_fused_moe_wna16_triton_kernel=wna16, invoke_fused_moe_triton_kernel=fused)
     tl = types.SimpleNamespace(bfloat16="tl.bfloat16", float16="tl.float16")
     platform = types.SimpleNamespace(fp8_dtype=lambda: torch.float8_e4m3fn)
     install(monkeypatch, {"vllm": {}, "vllm.triton_utils": {"tl": tl}, "vllm.platforms": {"current_platform": platform},
@@ -181,11 +214,9 @@ def _activation_stub(monkeypatch: Any, model: KernelModel, fused: bool) -> bool:
         from moonep_ep.ops.experts import gated_activation_kernel as gk
     except ImportError:
         return False
-    # rows by block height, counted here: inside the launch the write counter would count the counting
-    computed = {m: model.sc.computed_rows(m) for m in (16, 32, 64, 128)}
-
     def launch(x, y, out, route, blocks, activation, quant=None, **kwargs):
-        rows = computed[blocks.block_m]   # the blocks this launch was given (on meta: their height)
+        # the blocks this launch was given (on meta: their height, and the part they were limited to)
+        rows = model.rows[(blocks.block_m, model.part_of(blocks.num_tokens_post_padded))][0]
         width = out.shape[1]
         model.add("fused gated activation" if activation is not None else "fused fp8 quantization",
                   rows * width * out.element_size() + (rows * (width // quant[2]) * 4 if quant is not None else 0))
@@ -237,33 +268,61 @@ def measure_ffn(fmt: str, activation: Any, sc: Scenario, monkeypatch: Any, fused
             "non_gemm": counter.total + sum(model.non_gemm.values()), "fused_activation": fused}
 
 
-def measure_bf16(activation: Any, sc: Scenario, monkeypatch: Any) -> dict[str, Any]:
-    """Bytes the non-GEMM ops of the BF16 path (``vllm/experts/overlap.apply``: own groups, then slots) write;
-    its grouped GEMMs (``overlap._grouped``, ``torch._grouped_mm``) are stand-ins counted apart. The split point
-    is read on the host there (``cu[[E-1, -1]].tolist()``), so the counts go in as a CPU tensor and every row
-    tensor is meta."""
-    from moonep_ep.vllm.experts import overlap
-
-    gemm = {"bytes": 0}
-
-    def grouped(a, w, offs):
-        y = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-        gemm["bytes"] += y.numel() * y.element_size()
-        return y
+def measure_bf16(activation: Any, sc: Scenario, monkeypatch: Any, *, one_pass: bool = True,
+                 gpu_path: bool = True) -> dict[str, Any]:
+    """Bytes the non-GEMM ops of the BF16 experts on a GPU write (``vllm/experts/overlap.apply``'s CUDA branch,
+    ``bf16_gpu.py``): ``one_pass`` a decode-sized step (wait, every group at once), else own groups, wait, slot
+    groups. The code runs as on CUDA on meta tensors (``runs_here`` answers for CUDA), its launches are the
+    stand-ins of :func:`measure_ffn` (vLLM's ``fused_moe_kernel`` for the GEMMs, counted apart), and the tiles
+    are ``sc.block_m`` rows (the config lookup answers with them). ``gpu_path`` False (with ``one_pass``: the
+    other branch reads the split row on the host): the CPU engine's branch, ``torch._grouped_mm`` (a stand-in
+    counted apart) and the eager activation over every row, the control."""
+    from moonep_ep.vllm.experts import bf16_gpu, gpu, overlap
 
     G, H, I = sc.E + SLOTS, sc.H, sc.I
     m = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    counts = torch.diff(sc.cu.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
-    layout = types.SimpleNamespace(own_groups=sc.E, full_up_weight=m(G, I, H))
-    cfg = types.SimpleNamespace(activation_situ_beta=activation.beta,
-                                activation_situ_linear_beta=activation.linear_beta)
-    fake = types.SimpleNamespace(_weight_layout=layout, moe_config=cfg)
+    layout = types.SimpleNamespace(own_groups=sc.E, full_gate_weight=m(G, I, H), full_up_weight=m(G, I, H),
+                                   full_down_weight=m(G, H, I))
+    moe = types.SimpleNamespace(activation_situ_beta=activation.beta,
+                                activation_situ_linear_beta=activation.linear_beta, num_local_experts=sc.E // EP,
+                                intermediate_size_per_partition=I)
+    fake = types.SimpleNamespace(_weight_layout=layout, moe_config=moe)
+    bf16_gpu.gpu_experts(fake, token_padding=TOKEN_PADDING)
+    cfg = {"BLOCK_SIZE_M": sc.block_m, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1}
+    grouped_blocks(torch.empty(1, dtype=torch.int32, device="meta"), 16, 16)   # torch's compiler import first
     output = m(sc.nvs, H)
     counter = WriteCounter()
     with monkeypatch.context() as mp:
+        model = KernelModel(sc, parts=((0, sc.E), (sc.E, G)))
+        _vllm_stubs(mp, model)
+        _activation_stub(mp, model, True)
+        mp.setattr(bf16_gpu, "runs_here", lambda t: gpu_path)
+
+        def grouped(a, w, offs):   # the CPU branch's torch._grouped_mm: its output, counted as GEMM bytes
+            y = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+            model.gemm += y.numel() * y.element_size()
+            return y
+
         mp.setattr(overlap, "_grouped", grouped)
-        with counter:
-            overlap.apply(fake, output, m(sc.nvs, H), m(G, I, H), m(G, H, I), m(sc.nvs, dtype=torch.float32), None,
-                          activation.name, sc.E, None, None, None, None, None,
-                          types.SimpleNamespace(expert_num_tokens=counts), False)
-    return {"torch_ops": dict(counter.by_op), "kernels": {}, "gemm": gemm["bytes"], "non_gemm": counter.total}
+        mp.setattr(gpu, "kernel_config", lambda fmt, **kwargs: dict(cfg))
+        restrict = overlap.restrict_to_groups
+
+        def restrict_recorded(blocks, cu, lo, hi):
+            out = restrict(blocks, cu, lo, hi)
+            model.record_part(out, (lo, hi))
+            return out
+
+        mp.setattr(overlap, "restrict_to_groups", restrict_recorded)
+        overlap.SLOT_FILL_HANDOFF.one_pass = one_pass
+        trace = overlap.TRACE.events = []
+        try:
+            with counter:
+                overlap.apply(fake, output, m(sc.nvs, H), layout.full_gate_weight, layout.full_down_weight,
+                              m(sc.nvs, dtype=torch.float32), m(CAPACITY, sc.K, dtype=torch.int64),
+                              activation.name, sc.E, None, None, None, None, None,
+                              types.SimpleNamespace(expert_num_tokens=m(G, dtype=torch.int64)), False)
+        finally:
+            overlap.TRACE.events = None
+            overlap.SLOT_FILL_HANDOFF.one_pass = False
+    return {"torch_ops": dict(counter.by_op), "kernels": dict(model.non_gemm), "gemm": model.gemm,
+            "non_gemm": counter.total + sum(model.non_gemm.values()), "trace": trace}

@@ -1,4 +1,4 @@
-"""The quantized GPU experts' warm-up (``vllm/experts/warmup.py``): the listing of every kernel config a layer can
+"""The GPU experts' warm-up (``vllm/experts/warmup.py``): the listing of every kernel config a layer can
 pick over ``1 .. max_num_batched_tokens``, the launches it makes, and vLLM's worker hook.
 
 vLLM's config lookup is a stand-in with vLLM 0.33.0's rule (``fused_moe.try_get_optimal_moe_config``: the tuned
@@ -241,6 +241,60 @@ def test_a_failing_layer_is_logged_and_the_others_still_warm(experts, monkeypatc
         summary = wu.warm_up_registered(64)
     assert summary["failed_layers"] == 1 and summary["layers"] == 2 and summary["variants"] >= 1
     assert ex.launches and "warm-up of a quantized experts layer failed" in caplog.text
+
+
+def test_a_bf16_layer_bound_on_a_gpu_is_registered_and_warms_every_config_its_forward_picks(experts, monkeypatch):
+    """``overlap.patch_experts`` wraps vLLM's ``MoonEPExperts.process_weights_after_loading``: a layer bound on a
+    GPU registers its ``bf16_gpu.Bf16TritonExperts``, whose variants (``kernel_config`` for ``bf16``) the warm-up
+    launches through the forward's own ``grouped_ffn``. The control: a layer bound on the CPU is not kept."""
+    from moonep_ep.vllm.experts import bf16_gpu, overlap
+
+    launches: list[tuple] = []
+
+    def gpu_grouped_ffn(fmt, hidden, views, cu, route, *, token_padding, config, blocks, activation, out=None):
+        launches.append((fmt, wu.config_key(config), route is None, blocks.block_m, token_padding))
+        return hidden
+
+    monkeypatch.setattr(ge, "gpu_grouped_ffn", gpu_grouped_ffn)
+
+    class MoonEPExperts(_MoonEPExperts):
+        def apply(self, *args):
+            raise AssertionError("not called here")
+
+        def process_weights_after_loading(self, layer):
+            self._weight_layout = layer._moonep_weight_layout
+
+    assert overlap.patch_experts(types.SimpleNamespace(MoonEPExperts=MoonEPExperts))
+    assert is_wrapped(MoonEPExperts.process_weights_after_loading)
+    moe = experts.experts.moe_config
+    rows = lambda *shape: torch.zeros(20, *shape, dtype=torch.bfloat16)  # noqa: E731 - [E+B]: 16 + 4 slots
+    layer = types.SimpleNamespace(_moonep_weight_layout=types.SimpleNamespace(
+        full_gate_weight=rows(4, 64), full_up_weight=rows(4, 64), full_down_weight=rows(64, 4)))
+    on_cpu = MoonEPExperts(moe, None)
+    on_cpu.process_weights_after_loading(layer)
+    assert list(wu._REGISTERED.values()) == []                   # the CPU engine's layer: torch._grouped_mm
+    monkeypatch.setattr(bf16_gpu, "runs_here", lambda t: True)   # the weights on a GPU
+    on_gpu = MoonEPExperts(moe, None)
+    on_gpu.process_weights_after_loading(layer)
+    assert list(wu._REGISTERED.values()) == [bf16_gpu.gpu_experts(on_gpu)]
+    # nor the quantized experts (their binding registers them) nor quantized weights: the controls
+    quantized = types.SimpleNamespace(_weight_layout=types.SimpleNamespace(full_gate_weight=rows(4, 64)),
+                                      experts_kind="triton")
+    packed = types.SimpleNamespace(_weight_layout=types.SimpleNamespace(
+        full_gate_weight=torch.zeros(20, 4, 32, dtype=torch.uint8)))
+    for other in (quantized, packed):
+        overlap.register_for_warmup(other)
+    assert list(wu._REGISTERED.values()) == [bf16_gpu.gpu_experts(on_gpu)]
+    summary = wu.warm_up_registered(700)
+    warmed = {k for _, k, *_ in launches}
+    assert summary["layers"] == 1 and summary["failed_layers"] == 0 and summary["variants"] == len(warmed)
+    assert warmed == _brute("bf16", 700, **{**SHAPE, "hidden": 64})
+    assert {(fmt, pad) for fmt, _, _, _, pad in launches} == {("bf16", 128)}
+    assert {r for _, _, r, *_ in launches} == {True, False}
+    gpu = bf16_gpu.gpu_experts(on_gpu)
+    hidden = torch.zeros(256, 64, dtype=torch.bfloat16)
+    forward = {wu.config_key(gpu.config(hidden, torch.zeros(t, moe.experts_per_token))) for t in range(1, 701)}
+    assert forward == warmed
 
 
 # -- against vLLM itself --------------------------------------------------------------------------------------

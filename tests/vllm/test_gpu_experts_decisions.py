@@ -114,6 +114,17 @@ def test_the_int4_view_is_the_words_little_endian_bytes_and_other_formats_pass_u
     mx = {"w13_weight_packed": torch.zeros(3, 8, 16, dtype=torch.uint8), "w13_weight_scale": torch.ones(3, 8, 1),
           "w2_weight_packed": torch.zeros(3, 4, 8, dtype=torch.uint8), "w2_weight_scale": torch.ones(3, 4, 1)}
     assert all(a is b for a, b in zip(kernel_views("mxfp4", mx), mx.values()))
+    # the split layouts (push; BF16): gate and down rows, their scales for a quantized format, none for BF16
+    split = {"gate": torch.zeros(3, 4, 16, dtype=torch.uint8), "gate_scale": torch.ones(3, 4, 1),
+             "up": torch.zeros(3, 4, 16, dtype=torch.uint8), "up_scale": torch.ones(3, 4, 1),
+             "down": torch.zeros(3, 8, 8, dtype=torch.uint8), "down_scale": torch.ones(3, 8, 1)}
+    got = kernel_views("mxfp4", split)
+    assert all(a is split[n] for a, n in zip(got, ("gate", "gate_scale", "down", "down_scale")))
+    bf16 = {n: split[n].to(torch.bfloat16) for n in ("gate", "up", "down")}
+    assert [t if t is None else t.data_ptr() for t in kernel_views("bf16", bf16)] == [
+        bf16["gate"].data_ptr(), None, bf16["down"].data_ptr(), None]
+    with pytest.raises(KeyError, match="gate_scale"):   # the control: a quantized split layout without its scales
+        kernel_views("mxfp4", bf16)
     monkeypatch.setattr(sys, "byteorder", "big")
     assert _refusal(lambda: int4_kernel_view(words)) == (
         "the INT4 kernel view needs a little-endian host: got 'big'. Fix: convert the words with a byte swap first")
@@ -210,9 +221,108 @@ def test_activations_of_another_dtype_and_a_format_without_a_kernel_are_refused(
     assert _refusal(lambda: gpu_grouped_gemm("int4-g32", torch.zeros(16, 16), weight, weight, blocks, {})) == (
         "activations must be bf16 or fp16: got torch.float32. Fix: pass MoonEP's bf16 hidden_nvsh")
     a = torch.zeros(16, 16, dtype=torch.bfloat16)
-    assert _refusal(lambda: gpu_grouped_gemm("bf16", a, weight, weight, blocks, {})) == (
-        "no GPU grouped kernel for this format: got 'bf16'. Fix: use int4-g32, fp8-block or mxfp4")
+    assert _refusal(lambda: gpu_grouped_gemm("nvfp4", a, weight, weight, blocks, {})) == (
+        "no GPU grouped kernel for this format: got 'nvfp4'. Fix: use int4-g32, fp8-block, mxfp4 or bf16")
     assert kernels["wna16"] == kernels["fp8"] == []
+
+
+def test_bf16_hands_vllms_fused_moe_kernel_its_unquantized_form_and_writes_in_place(kernels):
+    """The BF16 experts on CUDA (``bf16_gpu.py``): vLLM's ``fused_moe_kernel`` with no scales and every
+    quantization flag off, the block metadata as built, one row per token, the caller's output as ``C``."""
+    cu = torch.tensor([16, 16, 32], dtype=torch.int32)
+    blocks = grouped_blocks(cu, 48, 16)
+    a = torch.zeros(48, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(3, 32, 64, dtype=torch.bfloat16)
+    out = torch.empty(48, 32, dtype=torch.bfloat16)
+    got = gpu_grouped_gemm("bf16", a, weight, None, blocks, {"BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64})
+    mine = gpu_grouped_gemm("bf16", a, weight, None, blocks, {"BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64}, out=out)
+    assert mine is out and bool((out == 5).all()) and bool((got == 5).all())
+    call = kernels["fp8"][0]
+    assert call["A"] is a and call["B"] is weight and call["A_scale"] is None and call["B_scale"] is None
+    assert all(call[f] is False for f in ("use_fp8_w8a8", "use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16",
+                                          "per_channel_quant", "mul_routed_weight"))
+    assert call["block_shape"] is None and call["top_k"] == 1 and call["compute_type"] == "tl.bfloat16"
+    assert call["expert_ids"] is blocks.expert_ids and call["sorted_token_ids"] is blocks.sorted_token_ids
+    assert call["config"]["BLOCK_SIZE_M"] == 16 and tuple(call["C"].shape) == (48, 1, 32)
+    assert kernels["wna16"] == [] and kernels["quant"] == []
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "fp8-block"])
+def test_a_split_layout_runs_gate_and_up_apart_each_with_its_own_weights_and_scales(kernels, fmt, monkeypatch):
+    """The push layout (gate, up, down apart): three launches, each given its projection's rows and scales (INT4
+    as the kernel's byte view), FP8's activations quantized by the path asked for in each."""
+    monkeypatch.setattr(ge.gk, "use_triton", lambda t: False)   # the eager activation between the GEMMs
+    G, H, I = 2, 128, 128
+    if fmt == "int4-g32":
+        w = lambda n, k: torch.zeros(G, n, k // 8, dtype=torch.int32)  # noqa: E731
+        s = lambda n, k: torch.ones(G, n, k // 32, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        w = lambda n, k: torch.zeros(G, n, k, dtype=torch.float8_e4m3fn)  # noqa: E731
+        s = lambda n, k: torch.ones(G, n // 128, k // 128)  # noqa: E731
+    views = {"gate": w(I, H), "gate_scale": s(I, H), "up": w(I, H), "up_scale": s(I, H), "down": w(H, I),
+             "down_scale": s(H, I)}
+    cu = torch.tensor([16, 32], dtype=torch.int32)
+    gpu_grouped_ffn(fmt, torch.zeros(32, H, dtype=torch.bfloat16), views, cu, torch.ones(32), token_padding=16,
+                    native_act_quant=True)
+    calls = kernels["wna16" if fmt == "int4-g32" else "fp8"]
+    assert [(c["B"].data_ptr(), c["B"].dtype, c["B_scale"]) for c in calls] == [
+        (views[p].data_ptr(), torch.uint8 if fmt == "int4-g32" else torch.float8_e4m3fn, views[f"{p}_scale"])
+        for p in ("gate", "up", "down")]
+    assert kernels["quant"] == [] and len(kernels["native"]) == (3 if fmt == "fp8-block" else 0)
+
+
+def test_bf16_own_then_slots_write_their_groups_rows_only_and_equal_one_pass(monkeypatch):
+    """The BF16 experts' parts on a GPU (``restrict_to_groups``), vLLM's ``fused_moe_kernel`` computed in torch
+    (each block below ``num_tokens_post_padded`` times its weight row; a ``-1`` block zeros at its valid row
+    ids): the own part, then the slot part into the same output equal one pass and a float64 reference; the tail
+    keeps its sentinel. Control: a slot part whose own blocks kept their row ids zeroes the own rows."""
+    import dataclasses
+
+    from moonep_ep.ops.experts.grouped_blocks import restrict_to_groups
+
+    def invoke_fused_moe_triton_kernel(A, B, C, A_scale, B_scale, topk_weights, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, mul_routed_weight, top_k, config, compute_type,
+                                       use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16,
+                                       per_channel_quant, block_shape=None, B_bias=None):
+        m, c = config["BLOCK_SIZE_M"], C.view(C.shape[0], -1)
+        for b in range(expert_ids.numel()):
+            ids = sorted_token_ids[b * m:(b + 1) * m].long()
+            ids = ids[ids < A.shape[0]]
+            if b * m < int(num_tokens_post_padded):
+                e = int(expert_ids[b])
+                c[ids] = 0 if e < 0 else (A[ids].double() @ B[e].double().T).to(C.dtype)
+
+    install(monkeypatch, {FUSED: {"fused_moe": types.SimpleNamespace(
+        invoke_fused_moe_triton_kernel=invoke_fused_moe_triton_kernel)}, "vllm.triton_utils": {"tl": TL}})
+    monkeypatch.setattr(ge.gk, "use_triton", lambda t: False)
+    gen = torch.Generator().manual_seed(3)
+    H, I, G = 64, 32, 4                                          # own groups 0-2, slot 3
+    cu = torch.tensor([16, 16, 48, 64], dtype=torch.int32)       # 16 stale rows follow
+    hidden = torch.randn(80, H, generator=gen).to(torch.bfloat16)
+    route = torch.rand(80, generator=gen)
+    views = {p: (torch.randn(G, *shape, generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)
+             for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+    blocks = grouped_blocks(cu, 80, 16)
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64}
+    run = lambda b, out: gpu_grouped_ffn("bf16", hidden, views, cu, route, token_padding=16, config=cfg,  # noqa: E731
+                                         blocks=b, out=out)
+    one = run(blocks, torch.full((80, H), 7.0, dtype=torch.bfloat16))
+    parts = torch.full((80, H), 7.0, dtype=torch.bfloat16)
+    run(restrict_to_groups(blocks, cu, 0, 3), parts)
+    assert bool((parts[48:] == 7).all()) and not bool((parts[:48] == 7).any())   # own rows only
+    run(restrict_to_groups(blocks, cu, 3, 4), parts)
+    assert torch.equal(parts, one) and bool((one[64:] == 7).all())
+    ref = torch.empty(64, H, dtype=torch.float64)
+    for g, (lo, hi) in enumerate(((0, 16), (16, 16), (16, 48), (48, 64))):
+        x = hidden[lo:hi].double()
+        act = torch.nn.functional.silu(x @ views["gate"][g].double().T) * (x @ views["up"][g].double().T)
+        ref[lo:hi] = (act * route[lo:hi, None].double()) @ views["down"][g].double().T
+    assert float((one[:64].double() - ref).abs().max() / ref.abs().max()) < 2e-2
+    slots = restrict_to_groups(blocks, cu, 3, 4)
+    unmasked = dataclasses.replace(slots, sorted_token_ids=blocks.sorted_token_ids)
+    control = parts.clone()
+    run(unmasked, control)
+    assert bool((control[:48] == 0).all()) and torch.equal(control[48:], parts[48:])
 
 
 # -- the FFN around the two GEMMs, MXFP4's launch computed in torch --------------------------------------------

@@ -148,3 +148,70 @@ def test_decode_sized_steps_are_bounded_by_the_sequences_a_step_decodes():
     assert overlap.decode_token_bound(None) is None and overlap.decode_token_bound(_config(None)) is None
     assert overlap.decode_sized(256, _config(256)) and not overlap.decode_sized(257, _config(256))
     assert not overlap.decode_sized(1, None)                              # no config: today's split
+
+
+def test_on_a_gpu_each_part_is_bounded_on_the_device_written_in_place_and_nothing_is_read_back(monkeypatch):
+    """The CUDA branch (``bf16_gpu.py``) with its launch helper a spy: own groups (``num_tokens_post_padded`` =
+    the own part's end), the wait, then the slots (the own blocks ``-1``), or after the wait every group at once;
+    each launch writes ``output`` itself, and neither order reads a value back (the CPU split reads one: the
+    control in the test above). A SiLU layer without slots takes it too (vLLM's own code would run otherwise)."""
+    from moonep_ep.vllm.experts import bf16_gpu, gpu
+
+    calls = []
+
+    def gpu_grouped_ffn(fmt, hidden, views, cu, route, *, token_padding, config, blocks, activation, out=None):
+        calls.append((fmt, blocks.num_tokens_post_padded, blocks.expert_ids, out))   # read after the step
+        return out
+
+    monkeypatch.setattr(gpu, "gpu_grouped_ffn", gpu_grouped_ffn)
+    monkeypatch.setattr(bf16_gpu, "runs_here", lambda t: True)
+    lengths = [16, 0, 32, 16, 16, 16]                     # own rows end at 64, slots at 96; 16 stale rows
+    counts, rows = torch.tensor(lengths, dtype=torch.int32), sum(lengths) + 16
+    hidden, weights = torch.zeros(rows, H, dtype=torch.bfloat16), torch.ones(rows)
+    w1, up, w2 = (torch.zeros(E + B, *s, dtype=torch.bfloat16) for s in ((I, H), (I, H), (H, I)))
+    layout = types.SimpleNamespace(full_up_weight=up)
+    moe = types.SimpleNamespace(num_local_experts=E, intermediate_size_per_partition=I)
+    self = types.SimpleNamespace(_weight_layout=layout, moe_config=moe)
+    bf16_gpu.gpu_experts(self, token_padding=16, interpreter=True)
+    reads = _reads()
+    logs = {}
+    for one_pass in (False, True):
+        calls.clear()
+        log = overlap.TRACE.events = []
+        overlap.SLOT_FILL_HANDOFF.one_pass = one_pass
+        overlap.SLOT_FILL_HANDOFF.event = _Event(log)
+        output = torch.empty(rows, H, dtype=torch.bfloat16)
+        with reads:
+            overlap.apply(self, output, hidden, w1, w2, weights, torch.zeros(4, 2), SILU, E, None, None, None, None,
+                          None, types.SimpleNamespace(expert_num_tokens=counts), False)
+        overlap.TRACE.events = None
+        assert all(fmt == "bf16" and out is output for fmt, _, _, out in calls)
+        logs[one_pass] = (log, [(c[1].tolist(), c[2].tolist()) for c in calls])
+    every = [0, 2, 2, 3, 4, 5, -1]   # the 16-row blocks' weight rows, by hand; the stale block -1
+    assert logs[False] == (["own", ("wait", None), "waited", "slots"],
+                           [([64], every), ([96], [-1, -1, -1, -1, 4, 5, -1])])
+    assert logs[True] == ([("wait", None), "waited", "one pass"], [([96], every)])
+    assert reads.calls == []
+    # no slots (E rows), SiLU: the GPU branch too, not the original
+    calls.clear()
+    overlap.apply(self, torch.empty(rows, H, dtype=torch.bfloat16), hidden, w1[:E], w2[:E], weights,
+                  torch.zeros(4, 2), SILU, E, None, None, None, None, None,
+                  types.SimpleNamespace(expert_num_tokens=counts[:E]), False,
+                  original=lambda *a: calls.append("original"))
+    assert [c[1].tolist() for c in calls] == [[64]]
+
+
+def _reads():
+    from torch.overrides import TorchFunctionMode
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__index__"):
+                self.calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return Reads()

@@ -17,6 +17,9 @@ permute is needed:
   blocks at or past ``cu_seqlens[-1]`` (the kernels write nothing there);
 * ``num_tokens_post_padded`` = ``cu_seqlens[-1]`` (a device tensor: no host sync).
 
+:func:`restrict_to_groups` limits a launch to a range of weight rows (the own
+experts before the slot fill's wait, the slots after it), on the device too.
+
 That every group starts on a block boundary is checked on the device
 (:func:`assert_segments_aligned`, ``torch._assert_async``): no host sync on
 the way; a CUDA launch fails with a device-side assert, a CPU call raises at
@@ -32,8 +35,8 @@ import torch
 
 from ...errors import config_error
 
-__all__ = ["GroupedBlocks", "assert_segments_aligned", "check_block_size", "grouped_blocks", "skip_zero_weight_blocks",
-           "check_segments_aligned"]
+__all__ = ["GroupedBlocks", "assert_segments_aligned", "check_block_size", "grouped_blocks", "restrict_to_groups",
+           "skip_zero_weight_blocks", "check_segments_aligned"]
 
 
 @dataclasses.dataclass
@@ -114,6 +117,29 @@ def skip_zero_weight_blocks(blocks: GroupedBlocks, route_weights_nvs: torch.Tens
     live = torch.nn.functional.pad(live, (0, max(0, n * m - live.numel())))[: n * m].view(n, m).any(dim=1)
     ids = torch.where(live, blocks.expert_ids, torch.full_like(blocks.expert_ids, -1))
     return dataclasses.replace(blocks, expert_ids=ids)
+
+
+def restrict_to_groups(blocks: GroupedBlocks, cu_seqlens: torch.Tensor, lo: int, hi: int) -> GroupedBlocks:
+    """``blocks`` limited to the rows of weight rows ``[lo, hi)`` (the own experts, or the slots), bounded on the
+    device: no host read of ``cu_seqlens``.
+
+    ``num_tokens_post_padded`` becomes the part's last row (``cu_seqlens[hi - 1]``), so every block past it exits
+    at once; a block before the part's first row (``cu_seqlens[lo - 1]``) gets expert ``-1`` and row ids past
+    every row, so vLLM's kernels, which answer a ``-1`` block with zeros at its valid row ids, write nothing
+    there either: the other part's rows of a shared output stay as they are."""
+    G = cu_seqlens.numel()
+    if not 0 <= lo < hi <= G:
+        raise config_error(None, f"weight rows [{lo}, {hi}) are not a non-empty part of the {G} groups", (lo, hi),
+                           f"pass 0 <= lo < hi <= {G}")
+    end = cu_seqlens[hi - 1:hi].to(torch.int32)
+    if lo == 0:
+        return dataclasses.replace(blocks, num_tokens_post_padded=end)
+    n, m = blocks.num_blocks, blocks.block_m
+    before = torch.arange(n, device=cu_seqlens.device) * m < cu_seqlens[lo - 1]   # the part's first row
+    ids = torch.where(before, torch.full_like(blocks.expert_ids, -1), blocks.expert_ids)
+    rows = torch.where(before[:, None].expand(n, m).reshape(-1), torch.full_like(blocks.sorted_token_ids, n * m),
+                       blocks.sorted_token_ids)
+    return dataclasses.replace(blocks, sorted_token_ids=rows, expert_ids=ids, num_tokens_post_padded=end)
 
 
 def check_segments_aligned(cu_seqlens: torch.Tensor, block_m: int) -> None:

@@ -1,4 +1,5 @@
-"""GPU experts for a sharded MoonEP layer in each quantized format: Triton grouped GEMMs over the ``[E+B]`` views.
+"""GPU experts for a sharded MoonEP layer in each quantized format (and BF16 on CUDA, ``bf16_gpu.py``): Triton
+grouped GEMMs over the ``[E+B]`` views.
 
 Every format consumes MoonEP's expert-grouped ``hidden_nvsh [NvS, H]`` and
 ``cu_seqlens [E+B]`` as dispatch leaves them (``ops/experts/grouped_blocks.py``: per
@@ -29,7 +30,9 @@ format                 kernel                                   stored layout / 
                        vLLM's ``per_token_group_quant_fp8``      checkpoint has them
 ``mxfp4`` (W4A16)      ``ops/experts/mxfp4_kernel.py`` (project)     ``weight_packed`` uint8 ``[N, K/2]``,
                                                                 ``weight_scale`` E8M0 uint8 ``[N, K/32]``
-``bf16``               vLLM ``MoonEPExperts``                    unchanged
+``bf16``               vLLM ``fused_moe_kernel``, unquantized   the layer's gate, up and down ``[E+B]``
+                       (CUDA; ``overlap.apply``; on CPU vLLM's   views as they are (``views`` ``gate``,
+                       ``MoonEPExperts`` GEMMs)                  ``up``, ``down``, no scales)
 ====================== ======================================== ==========================================
 
 A later backend that repacks per expert (Marlin) adds a format entry whose
@@ -64,7 +67,8 @@ __all__ = ["GPU_KERNELS", "INTERPRETER_CONFIG", "fit_block_m", "gpu_grouped_ffn"
 
 #: format -> the kernel that serves it (docs/design/vllm_experts.md's table)
 GPU_KERNELS = {"int4-g32": "vllm fused_moe_kernel_gptq_awq", "fp8-block": "vllm fused_moe_kernel (block 128x128)",
-               "mxfp4": "moonep_ep mxfp4_grouped_gemm_kernel", "bf16": "vllm MoonEPExperts"}
+               "mxfp4": "moonep_ep mxfp4_grouped_gemm_kernel",
+               "bf16": "vllm fused_moe_kernel (unquantized; CPU: MoonEPExperts' grouped GEMMs)"}
 #: block sizes of the interpreter runs: few, wide programs (the interpreter pays per program and per op)
 INTERPRETER_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
 #: block sizes of the CPU engine's interpreter runs: ``BLOCK_SIZE_M`` up to the token padding (every expert group is
@@ -78,7 +82,7 @@ FP8_BLOCK = 128
 #: of its own: it gets vLLM's bf16 entries (tiles for bf16 weights, up to N 256), which ``mxfp4_launch_config``
 #: holds to the MXFP4 kernel's register and shared-memory bound at the launch
 VLLM_CONFIG_KEYS = {"int4-g32": ("int4_w4a16", [0, 32]), "fp8-block": ("fp8_w8a8", [FP8_BLOCK, FP8_BLOCK]),
-                    "mxfp4": (None, None)}
+                    "mxfp4": (None, None), "bf16": (None, None)}
 
 
 def fit_block_m(block_m: int, token_padding: int) -> int:
@@ -141,13 +145,18 @@ def kernel_views(fmt: str, views: Mapping[str, torch.Tensor]) -> tuple[torch.Ten
 
     from ...ops.experts.quantized import is_split
 
-    if is_split(views):  # the push layout: the first GEMM's gate rows (gpu_grouped_ffn adds the up rows)
-        w13, s13, w2, s2 = views["gate"], views["gate_scale"], views["down"], views["down_scale"]
+    if is_split(views):  # the push layout, and BF16's: the first GEMM's gate rows (gpu_grouped_ffn adds the up rows)
+        w13, s13, w2, s2 = views["gate"], _scale(fmt, views, "gate"), views["down"], _scale(fmt, views, "down")
     else:
         w13, s13, w2, s2 = views_of(fmt, views)
     if fmt == "int4-g32":
         w13, w2 = int4_kernel_view(w13), int4_kernel_view(w2)
     return w13, s13, w2, s2
+
+
+def _scale(fmt: str, views: Mapping[str, torch.Tensor], proj: str) -> Optional[torch.Tensor]:
+    """A split layout's scale of ``proj``: none for BF16, the store's for the quantized formats."""
+    return None if fmt == "bf16" else views[f"{proj}_scale"]
 
 
 def _tl_dtype(dtype: torch.dtype) -> Any:
@@ -206,6 +215,10 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
         fused_moe.invoke_fused_moe_wna16_triton_kernel(a, weight, out.view(M, 1, N), scale, None,
                                                        use_int8_w8a16=False, use_int4_w4a16=True,
                                                        block_shape=[0, 32], **common)
+    elif fmt == "bf16":
+        fused_moe.invoke_fused_moe_triton_kernel(a, weight, out.view(M, 1, N), None, None, use_fp8_w8a8=False,
+                                                 use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                                 per_channel_quant=False, **common)   # block_shape None
     elif fmt == "fp8-block":
         a_q, a_scale = a_quant if a_quant is not None else quantize_activations_fp8(a, native=native_act_quant)
         fused_moe.invoke_fused_moe_triton_kernel(a_q, weight, out.view(M, 1, N), a_scale, scale,
@@ -213,7 +226,8 @@ def gpu_grouped_gemm(fmt: str, a: torch.Tensor, weight: torch.Tensor, scale: tor
                                                  use_int4_w4a16=False, per_channel_quant=False,
                                                  block_shape=[FP8_BLOCK, FP8_BLOCK], **common)
     else:
-        raise config_error(None, "no GPU grouped kernel for this format", fmt, "use int4-g32, fp8-block or mxfp4")
+        raise config_error(None, "no GPU grouped kernel for this format", fmt,
+                           "use int4-g32, fp8-block, mxfp4 or bf16")
     return out
 
 
@@ -232,10 +246,12 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
                     config: Optional[Mapping[str, int]] = None, blocks: Optional[GroupedBlocks] = None,
                     native_act_quant: bool = False, activation: GatedActivation = SILU,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """MoonEPExperts' FFN over quantized ``[E+B]`` views with the format's GPU kernel.
+    """MoonEPExperts' FFN over quantized (or BF16) ``[E+B]`` views with the format's GPU kernel.
 
-    ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales); ``blocks``: the block
-    metadata (default: built from ``cu_seqlens``; a test passes a corrupted one as a negative control);
+    ``views``: the store's ``{vLLM parameter name: [E+B] view}`` (weights and scales; BF16: ``gate``, ``up``,
+    ``down``); ``blocks``: the block metadata (default: built from ``cu_seqlens``; the BF16 experts pass one
+    part's, :func:`~moonep_ep.ops.experts.grouped_blocks.restrict_to_groups`; a test a corrupted one as a
+    negative control);
     ``native_act_quant``: FP8's activation quantization by vLLM's torch path (:func:`quantize_activations_fp8`);
     ``activation``: the layer's gated activation (SiLU or SiTU) on the gate and up halves of the first GEMM;
     ``out``: ``[NvS, H]`` the down projection writes in place (default: a new tensor).
@@ -268,7 +284,7 @@ def gpu_grouped_ffn(fmt: str, hidden_nvsh: torch.Tensor, views: Mapping[str, tor
     gate_up = gpu_grouped_gemm(fmt, hidden_nvsh, w13, s13, blocks, cfg, **first)
     if "up" in views:  # the push layout stores gate and up apart: a second GEMM over the up rows
         w_up = int4_kernel_view(views["up"]) if fmt == "int4-g32" else views["up"]
-        up = gpu_grouped_gemm(fmt, hidden_nvsh, w_up, views["up_scale"], blocks, cfg, **first)
+        up = gpu_grouped_gemm(fmt, hidden_nvsh, w_up, _scale(fmt, views, "up"), blocks, cfg, **first)
         gate = gate_up
     else:
         inter = gate_up.shape[1] // 2

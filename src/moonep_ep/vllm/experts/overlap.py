@@ -25,12 +25,19 @@ path) makes the current stream wait on the event: the own groups' kernels are
 queued before it, the copies run on the buffer's copy stream meanwhile. On
 CPU the slot copies are deferred (``MOONEP_EP_CPU_DEFERRED_COPIES``) and land
 at that wait, so a missing wait reads stale slots there too; :data:`TRACE`
-records the order (``own``, ``waited``, ``slots``) for the tests. Splitting
-needs the row where the slot groups start on the host (one ``int`` read per
-layer), so only prefill-sized steps split: a decode-sized step (at most
-vLLM's ``max_num_seqs`` times one plus the speculative tokens, the most of
-any DP rank: :func:`decode_sized`) waits, then runs every group in one pass
-(``waited``, ``one pass``) and reads nothing back.
+records the order (``own``, ``waited``, ``slots``) for the tests. On CPU
+splitting needs the row where the slot groups start on the host (one ``int``
+read per layer), so only prefill-sized steps split: a decode-sized step (at
+most vLLM's ``max_num_seqs`` times one plus the speculative tokens, the most
+of any DP rank: :func:`decode_sized`) waits, then runs every group in one
+pass (``waited``, ``one pass``) and reads nothing back.
+
+On CUDA the experts are the quantized experts' row-bounded Triton kernels
+with bf16 weights (``bf16_gpu.py``): work follows the rows that carry tokens,
+the down GEMM writes ``output`` in place, and each part's rows are bounded on
+the device, so neither a split nor a one-pass step reads anything back.
+:func:`patch_experts` also registers each layer bound on a GPU for the Triton
+warm-up (``warmup.py``).
 
 The quantized layers' prefetch (``quantized/engine.py``
 ``prefetch_quantized``) hands its weight and scale events over with
@@ -41,12 +48,15 @@ and wait before any slot row is read.
 from __future__ import annotations
 
 import threading
+import types
 from typing import Any
 
 import torch
 
 from ...ops.experts.activation import SILU, SUPPORTED_ACTIVATIONS, GatedActivation
+from ...ops.experts.grouped_blocks import restrict_to_groups
 from ...ops.moonep.prefetch import wait_for_slots
+from . import bf16_gpu
 from .activation import activation_name, activation_of
 from ..hooks import install, is_wrapped
 
@@ -203,8 +213,9 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     E = int(getattr(layout, "own_groups", global_num_experts))
     act = activation_of(activation, getattr(self, "moe_config", None))   # refuses what the experts cannot compute
     known = layout is not None and expert_tokens_meta is not None
-    # [E+B] rows: split; E rows (no slots) with SiTU: the split's own part is all of it (vLLM's code is SiLU only)
-    ours = known and (w1.size(0) > E or (w1.size(0) == E and act.name != "silu"))
+    on_gpu = bf16_gpu.runs_here(hidden_states)
+    # [E+B] rows: split; E rows (no slots) with SiTU, or on a GPU: the split's own part is all of it
+    ours = known and (w1.size(0) > E or (w1.size(0) == E and (act.name != "silu" or on_gpu)))
     if original is not None and not ours:
         wait_for_slots(event)   # not the [E+B] layout this split knows: vLLM's code, after the copies
         return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
@@ -214,7 +225,11 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
     assert cu.numel() == w1.size(0)
     weights = None if apply_router_weight_on_input else topk_weights
     up = layout.full_up_weight
-    if SLOT_FILL_HANDOFF.take_one_pass():
+    one_pass = SLOT_FILL_HANDOFF.take_one_pass()
+    if on_gpu:
+        _apply_on_gpu(self, output, hidden_states, w1, up, w2, cu, weights, topk_ids, act, E, event, one_pass)
+        return
+    if one_pass:
         # decode-sized: wait, then every group at once; rows past the last group are left undefined (MoonEP's
         # combine reads the dispatched rows only)
         if event is not None:
@@ -239,6 +254,40 @@ def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torc
                      None if weights is None else weights[own_end:end], activation=act)
         output[own_end:end].copy_(slots)
     _trace("slots")
+
+
+def _apply_on_gpu(experts: Any, output: torch.Tensor, hidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, cu: torch.Tensor, route: torch.Tensor | None, topk_ids: torch.Tensor,
+                  act: GatedActivation, own_groups: int, event: Any, one_pass: bool) -> None:
+    """:func:`apply` on CUDA (``bf16_gpu.py``): the row-bounded kernels, own groups, wait, slot groups, each part
+    limited on the device (or every group in one pass after the wait); ``output`` written in place."""
+    gpu = bf16_gpu.gpu_experts(experts)
+    views = types.SimpleNamespace(format="bf16", views={"gate": gate, "up": up, "down": down})
+    blocks = gpu.blocks(hidden, cu, route, topk_ids)
+    fits = output.is_contiguous() and output.dtype == hidden.dtype
+    dst = output if fits else torch.empty(output.shape, dtype=hidden.dtype, device=hidden.device)
+
+    def part(lo: int, hi: int) -> None:
+        rows = blocks if (lo, hi) == (0, cu.numel()) else restrict_to_groups(blocks, cu, lo, hi)
+        gpu.grouped_ffn(views, hidden, cu, route, topk_ids, activation=act, out=dst, blocks=rows)
+
+    if one_pass:
+        if event is not None:
+            wait_for_slots(event)
+            _trace("waited")
+        part(0, cu.numel())
+        _trace("one pass")
+    else:
+        part(0, own_groups)
+        _trace("own")
+        if event is not None:
+            wait_for_slots(event)
+            _trace("waited")
+        if cu.numel() > own_groups:
+            part(own_groups, cu.numel())
+        _trace("slots")
+    if not fits:   # an output the kernel cannot write in place (not seen from vLLM's workspaces): one copy
+        output.copy_(dst)
 
 
 def supports_activation(activation: Any) -> bool:
@@ -268,4 +317,24 @@ def patch_experts(module: Any) -> bool:
     install(cls, "_supports_activation", supports, getattr(cls, "_supports_activation", None),
             doc=supports_activation.__doc__)
     cls._supports_activation = staticmethod(supports)   # static, as vLLM declares it (called on the class)
+    process = getattr(cls, "process_weights_after_loading", None)
+    if process is not None:
+        def bind(self: Any, layer: Any) -> None:
+            process(self, layer)
+            register_for_warmup(self)
+
+        install(cls, "process_weights_after_loading", bind, process, doc=register_for_warmup.__doc__)
     return True
+
+
+def register_for_warmup(experts: Any) -> None:
+    """After vLLM binds a BF16 layer's weights: on a GPU, its Triton variants compile at vLLM's warm-up
+    (``warmup.register_experts``). Not the quantized experts (subclasses with an ``experts_kind``, whose
+    binding registers them itself) nor weights of another dtype."""
+    layout = getattr(experts, "_weight_layout", None)
+    gate = getattr(layout, "full_gate_weight", None)
+    bf16 = isinstance(gate, torch.Tensor) and gate.dtype in (torch.bfloat16, torch.float16)
+    if bf16 and getattr(experts, "experts_kind", None) is None and bf16_gpu.runs_here(gate):
+        from .warmup import register_experts
+
+        register_experts(bf16_gpu.gpu_experts(experts))

@@ -1,6 +1,7 @@
-"""Warm-up of the quantized GPU experts: every Triton variant a step can pick, compiled before serving.
+"""Warm-up of the GPU experts: every Triton variant a step can pick, compiled before serving.
 
-The Triton experts (``quantized/engine.py``) pick their block sizes per step from the step's token count
+The Triton experts (``quantized/engine.py``; for BF16 layers on a GPU ``bf16_gpu.Bf16TritonExperts``, registered
+by ``overlap.patch_experts`` when vLLM binds the layer) pick their block sizes per step from the step's token count
 (:func:`~moonep_ep.vllm.experts.gpu.kernel_config`: vLLM's tuned entry nearest ``M``, or its default for ``M``),
 and each new config is a new Triton specialization (``BLOCK_SIZE_*``, ``num_warps``, ``num_stages``): a compile on
 the first step that sees it, on every rank, mid-serving. Here, before serving:
@@ -104,7 +105,8 @@ def kernel_variants(fmt: str, *, local_experts: int, hidden: int, intermediate: 
 
 
 def register_experts(experts: Any) -> None:
-    """Keep a bound Triton experts object for the warm-up (``engine.bind_quantized_layer``); others are not kept."""
+    """Keep a bound Triton experts object for the warm-up (``engine.bind_quantized_layer``, and
+    ``overlap.register_for_warmup`` for BF16); others are not kept."""
     if getattr(experts, "experts_kind", None) == "triton":
         _REGISTERED[id(experts)] = experts
 
@@ -171,7 +173,7 @@ def warm_up_registered(max_tokens: int, *, launch: bool = True) -> dict[str, Any
     summary = {"layers": len(experts_list), "variants": warmed, "failed_layers": failed, "max_tokens": max_tokens,
                "launched": bool(launch and not interpreted), "s": round(time.perf_counter() - start, 3)}
     if experts_list:
-        logger.info("moonep_ep: quantized experts warm-up: %d Triton variants over 1..%d tokens, %d layers%s "
+        logger.info("moonep_ep: Triton experts warm-up: %d Triton variants over 1..%d tokens, %d layers%s "
                     "(%.2f s)", warmed, max_tokens, len(experts_list),
                     "" if summary["launched"] else ", listed only (Triton's interpreter compiles nothing)",
                     summary["s"])
