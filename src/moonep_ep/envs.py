@@ -166,6 +166,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "count every device-to-host read inside the MoE ops per engine step (moonep_ep.testing.host_syncs; "
              "a Python call per torch op there): vllm-demo's decode_host_syncs, which sets it for its runs",
              scope="vLLM plugin"),
+    Variable("MOONEP_EP_LOCKSTEP_CHECKS", "bool", False,
+             "the reference buffer under vLLM checks every call's inputs on the host in lockstep (clear errors at "
+             "once, several device-to-host reads per MoE layer); default: sync-free (ops/moonep/sync_free.py), "
+             "errors read after each engine step", scope="vLLM plugin"),
     Variable("MOONEP_EP_VLLM_FORCE", "bool", False,
              "activate the plugin on a vLLM build whose MoonEP files differ from 0.33.0's", scope="vLLM plugin"),
     # -- tools and tests ---------------------------------------------------------------------

@@ -162,12 +162,12 @@ def test_cpu_is_device_false_counts_only_other_devices():
 
 
 # -- today's figures of the project's MoE pieces ---------------------------------------------------------------
-#: Where the reference buffer and the capacity padding read the device today (``file function``, no line
-#: numbers). Issue 45 removes them; a read at a site outside this set is new and fails the test. Shrink the set
-#: as sites go; the figures are printed (``pytest -s``).
+#: Where the lockstep reference buffer (the library's default, ``lockstep_checks=True``: clear errors at once)
+#: and the capacity padding read the device (``file function``, no line numbers); a read at a site outside this
+#: set is new and fails the test. The sync-free buffer vLLM runs reads nothing: ``test_sync_free.py`` (dispatch,
+#: combine) and ``test_prefetch_host_reads.py`` (the fills). The figures are printed (``pytest -s``).
 KNOWN_SITES = {
     "moonep_ep/memory/group.py GroupComm.all_gather_object",  # the lockstep checks and the plan's counts
-    "moonep_ep/memory/group.py GroupComm.barrier",  # combine without lockstep checks
     "moonep_ep/ops/moonep/base.py ReferenceBufferBase._check_routing",
     "moonep_ep/ops/moonep/base.py ReferenceBufferBase._fresh_dispatch",
     "moonep_ep/ops/moonep/planner.py entry_dst",
@@ -225,7 +225,7 @@ def test_todays_host_reads_of_the_moe_pieces_stay_within_the_known_sites(moe_pie
         for step, got in steps.items():
             print(f"\nrank {rank} {step}: {got['total']} host reads\n{got['report']}")
             assert set(got["by_function"]) <= KNOWN_SITES, (step, sorted(set(got["by_function"]) - KNOWN_SITES))
-    # The counter saw the buffer at all (its lockstep all_gather_object stays until the device planner lands).
+    # The counter saw the buffer at all (the lockstep path's all_gather_object: its checks and counts).
     assert all(steps["dispatch"]["total"] > 0 for steps in moe_pieces)
 
 
@@ -291,3 +291,14 @@ def test_the_library_imports_the_counter_only_when_asked():
     env = {k: v for k, v in __import__("os").environ.items() if k != "MOONEP_EP_COUNT_HOST_SYNCS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_an_interpreted_triton_launch_is_device_work_and_the_reads_around_it_are_counted():
+    """``tests/support/host_syncs_interpreter_check.py`` in the vLLM environment (Triton's interpreter)."""
+    from tests.support.vllm_envs import run_json
+
+    out = run_json("vllm", ["-m", "tests.support.host_syncs_interpreter_check"], timeout=300)
+    assert out["launch"] == 0 and out["launch_result_ok"], out
+    assert out["item_then_launch"] == 1, out
+    assert any("host_syncs_interpreter_check.py" in site for site in out["item_site"]), out
+    assert out["control_launch_without_exemption"] > 0, out   # the interpreter's copies, counted without it

@@ -306,7 +306,7 @@ def worked_example(ctx: Any) -> dict:
 
 
 #: Where the victim rank dies (instead of entering that payload exchange), and so where the survivor meets it.
-PAYLOAD_STEPS = ["dispatch: counts", "dispatch: rows", "combine: rows"]
+PAYLOAD_STEPS = ["dispatch: metadata", "dispatch: rows", "combine: rows"]
 
 
 def killed_in_payload_exchange(ctx: Any, step: str) -> dict:

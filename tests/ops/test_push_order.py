@@ -2,24 +2,25 @@
 before the peer has read its slots of layer l.
 
 The slot pool is one per rank and shared by every layer, and the push (``PushReferenceBuffer.prefetch_weight``)
-writes into the peers' pools. ``push_step.run_push`` therefore starts with a barrier that every rank reaches
+writes into the peers' pools. ``push_step.run_push`` therefore starts with a barrier that every rank passes
 only once it has finished reading its slots (``wait_for_slot_readers``), and ends with the barrier after which
-the pushes have landed. Before issue 45 the first order held only through host syncs that were there for
-other reasons (the push's lockstep round, combine's reads back).
+the pushes have landed; both are device barriers in stream order (``GroupComm.device_barrier``: an
+``all_reduce``, a real barrier over gloo). Before issue 45 the first order held only through host syncs that
+were there for other reasons (the push's lockstep round, combine's reads back).
 
 One spawn of 2 gloo ranks over one two-layer sharded store (host driver), ``lockstep_checks=False`` (so no
 other round orders the ranks: the push's lockstep round is then local), the CPU copies deferred
 (``MOONEP_EP_CPU_DEFERRED_COPIES``: a push lands when its event is waited on, inside the push). Every token
 routes to rank 0's experts 0 and 1, so rank 0 (the producer) pushes into slots of rank 1 (the consumer). Per
 case, layer 0 is pushed; then rank 0 pushes layer 1 at once, while rank 1 first waits until rank 0 is in a
-metadata round of that push (told through the group's store, in the producer's first round), then reads its
+barrier of that push (told through the group's store, in the producer's first barrier), then reads its
 slots as layer 0's experts compute would, then joins the push of layer 1. The consumer's read must see layer
 0's experts:
 
-* with the barrier, rank 0's first round is the write-after-read barrier, which waits for rank 1: it reads
+* with the barrier, rank 0's first barrier is the write-after-read one, which waits for rank 1: it reads
   layer 0;
-* the control, the barrier removed: rank 0's first round is the one after its pushes landed, so rank 1 reads
-  layer 1's experts in its slots of layer 0.
+* the control, the barrier removed: rank 0's first barrier is the one after its pushes landed, so rank 1
+  reads layer 1's experts in its slots of layer 0.
 """
 
 from __future__ import annotations
@@ -83,19 +84,19 @@ def producer_and_consumer(ctx: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {"slots_of_rank_1": slots, "deferred": bool(envs.MOONEP_EP_CPU_DEFERRED_COPIES)}
     barrier = push_step.wait_for_slot_readers
-    gather = buf.comm.all_gather_object
+    device_barrier = buf.comm.device_barrier
     for case in CASES:
         if case != CASES[0]:
             push_step.wait_for_slot_readers = lambda buffer: None   # the control: no write-after-read barrier
         try:
             push(0)
             if rank == 0:
-                def tell_the_consumer(obj: Any, step: str, case: str = case) -> list[Any]:
-                    kv.set(case, step)            # the producer's first metadata round of layer 1's push
-                    buf.comm.all_gather_object = gather
-                    return gather(obj, step)
+                def tell_the_consumer(step: str, device: Any, case: str = case) -> None:
+                    kv.set(case, step)            # the producer's first barrier of layer 1's push
+                    buf.comm.device_barrier = device_barrier
+                    device_barrier(step, device)
 
-                buf.comm.all_gather_object = tell_the_consumer
+                buf.comm.device_barrier = tell_the_consumer
                 push(1)
             else:
                 kv.wait([case], datetime.timedelta(seconds=60))
@@ -103,7 +104,7 @@ def producer_and_consumer(ctx: Any) -> dict[str, Any]:
                 push(1)
         finally:
             push_step.wait_for_slot_readers = barrier
-            buf.comm.all_gather_object = gather
+            buf.comm.device_barrier = device_barrier
     out["steps"] = {"slots_read": push_step.SLOTS_READ_STEP, "pushes_landed": push_step.PUSHES_LANDED_STEP}
     buf.destroy()
     store.finish_loading()

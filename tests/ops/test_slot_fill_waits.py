@@ -191,13 +191,13 @@ def buffer_consumers_rank(ctx: Any) -> dict[str, Any]:
     push_prefetch(buf, plan, **push)
     out["push_filled"] = filled(1)
     sentinel(1)
-    synchronize = PendingCopies.synchronize
-    PendingCopies.synchronize = lambda self: None  # the control: pushes not landed before the barrier
+    wait = PendingCopies.wait
+    PendingCopies.wait = lambda self, stream=None: None  # the control: pushes not waited for before the barrier
     try:
         push_prefetch(buf, plan, **push)
-        out["push_without_synchronize_stale"] = stale(1)
+        out["push_without_its_wait_stale"] = stale(1)
     finally:
-        PendingCopies.synchronize = synchronize
+        PendingCopies.wait = wait
     dist.barrier()  # every rank has read its slots before the owners' queued pushes land
     buf._streams.close()
     dist.barrier()
@@ -239,7 +239,7 @@ def test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events(
         assert r["async_before_wait"] == {"stale": True, "query": False, "seconds": None}, r
         assert r["async_after_wait"] == {"filled": True, "query": True}, r
         assert r["push_filled"] and r["push_control_landed_at_close"], r
-        assert r["push_without_synchronize_stale"], r  # the control: the owner's pushes not synchronized
+        assert r["push_without_its_wait_stale"], r  # the control: the owner's pushes not waited for
         assert r["pending_before_destroy"] and r["destroy_landed"], r
 
 
@@ -258,7 +258,7 @@ TIMING = "timing event: the host synchronizes the end event before reading elaps
 #: tooling, as ``tests/support`` is.
 INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str, ...]]] = {
     ("ops/moonep/prefetch.py", "_run_copies", "cuda.Event"): (
-        "CUDA copy stream's event (cudaEventRecord after the copies), returned by pull_slots/push_slots",
+        "CUDA copy stream's event (cudaEventRecord after the copy kernels), returned by pull_slots/push_slots",
         ("ops/moonep/prefetch.py", "wait_for_slots", "wait_event"),
         (f"{OPS_TEST}::test_a_cuda_fill_is_waited_by_the_current_stream",)),
     ("ops/moonep/prefetch.py", "_run_copies", "issue"): (
@@ -277,16 +277,17 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "returned to the caller (buffer, quantized prefetch, tools)", ("ops/moonep/prefetch.py", "pull_slots", "_run_copies"),
         (f"{OPS_TEST}::test_a_cpu_fill_lands_only_when_its_event_is_waited_on",)),
     ("ops/moonep/prefetch.py", "push_slots", "_run_copies"): (
-        "returned to the buffer's push step, which synchronizes it before its barrier",
-        ("ops/moonep/push_step.py", "run_push", "synchronize"),
+        "returned to the buffer's push step, whose current stream waits on it before its barrier",
+        ("ops/moonep/push_step.py", "run_push", "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "pull_slots"): (
         "blocking: the buffer waits (wait_for_slots); async_finish: returned to the caller, who waits",
         ("ops/moonep/pull.py", "ReferenceBuffer.prefetch_weight", "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/moonep/push_step.py", "run_push", "push_slots"): (
-        "the host synchronizes the pushes (weights and scales), then the barrier releases the readers",
-        ("ops/moonep/push_step.py", "run_push", "synchronize"),
+        "the current stream waits on the pushes (weights and scales; CPU: they land), then the device barrier "
+        "releases the readers",
+        ("ops/moonep/push_step.py", "run_push", "wait_for_slots"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/moonep/base.py", "ReferenceBufferBase._event", "cuda.Event"): (
         "async_finish of dispatch/combine/the push: recorded on the current stream after the work; returned to the "
@@ -296,15 +297,15 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         "CPU dispatch/combine/push: complete on return (gloo collectives, pushes synchronized)",
         ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
-    ("ops/moonep/base.py", "ReferenceBufferBase.dispatch", "_event"): (
+    ("ops/moonep/base.py", "ReferenceBufferBase._dispatch_outputs", "_event"): (
         "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/moonep/base.py", "ReferenceBufferBase.combine", "_event"): (
         "returned to the caller with async_finish", ("ops/moonep/prefetch.py", "wait_for_slots", "wait"),
         (f"{OPS_TEST}::test_the_reference_buffer_waits_for_its_fills_and_hands_out_waitable_events",)),
     ("ops/moonep/push.py", "PushReferenceBuffer.prefetch_weight", "_event"): (
-        "push with async_finish: complete (run_push synchronized the pushes before the barrier)",
-        ("ops/moonep/push_step.py", "run_push", "synchronize"), ()),
+        "push with async_finish: recorded after run_push's wait on the pushes and its barrier (complete on CPU)",
+        ("ops/moonep/push_step.py", "run_push", "wait_for_slots"), ()),
     ("vllm/prepare_finalize/push.py", "PushPrefetch.prefetch_weight", "prefetch_weight"): (
         "the plugin's SlotFillBuffer: overlap.prefetch hands the push's event to the experts' apply",
         ("vllm/experts/overlap.py", "prefetch", "deliver_slot_fill"),

@@ -100,9 +100,12 @@ def _run_buffer(manager_mod: Any, stats_mod: Any, immediate: bool) -> dict[str, 
 
     stats = stats_mod.Stats()
     if immediate:  # the control: today's analysis inside the op (vLLM's counts read as a list, as it did)
-        stats.defer_prefetch = lambda plan, r, epn, copied=None, real_tokens=None, hosts=None: stats.record_prefetch(
-            plan, r, epn, copied=copied, real_tokens=None if real_tokens is None else real_tokens.tolist(),
-            hosts=hosts)
+        def immediate_record(plan, r, epn, copied=None, real_tokens=None, hosts=None, counts=None):  # noqa: ANN
+            if counts is not None:
+                counts()
+            stats.record_prefetch(plan, r, epn, copied=copied,
+                                  real_tokens=None if real_tokens is None else real_tokens.tolist(), hosts=hosts)
+        stats.defer_prefetch = immediate_record
     manager_mod.STATS = stats
     inner = types.SimpleNamespace(epn=EPN, last_prefetch=None, prefetch_weight=lambda plan=None, async_finish=False,
                                   **weights: None)

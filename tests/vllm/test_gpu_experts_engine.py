@@ -41,6 +41,7 @@ import pytest
 
 from moonep_ep import envs
 from moonep_ep.tools.engine.oracle import RULE, W8A8_RULE
+from tests.support.decode_reads import check_decode_reads
 from tests.support.vllm_envs import run_json
 
 pytestmark = [pytest.mark.slow,
@@ -76,6 +77,7 @@ def test_the_cpu_engine_serves_each_quantized_model_with_the_triton_experts(mode
     # One experts call per MoE layer forward, as one prefetch is: counted apart (at the experts, at the prefetch)
     assert [c["calls"] for c in compute] == out["prefetch_calls_by_rank"], (compute, out["prefetch_calls_by_rank"])
     assert out["remote_prefetch_fills"]["owners_with_real_fills"] == [0, 1], out["remote_prefetch_fills"]
+    check_decode_reads(out)   # the GPU experts (interpreted): no host read at decode (issue 45)
     for q in out["quantized_fill_bytes_by_rank"]:
         assert q["remote_scale_bytes"] > 0 and q["remote_weight_bytes"] == weight_per_scale_byte * q["remote_scale_bytes"]
     diff = run["oracle"]["float32"]["abs_logprob_diff"]

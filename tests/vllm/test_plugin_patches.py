@@ -16,7 +16,7 @@ from moonep_ep.vllm import hooks, plugin
 from moonep_ep.vllm.checkpoint import patches as checkpoint_patches
 from moonep_ep.vllm.cpu import patches as cpu_patches
 from moonep_ep.vllm.experts import patches as experts_patches
-from moonep_ep.vllm.observe import patches as observe_patches, peer_naming, routing_record
+from moonep_ep.vllm.observe import patches as observe_patches, peer_naming, routing_record, step_errors
 from moonep_ep.vllm.prepare_finalize import patches as prepare_finalize_patches
 from moonep_ep.vllm.quantized import hooks as quantized_hooks
 from moonep_ep.vllm.store import patches as store_patches
@@ -44,9 +44,10 @@ def _on(order: list[tuple[str | None, str]], target: str | None) -> list[str]:
 def test_every_patch_is_declared_one_way():
     """Every table entry is a Patch whose apply takes the module and the same three keywords."""
     every = [p for table in (plugin.PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES,
-                             routing_record.PATCHES, prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES,
-                             quantized_hooks.PATCHES, cpu_patches.PATCHES, experts_patches.PATCHES) for p in table]
-    assert len(every) == 33
+                             step_errors.PATCHES, routing_record.PATCHES, prepare_finalize_patches.PATCHES,
+                             checkpoint_patches.PATCHES, quantized_hooks.PATCHES, cpu_patches.PATCHES,
+                             experts_patches.PATCHES) for p in table]
+    assert len(every) == 35
     for patch in every:
         assert isinstance(patch, hooks.Patch) and (patch.target is None or patch.target.startswith("vllm."))
         params = inspect.signature(patch.apply).parameters
@@ -62,11 +63,12 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
     assert _on(order, ALL2ALL_UTILS) == ["bind_pf_names", "bind_push_choice"]    # the names, then the choice
     assert _on(order, EXPERTS) == ["subclass_experts", "patch_overlap"]           # the overlap last, on vLLM's class
     assert order[-1] == (EXPERTS, "patch_overlap")
-    assert _on(order, GPU_RUNNER) == ["patch_reload", "patch_model_memory", "patch_runner"]
+    assert _on(order, GPU_RUNNER) == ["patch_reload", "patch_model_memory", "raise_after_steps",
+                                      "patch_runner"]
     assert order.index((RELOAD, "patch_reload")) < order.index((GPU_RUNNER, "patch_reload"))
     # set-up at install, in order: the cap first (it hides AMX from a capped process), the K3 default after
     assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
-    assert len(order) == len(set(order)) == 33  # every table applied, each patch once
+    assert len(order) == len(set(order)) == 35  # every table applied, each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from moonep_ep import envs
+from tests.support.decode_reads import check_decode_reads
 from tests.support.vllm_envs import run_json
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,7 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     # slots filled from both owners, each fill pushed by its owner: one expert's rows as stored, counted there
     fills = out["remote_prefetch_fills"]
     assert fills["owners_with_real_fills"] == [0, 1] and fills["fills"] > 0
+    check_decode_reads(out, dequantizing=fmt != "bf16")   # no host read at decode, but the CPU dequantizer's
     scale_bytes = 0 if fmt == "bf16" else 3 * SCALE_ROW
     assert fills["bytes_read_from_owners"] == fills["fills"] * (weight_bytes + scale_bytes), fills
     if fmt != "bf16":

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.support.decode_reads import check_decode_reads
 from tests.support.vllm_envs import run_json
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,7 @@ def test_quantized_checkpoint_runs_and_reloads_in_place_in_the_cpu_engine(model,
     assert v32["explained_positions"] >= v32["divergences"]
     assert all(n["largest_margin"] <= n["margin_bound"] for n in v32["near_ties"])
     assert all(run["checks"].values()) and out["ok"] is True, run["checks"]
+    check_decode_reads(out, dequantizing=True)   # no host read at decode, but the CPU dequantizer's (issue 45)
     # zero-copy load: no expert byte in a load collective; the peak is the store (OS-measured, host driver)
     assert out["expert_weight_bytes_in_load_collectives"] == 0 and out["vllm_all_gather_layout_calls"] == 0
     assert out["expert_bytes_per_rank"] == out["layout_bytes_per_rank"] == out["load_peak_expert_bytes_per_rank"]

@@ -108,6 +108,17 @@ class GroupComm:
         """Wait for every rank at ``step`` (one metadata round)."""
         self._gather_at(step, None)
 
+    def device_barrier(self, step: str, device: Any) -> None:
+        """Every rank at ``step`` in stream order: a one-element ``all_reduce`` on ``device`` over the group.
+        NCCL: queued after the current stream's work, which then waits for it; the host does not. Gloo on the
+        CPU: the host waits, a real barrier. A lost peer: :class:`PeerLostError` naming this rank and ``step``.
+        Unlike :meth:`barrier` it carries no step name (that would be a host read): ranks at different steps
+        are not told apart."""
+        import torch
+
+        with self.peer_loss_named(step):
+            dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=device), group=self.group)
+
     def _gather_at(self, step: str, obj: Any) -> list[Any]:
         """One metadata round that every rank must reach at the same ``step``: a rank that meets its peers from
         another step (a faulted rank's teardown while they wait in a barrier of the work it never finished)

@@ -23,6 +23,15 @@ Three observers, one record per read:
   object collectives (``all_gather_object`` and kin: they pickle through host memory). Nothing inside one
   of them is counted again.
 
+**Device work is not a read.** The CPU side stream's landing of a slot fill (``ops/moonep/prefetch.py``,
+``RowCopies.landing_pairs``) reads the fill's index table on the host: that is the emulated device doing its
+own work, where a GPU runs the copy kernel that reads the table in device memory and the host reads nothing.
+Nothing inside it is counted. Nor is a Triton kernel launch run by Triton's interpreter (its ``GridExecutor``
+copies the arguments to the host, runs every program and copies them back: the CPU standing in for the GPU,
+where a launch is queued and the host reads nothing). What the caller computes for the launch (a grid from a
+tensor's value, a scalar argument read with ``item()``) happens outside it and is counted; a grid *callable*
+that read a tensor would run inside and be missed (the package's launches pass grids of host ints).
+
 **The CPU is the device unless told otherwise.** On CPU every tensor lives on the host, so a counter that
 skipped CPU tensors would see nothing in CI. With ``cpu_is_device=True`` (the default) every tensor counts
 as device memory except *host tensors*: the result of a counted ``cpu()``/``to('cpu')`` (so
@@ -193,8 +202,9 @@ def _active() -> list["HostSyncs"]:
     return getattr(_local, "active", None) or []
 
 
-def _sync_targets() -> Iterable[tuple[Any, str, str]]:
-    """``(owner, attribute, kind)`` of every host-blocking call the wrappers count."""
+def _sync_targets() -> Iterable[tuple[Any, str, Optional[str]]]:
+    """``(owner, attribute, kind)`` of every host-blocking call the wrappers count; kind ``None``: device work,
+    nothing inside it counted (see the module docstring)."""
     import torch.distributed as dist
 
     from ..ops.moonep import prefetch
@@ -204,18 +214,23 @@ def _sync_targets() -> Iterable[tuple[Any, str, str]]:
     yield torch.cuda.Stream, "synchronize", "stream_synchronize"
     yield prefetch.PendingCopies, "synchronize", "event_synchronize"
     yield prefetch.DoneEvent, "synchronize", "event_synchronize"
+    yield prefetch.RowCopies, "landing_pairs", None
+    interpreter = sys.modules.get("triton.runtime.interpreter")   # never imported here: only where it runs
+    if interpreter is not None and hasattr(interpreter, "GridExecutor"):
+        yield interpreter.GridExecutor, "__call__", None
     if dist.is_available():
         yield dist, "barrier", "barrier"
         for name in ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"):
             yield dist, name, "object_collective"
 
 
-def _counted(orig: Callable, kind: str) -> Callable:
+def _counted(orig: Callable, kind: Optional[str]) -> Callable:
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         counters = _active()
         for c in counters:
-            c._record(kind)
+            if kind is not None:
+                c._record(kind)
             c._suppress += 1
         try:
             return orig(*args, **kwargs)

@@ -149,6 +149,7 @@ class Decisions:
     cost_overrides: tuple[tuple[str, Any], ...]
     cost_applies: bool          # whether the cost model picks a step's capacity at all
     max_tokens: Optional[int]   # vLLM's max_num_batched_tokens: the buffer pool's largest capacity
+    lockstep_checks: bool = False  # MOONEP_EP_LOCKSTEP_CHECKS: the reference buffer's object gathers, or sync-free
 
 
 #: Each decision: what it is, and the fix when ranks differ.
@@ -167,6 +168,8 @@ AGREED: dict[str, tuple[str, str]] = {
                                           "model on GPU ranks only)"),
     "max_tokens": ("buffer pool's largest capacity (max_num_batched_tokens)",
                    "start every engine with the same --max-num-batched-tokens"),
+    "lockstep_checks": ("reference buffer's checks (lockstep or sync-free)",
+                        "set the same MOONEP_EP_LOCKSTEP_CHECKS on every rank"),
 }
 
 
@@ -194,6 +197,8 @@ def local_decisions(choice: BufferChoice, vllm_config: Any = None) -> dict[str, 
         "cost_applies": (applies, f"{'yes' if applies else 'no'} (MOONEP_EP_GPU_PROFILE={profile_setting}, "
                                   f"{'a' if _gpu_visible() else 'no'} GPU)"),
         "max_tokens": (max_tokens, "unknown" if max_tokens is None else str(max_tokens)),
+        "lockstep_checks": (envs.MOONEP_EP_LOCKSTEP_CHECKS,
+                            f"MOONEP_EP_LOCKSTEP_CHECKS={int(envs.MOONEP_EP_LOCKSTEP_CHECKS)}"),
     }
 
 

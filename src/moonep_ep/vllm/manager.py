@@ -25,7 +25,6 @@ Imported only once vLLM's ``all2all`` module is (see ``plugin.py``).
 from __future__ import annotations
 
 import logging
-import types
 from typing import Any
 
 import torch
@@ -104,11 +103,12 @@ class SlotFillBuffer:
 
             _, views, num_experts = quantized
             rank = self._manager.rank
-            row = [int(e) for e in plan.experts_to_copy[rank].tolist()]
-            filled = prefetch_quantized(views, row, num_experts, rank, num_experts // self._manager.world_size)
+            # The plan's device row: the copies read it on the device, the counts when first read (issue 45)
+            filled = prefetch_quantized(views, plan.experts_to_copy[rank], num_experts, rank,
+                                        num_experts // self._manager.world_size)
             # The weight and scale events go to the experts' apply, which waits before reading a slot row.
             out = deliver_slot_fill(filled.pop("event"), async_finish)
-            copied = types.SimpleNamespace(**filled)
+            copied = filled
         else:
             from .experts.overlap import prefetch
 
@@ -118,18 +118,10 @@ class SlotFillBuffer:
             epn = self._experts_per_rank()  # this Buffer's model's (a draft model's store has its own)
             store = self._manager.expert_store
             last = copied or getattr(self._inner, "last_prefetch", None)
-            if copied is not None:
-                STATS.record_quantized_fill(copied.weight_bytes, copied.scale_bytes, copied.remote_weight_bytes,
-                                            copied.remote_scale_bytes)
-            elif getattr(last, "api", None) == "push":  # a quantized push: counted by the owner, per tensor
-                by_tensor = getattr(last, "bytes_by_tensor", None) or {}
-                scales = sum(n for name, n in by_tensor.items() if name.endswith("_scale"))
-                if scales:  # every pushed byte lands in another rank's slot
-                    weights = sum(by_tensor.values()) - scales
-                    STATS.record_quantized_fill(weights, scales, weights, scales)
-            # A snapshot, analysed after the step (observe/deferred.py): nothing here reads the device.
+            # A snapshot, analysed after the step (observe/deferred.py), the fill's byte counts with it (they read
+            # the fill's device table): nothing here reads the device.
             STATS.defer_prefetch(plan, rank, epn, copied=last, real_tokens=dp_token_counts(),
-                                 hosts=store.hosts if store else None)
+                                 hosts=store.hosts if store else None, counts=lambda: _count_quantized_fill(last))
             self._last_row = (plan.experts_to_copy[rank].clone(), epn)
         return out
 
@@ -145,6 +137,22 @@ class SlotFillBuffer:
         return getattr(self._inner, name)
 
 
+def _count_quantized_fill(fill: Any) -> None:
+    """Weight and scale bytes of one quantized fill, apart, into the stats (at the deferred analysis): a pull
+    fill counts its own; a quantized push is counted by the owner per tensor, every byte into another rank."""
+    if fill is None:
+        return
+    if hasattr(fill, "scale_bytes"):
+        STATS.record_quantized_fill(fill.weight_bytes, fill.scale_bytes, fill.remote_weight_bytes,
+                                    fill.remote_scale_bytes)
+    elif getattr(fill, "api", None) == "push":
+        by_tensor = getattr(fill, "bytes_by_tensor", None) or {}
+        scales = sum(n for name, n in by_tensor.items() if name.endswith("_scale"))
+        if scales:
+            weights = sum(by_tensor.values()) - scales
+            STATS.record_quantized_fill(weights, scales, weights, scales)
+
+
 class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
     """vLLM's power-of-two buffer pool, serving the Buffer class the manager chose."""
 
@@ -156,12 +164,32 @@ class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
         #: The MoonEP API its buffers speak: "push" makes vLLM build the push prepare/finalize
         #: (``prepare_finalize/push.py``).
         self.api = manager.buffer_choice.api
+        self.build_decode_buffers()
+
+    def build_decode_buffers(self) -> list[int]:
+        """Build, now, the buffer of every capacity a decode step can pick (up to vLLM's ``max_num_seqs`` times
+        one plus the speculative tokens): building one is a collective with host reads, which vLLM's pool
+        would otherwise run inside the first decode step of each new batch size (and no CUDA graph can hold).
+        Collective: every rank builds its pools in the same order (vLLM's ``get_handle`` at model set-up).
+        Returns the capacities built."""
+        from .experts.overlap import decode_token_bound
+
+        bound = decode_token_bound(getattr(self._manager, "vllm_config", None))
+        if not bound:
+            return []
+        sizes = sorted({self.capacity_for(n) for n in [1 << i for i in range(bound.bit_length())] + [bound]})
+        for capacity in sizes:
+            self.get(capacity)
+        return sizes
 
     def get(self, num_tokens: int) -> tuple[int, Any]:
         capacity = self.capacity_for(num_tokens)
         buffer = self._buffers.get(capacity)
         if buffer is None:
-            buffer = SlotFillBuffer(self._buffer_cls(S=capacity, **self._kwargs), self._manager)
+            kwargs = dict(self._kwargs)
+            if self._manager.buffer_choice.kind == "reference":   # the real library has no such argument
+                kwargs["lockstep_checks"] = self._manager.decisions.lockstep_checks   # agreed by every rank
+            buffer = SlotFillBuffer(self._buffer_cls(S=capacity, **kwargs), self._manager)
             self._buffers[capacity] = buffer
         return capacity, buffer
 

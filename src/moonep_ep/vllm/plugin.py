@@ -27,7 +27,8 @@ patches on one vLLM module run in it:
    ``initialize_model``, ``reload_weights``, the GPU runners' model memory
    (the experts in the sharded store);
 3. ``observe/patches.py`` (vLLM's expert-weight all-gather, counted),
-   ``observe/peer_naming.py`` (a lost DP peer named), and with
+   ``observe/peer_naming.py`` (a lost DP peer named), ``observe/step_errors.py``
+   (the sync-free buffers' deferred errors raised after each step), and with
    ``MOONEP_EP_ROUTING_RECORD_DIR`` set ``observe/routing_record.py`` (each
    step's rows for the routers' record), and with ``MOONEP_EP_COUNT_HOST_SYNCS``
    on ``observe/host_syncs.py`` (the host reads in the MoE ops, per step), and with
@@ -61,7 +62,7 @@ from .compat import check_vllm
 from .cpu import patches as cpu_patches
 from .experts import patches as experts_patches
 from .hooks import Install, Mark, Note, Patch, when_imported
-from .observe import deferred, host_syncs, patches as observe_patches, peer_naming, routing_record
+from .observe import deferred, host_syncs, patches as observe_patches, peer_naming, routing_record, step_errors
 from .prepare_finalize import patches as prepare_finalize_patches
 from .quantized import hooks as quantized_hooks
 from .store import patches as store_patches
@@ -125,7 +126,7 @@ PATCHES: tuple[Patch, ...] = (Patch(MOD_ALL2ALL, patch_manager),)
 
 def _patch_tables() -> list[tuple[Patch, ...]]:
     """Every table this process applies, in order, with the condition of each (the module docstring's list)."""
-    tables = [PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES]
+    tables = [PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES, step_errors.PATCHES]
     if routing_record.record_dir() is not None:
         tables.append(routing_record.PATCHES)
     if host_syncs.enabled():

@@ -15,7 +15,6 @@ prefetch writes them into the readers' slot pools.
 One call, rank ``r``, ``s`` tokens, ``K`` top-k, ``R`` ranks::
 
     dispatch   all_gather_object  (error?, s, tokens_per_expert[E], flags)   lockstep + plan input
-               (lockstep_checks=False: all_gather_into_tensor [R, 5+E] int64, header read back)
                plan_dispatch_device(T[R,E]) on the device -> identical global plan on every rank
                entry_dst(plan, r, topk) -> dst[s*K]  (rank*NvS + loff, dups as -raw-1)
                all_to_all_single  counts [R,2]        rows and entries per destination
@@ -40,12 +39,11 @@ shares the verdict in one metadata collective, so a bad input on any rank
 raises :class:`CollectiveError` on *every* rank before any data collective
 could hang. Dispatch folds this into the gather of
 ``tokens_per_expert`` it needs anyway; combine and prefetch add one small
-``all_gather_object`` (``lockstep_checks=False`` removes it, restoring
-MoonEP's sync-free pull prefetch at the price of rank-local errors, and
-gathers dispatch's counts as one fixed-size tensor whose header carries a
-failed check, the kind of call and ``s``: a rank's bad input, a disagreement
-on the kind of call, on ``s`` in uniform mode or on the varlen total still
-raises on every rank).
+``all_gather_object``. ``lockstep_checks=False`` is the sync-free path
+(:mod:`.sync_free`): fixed-size exchanges, the plan kept on the device, every
+check a bit of a device error word that :meth:`raise_deferred_errors` reads
+after the step and raises on every rank alike; the pull prefetch then runs no
+collective, as MoonEP's.
 
 Where it deviates from MoonEP, and why, is listed in docs/design/ops.md.
 """
@@ -68,6 +66,7 @@ from .limits import check_hidden, check_shape, check_tensor, positive_int
 from .planner import DispatchPlan, check_token_totals, entry_dst
 from .planner_device import plan_dispatch_device
 from .prefetch import DoneEvent, SideStreams
+from . import sync_free
 from .routing import Routing, dedup_tables, destination_routes, source_routes
 
 __all__ = ["ReferenceBufferBase"]
@@ -140,13 +139,22 @@ class ReferenceBufferBase:
         self._ctx = {"NvS": self.NvS, "S": self.S, "H": self.H, "K": self.K, "E": self.E, "R": self.R,
                      "B": self.B, "epn": self.epn, "token_padding": self.token_padding, "num_sms": self.num_sms,
                      "N": self.S * self.K}
-        # Persistent shard (MoonEP's hidden_buf / weight region of meta_buf): dispatch writes it,
-        # combine reads it; rows past a call's cu_seqlens[-1] keep earlier contents (stale).
-        self._hidden_shard = torch.zeros(self.NvS, self.H, dtype=torch.bfloat16, device=self.device)
-        self._weight_shard = torch.zeros(self.NvS, dtype=torch.float32, device=self.device)
+        self._alloc_shards()
         self._streams = SideStreams()
         self.last_prefetch: Optional[PrefetchStats] = None
+        self._errors = sync_free.DeferredErrors(self.R, self.device)
+        if not self.lockstep_checks:
+            sync_free.register(self)
         self._destroyed = False
+
+    def _alloc_shards(self) -> None:
+        """The persistent shard (MoonEP's hidden_buf / weight region of meta_buf): dispatch writes it, combine
+        reads it; rows past a call's cu_seqlens[-1] keep earlier contents (stale). One spare row past ``NvS``
+        takes the sync-free dispatch's absent entries (``sync_free.py``); the views end before it."""
+        self._hidden_full = torch.zeros(self.NvS + 1, self.H, dtype=torch.bfloat16, device=self.device)
+        self._weight_full = torch.zeros(self.NvS + 1, dtype=torch.float32, device=self.device)
+        self._hidden_shard = self._hidden_full[:self.NvS]
+        self._weight_shard = self._weight_full[:self.NvS]
 
     # -- check ------------------------------------------------------------------------------
     def _check_config(self, S: Any, H: Any, K: Any, E: Any, R: Any, num_sms: Any, tp: Any, B: Any) -> tuple:
@@ -193,12 +201,16 @@ class ReferenceBufferBase:
         self._check_tensor("hidden_sh", hidden_sh, torch.bfloat16, (None, self.H), fix)
         return s
 
+    def _check_routing_shapes(self, topk: Any, tpe: Any, s: int) -> None:
+        """The checks of the routing tensors that need no value (type, dtype, shape, device)."""
+        self._check_tensor("topk_experts_sk", topk, torch.int32, (s, self.K),
+                           f"pass int32 expert ids of shape [s, K] = [{s}, {self.K}] (.to(torch.int32))")
+        self._check_tensor("tokens_per_expert", tpe, torch.int32, (self.E,),
+                           f"pass bincount(topk, minlength={self.E}).to(torch.int32)")
+
     def _check_routing(self, topk: Any, tpe: Any, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        K, E = self.K, self.E
-        self._check_tensor("topk_experts_sk", topk, torch.int32, (s, K),
-                           f"pass int32 expert ids of shape [s, K] = [{s}, {K}] (.to(torch.int32))")
-        self._check_tensor("tokens_per_expert", tpe, torch.int32, (E,),
-                           f"pass bincount(topk, minlength={E}).to(torch.int32)")
+        E = self.E
+        self._check_routing_shapes(topk, tpe, s)
         ids = topk.detach().to("cpu", torch.int64).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
             bad = int(ids[(ids < 0) | (ids >= E)][0])
@@ -289,11 +301,14 @@ class ReferenceBufferBase:
             ``[E+B]`` int32 inclusive group ends (``None`` on reuse); ``plan``.
         """
         self._check_alive("dispatch")
+        if not self.lockstep_checks:   # no device->host read: fixed-size exchanges, errors deferred
+            cu, plan = sync_free.dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert,
+                                          plan, total_num_tokens)
+            return self._dispatch_outputs(plan, cu, route_weights_sk is not None, async_finish, zero_copy,
+                                          router_weights_zero_copy)
         fresh = plan is None
         topk = tpe = None
-        # check -> agree; without lockstep checks a failed check travels in the counts gather (every rank raises)
-        agree = self._agree("dispatch") if self.lockstep_checks else self._check_until_gather("dispatch")
-        with agree as agreed:
+        with self._agree("dispatch") as agreed:
             s = self._check_hidden(hidden_sh)
             if route_weights_sk is not None:
                 self._check_tensor("route_weights_sk", route_weights_sk, torch.float32, (s, self.K),
@@ -302,86 +317,62 @@ class ReferenceBufferBase:
                 topk, tpe = self._check_routing(topk_experts_sk, tokens_per_expert, s)
             else:
                 self._check_plan(plan)
-                if plan.num_tokens != s:
-                    raise config_error(self.rank, f"reused plan was made for {plan.num_tokens} tokens", s,
-                                       "pass the same number of tokens as the dispatch that made the plan")
-            if total_num_tokens is not None:
-                total_num_tokens = positive_int(self.rank, "total_num_tokens", total_num_tokens,
-                                                "pass the sum of s over the group, or None")
-                if not s <= total_num_tokens <= self.R * self.S:
-                    raise config_error(self.rank, f"total_num_tokens must be in [s, R*S] = [{s}, {self.R * self.S}]",
-                                       total_num_tokens, "pass the sum of s over all ranks")
-            agreed.share((s, fresh, route_weights_sk is not None, total_num_tokens,
-                          tpe.tolist() if fresh and self.lockstep_checks else None))
-        if self.lockstep_checks:
-            everyone = agreed.gathered
-            counts = torch.tensor([p[4] for p in everyone], dtype=torch.int64, device=self.device) if fresh else None
-        else:
-            everyone, counts = self._gather_counts(agreed, tpe if fresh else None)
+                if plan.num_tokens != s or plan.routing is None or not hasattr(plan.routing, "recv_row_splits"):
+                    raise self._reuse_error(plan, s)
+            total_num_tokens = self._check_total(total_num_tokens, s)
+            agreed.share((s, fresh, route_weights_sk is not None, total_num_tokens, tpe.tolist() if fresh else None))
+        everyone = agreed.gathered
+        counts = torch.tensor([p[4] for p in everyone], dtype=torch.int64, device=self.device) if fresh else None
         self._same_everywhere("dispatch", everyone, {1: "a fresh plan (plan=None) vs a reused plan",
                                                       2: "route weights (given vs None)", 3: "total_num_tokens"})
         if fresh:
             # Each rank's counts passed its own checks (a bincount of its checked ids, 1 <= s <= S); the rules
             # across ranks need only the gathered s, so the device planner's flag stays unread.
             tokens = check_token_totals(self.rank, [p[0] for p in everyone], total_num_tokens)
-            gplan = self._plan(counts, sum(tokens))                                          # plan
+            gplan, _ = self._plan(counts, sum(tokens))                                       # plan
             plan = self._fresh_dispatch(gplan, topk, hidden_sh, route_weights_sk)
             cu = plan.cu_seqlens
         else:
             self._reuse_dispatch(plan, hidden_sh, route_weights_sk)
             cu = None
+        return self._dispatch_outputs(plan, cu, route_weights_sk is not None, async_finish, zero_copy,
+                                      router_weights_zero_copy)
+
+    def _check_total(self, total_num_tokens: Any, s: int) -> Optional[int]:
+        if total_num_tokens is None:
+            return None
+        total = positive_int(self.rank, "total_num_tokens", total_num_tokens, "pass the sum of s over the group, or None")
+        if not s <= total <= self.R * self.S:
+            raise config_error(self.rank, f"total_num_tokens must be in [s, R*S] = [{s}, {self.R * self.S}]", total,
+                               "pass the sum of s over all ranks")
+        return total
+
+    def _reuse_error(self, plan: CommPlan, s: int) -> Exception:
+        if plan.num_tokens != s:
+            return config_error(self.rank, f"reused plan was made for {plan.num_tokens} tokens", s,
+                                "pass the same number of tokens as the dispatch that made the plan")
+        return config_error(self.rank, "reused plan was made by a Buffer with other lockstep_checks",
+                            type(plan.routing).__name__, "reuse plans within one Buffer")
+
+    def _dispatch_outputs(self, plan: CommPlan, cu: Optional[torch.Tensor], weighted: bool, async_finish: bool,
+                          zero_copy: bool, router_weights_zero_copy: bool) -> tuple:
         hidden_nvsh = self._hidden_shard if zero_copy else self._hidden_shard.clone()
         weights_nvs = None
-        if route_weights_sk is not None:
+        if weighted:
             weights_nvs = self._weight_shard if router_weights_zero_copy else self._weight_shard.clone()
         out = (hidden_nvsh, weights_nvs, cu, plan)
         return (*out, self._event()) if async_finish else out
 
-    @contextlib.contextmanager
-    def _check_until_gather(self, name: str) -> Iterator[Lockstep]:
-        """Without lockstep checks: this rank's checks, their error held (``state.error``) until the counts
-        gather (:meth:`_gather_counts`) carries it to every rank, so no peer waits in the next collective."""
-        state = Lockstep(name)
-        state.error = None
-        try:
-            yield state
-        except Exception as exc:  # noqa: BLE001 - raised on every rank after the gather
-            state.error = exc
-
-    def _gather_counts(self, agreed: Lockstep, tpe: Optional[torch.Tensor]) -> tuple[list, Optional[torch.Tensor]]:
-        """Without lockstep checks: one fixed-size gather of ``[5 + E]`` int64 per rank on the device (a failed
-        check, ``s``, a fresh plan, route weights given, ``total_num_tokens`` or -1, then the counts) instead of
-        the object gather. Only the 5-int header is read back: who failed, the kind of call and each ``s``."""
-        error = agreed.error
-        s, fresh, weighted, total, _ = agreed.payload if error is None else (0, False, False, None, None)
-        head = torch.tensor([int(error is not None), s, int(fresh), int(weighted), -1 if total is None else total],
-                            dtype=torch.int64)
-        counts = tpe if tpe is not None and error is None else torch.zeros(self.E, dtype=torch.int64)
-        mine = torch.cat([head.to(self.device), counts.to(self.device, torch.int64)])
-        out = torch.empty(self.R * (5 + self.E), dtype=torch.int64, device=self.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name in torch >= 2.13
-        with self.comm.peer_loss_named("dispatch: counts gather"):
-            gather(out, mine, group=self.group)
-        out = out.view(self.R, 5 + self.E)
-        header = out[:, :5].to("cpu").tolist()
-        failed = [r for r, h in enumerate(header) if h[0]]
-        if failed:
-            failures = {r: "its dispatch checks failed (that rank's error names the value and the fix)"
-                        for r in failed}
-            if error is not None:
-                failures[self.rank] = f"{type(error).__name__}: {error}"
-            raise CollectiveError(agreed.name, failures, rank=self.rank) from error
-        everyone = [(h[1], bool(h[2]), bool(h[3]), None if h[4] < 0 else h[4], None) for h in header]
-        return everyone, out[:, 5:]
-
-    def _plan(self, counts: torch.Tensor, total_num_tokens: int) -> DispatchPlan:
+    def _plan(self, counts: torch.Tensor, total_num_tokens: Optional[int],
+              local_tokens: Optional[int] = None) -> tuple[DispatchPlan, torch.Tensor]:
         """The global plan from every rank's ``[R, E]`` counts on the device (the pull plan, planned there:
-        ``planner_device.py``; the push buffer plans its own). ``total_num_tokens``: the group's token total,
-        checked on the host. The plan's error flag is not read (see dispatch)."""
-        plan, _ = plan_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
-                                       token_padding=self.token_padding, total_num_tokens=total_num_tokens,
-                                       rank=self.rank)
-        return plan
+        ``planner_device.py``; the push buffer plans its own) and its device flag. ``total_num_tokens``: the
+        group's token total, or None in uniform mode with this rank's ``local_tokens``. Lockstep path: every rule the flag checks was checked on the host (each rank's
+        counts are a bincount of its checked ids, 1 <= s <= S), so the flag stays unread; sync-free path: the
+        flag goes into the deferred error word."""
+        return plan_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
+                                    token_padding=self.token_padding, total_num_tokens=total_num_tokens,
+                                    local_tokens=local_tokens, rank=self.rank)
 
     def _fresh_dispatch(self, gplan: DispatchPlan, topk: torch.Tensor, hidden_sh: torch.Tensor,
                         weights_sk: Optional[torch.Tensor]) -> CommPlan:
@@ -483,13 +474,14 @@ class ReferenceBufferBase:
             ``route_weights_sk`` ``[s, K]`` fp32 or ``None``.
         """
         self._check_alive("combine")
-        with self._agree("combine", self.lockstep_checks) as agreed:
+        if not self.lockstep_checks:   # its all-to-alls order the ranks (MoonEP's inter_rank_sync)
+            hidden_sh, weights_sk = sync_free.combine(self, plan, hidden_nvsh, route_weights_nvs, zero_copy,
+                                                      router_weights_zero_copy)
+            return hidden_sh, weights_sk, (self._event() if async_finish else None)
+        with self._agree("combine") as agreed:
             self._check_combine_inputs(plan, hidden_nvsh, route_weights_nvs, zero_copy, router_weights_zero_copy)
             agreed.share((route_weights_nvs is not None,))
-        if self.lockstep_checks:
-            self._same_everywhere("combine", agreed.gathered, {0: "route weights (given vs None)"})
-        elif inter_rank_sync:
-            self.comm.barrier("combine: inter-rank sync")
+        self._same_everywhere("combine", agreed.gathered, {0: "route weights (given vs None)"})
         rt, dev = plan.routing, self.device
         # Boundary copy into the shard (MoonEP copies unless zero_copy); the prologue works in place there.
         if not zero_copy:
@@ -544,19 +536,29 @@ class ReferenceBufferBase:
 
     # -- prefetch ---------------------------------------------------------------------------------
     # -- teardown ------------------------------------------------------------------------------------
+    def raise_deferred_errors(self) -> None:
+        """Sync-free buffers (``lockstep_checks=False``): read the device error word (one read) and raise
+        :class:`CollectiveError` naming each failing rank, the value and the fix, alike on every rank (the
+        word is the same on each), then clear it. Call it where a read costs nothing (vLLM: after each
+        step); ``destroy()`` calls it last. A lockstep buffer raised at once: nothing to do."""
+        if not self._destroyed:
+            self._errors.raise_if_set(self.rank, self.E)
+
     def destroy(self) -> None:
-        """Collective and idempotent: synchronize, barrier, release the shards."""
+        """Collective and idempotent: synchronize, barrier, release the shards, then raise a deferred error."""
         if self._destroyed:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._streams.close()  # CPU: copies still queued land before teardown, as a CUDA stream's do
         self.comm.barrier("Buffer.destroy")
+        errors = self._errors
         self._release()
+        errors.raise_if_set(self.rank, self.E)
 
     def _release(self) -> None:
-        self._hidden_shard = torch.empty(0)
-        self._weight_shard = torch.empty(0)
+        self._hidden_full = self._hidden_shard = torch.empty(0)
+        self._weight_full = self._weight_shard = torch.empty(0)
         self._destroyed = True
 
     def __del__(self) -> None:

@@ -8,7 +8,7 @@ this rank's :class:`~moonep_ep.ops.moonep.routing.Routing`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -90,7 +90,10 @@ class CommPlan:
 
 @dataclasses.dataclass
 class PrefetchStats:
-    """What the last ``prefetch_weight`` call did on this rank, counted at the copies."""
+    """What the last ``prefetch_weight`` call did on this rank, counted at the copies.
+
+    The buffers build it with :meth:`of_fill`: the fields are then computed when first read, from the fill's
+    copy of the slot table (one host read then, outside the MoE op: issue 45)."""
 
     api: str                 # "pull" or "push": the MoonEP API of the call
     copies: int              # row copies issued (used slots x tensors)
@@ -116,3 +119,46 @@ class PrefetchStats:
             by_owner[expert // epn] = by_owner.get(expert // epn, 0) + nbytes
         return cls(api, copies, sum(by_owner.values()), seconds, slots, by_owner,
                    sum(n for owner, n in by_owner.items() if owner != rank), dict(bytes_by_expert))
+
+    @classmethod
+    def of_fill(cls, fill: Any, seconds: Optional[float], epn: int, rank: int) -> "PrefetchStats":
+        """The stats of a :class:`~.prefetch.SlotFill` (``fill.api``: ``"pull"`` or ``"push"``), counted when
+        first read: pull as :meth:`from_copies`; push as counted at the owner, which pushes every byte into
+        another rank's slot."""
+        return _CountedOnRead(fill, seconds, epn, rank)
+
+
+_COUNTED = tuple(f.name for f in dataclasses.fields(PrefetchStats) if f.name not in ("api", "seconds"))
+
+
+class _CountedOnRead(PrefetchStats):
+    """:class:`PrefetchStats` whose fields past ``api`` and ``seconds`` are counted when first read."""
+
+    def __init__(self, fill: Any, seconds: Optional[float], epn: int, rank: int) -> None:  # noqa: D107
+        self.api, self.seconds = fill.api, seconds
+        self._pending = (fill, epn, rank)
+
+    def __getattr__(self, name: str) -> Any:
+        pending = self.__dict__.get("_pending")
+        if name not in _COUNTED or pending is None:
+            raise AttributeError(name)
+        fill, epn, rank = pending
+        table = fill.table()
+        row = table[rank] if fill.api == "push" else table
+        slots = [(b, int(e), int(e) // epn) for b, e in enumerate(row) if int(e) >= 0]
+        if fill.api == "push":
+            nbytes = fill.bytes
+            counted = PrefetchStats("push", fill.copies, nbytes, self.seconds, slots,
+                                    bytes_by_owner={rank: nbytes} if nbytes else {}, remote_bytes=nbytes,
+                                    bytes_by_expert=fill.bytes_by_expert, bytes_by_tensor=fill.bytes_by_tensor)
+        else:
+            counted = PrefetchStats.from_copies("pull", fill.copies, fill.bytes_by_expert, self.seconds, slots,
+                                                epn, rank)
+        for field in _COUNTED:
+            setattr(self, field, getattr(counted, field))
+        del self._pending
+        return getattr(self, name)
+
+    def __reduce__(self) -> tuple:
+        """Pickled as the plain stats (counted now): the fill's event stays in this process."""
+        return PrefetchStats, tuple(getattr(self, f.name) for f in dataclasses.fields(PrefetchStats))

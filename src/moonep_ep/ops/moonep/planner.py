@@ -66,7 +66,8 @@ import torch
 from ...errors import config_error
 from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
-__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "check_token_totals", "entry_dst", "nvs_rows"]
+__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "check_token_totals", "entry_dst", "entry_rows",
+           "nvs_rows"]
 
 #: A generation's slot choice: ``(remote experts of d in ascending id, alloc, d, B) -> slot experts in slot order``.
 SlotPicker = Callable[[list[int], list[list[int]], int, int], list[int]]
@@ -545,21 +546,29 @@ def entry_dst(plan: DispatchPlan, rank: int, topk: Any) -> torch.Tensor:
             rank_i, f"bincount(topk)[{ex}] differs from the planned tokens_per_expert[{rank_i}][{ex}]="
             f"{int(plan.tokens_per_expert[rank_i, ex])}", int(hist[ex]), fix,
         )
+    return entry_rows(plan, rank_i, e, s).to(torch.int32).contiguous()
 
+
+def entry_rows(plan: DispatchPlan, rank: int, e: torch.Tensor, s: int) -> torch.Tensor:
+    """:func:`entry_dst` without its checks, on the device of ``e`` and the plan (no value read back):
+    ``e`` is rank ``rank``'s ``[s*K]`` int64 expert ids, already checked (or made safe) by the caller.
+    Returns ``[s*K]`` int64, duplicates as ``-raw-1``."""
+    E, K, dev = plan.E, plan.K, e.device
     n = e.numel()
     # local_cnt[i] = #{i' < i : e[i'] == e[i]}: rank inside a stable sort by id.
     order = torch.sort(e, stable=True).indices
     sorted_e = e[order]
     first = torch.searchsorted(sorted_e, sorted_e, right=False)  # first index of each id
-    local_cnt = torch.empty(n, dtype=torch.int64)
-    local_cnt[order] = torch.arange(n, dtype=torch.int64) - first
+    local_cnt = torch.empty(n, dtype=torch.int64, device=dev)
+    local_cnt[order] = torch.arange(n, dtype=torch.int64, device=dev) - first
 
     tcum = plan.tpe_cumsum.to(torch.int64)
-    tprev = tcum[rank_i - 1] if rank_i > 0 else torch.zeros(E, dtype=torch.int64)
+    tprev = tcum[rank - 1] if rank > 0 else torch.zeros(E, dtype=torch.int64, device=dev)
     gr = tprev[e] + local_cnt  # position in expert e's global entry order
     acum = plan.alloc_cumsum.to(torch.int64)[e]  # [n, R]
     # Smallest d with Acum[e][d] > gr.
-    d = torch.searchsorted(acum, gr[:, None], right=True).squeeze(1)
+    # (clamped: only a plan of inconsistent counts, flagged by the caller, could point past the last rank)
+    d = torch.searchsorted(acum, gr[:, None], right=True).squeeze(1).clamp_max(plan.R - 1)
     aprev = torch.where(d > 0, acum.gather(1, (d - 1).clamp_min(0)[:, None]).squeeze(1), torch.zeros_like(d))
     off = plan.expert_off.to(torch.int64)[d, e]
     raw = d * plan.NvS + off + (gr - aprev)
@@ -568,7 +577,7 @@ def entry_dst(plan: DispatchPlan, rank: int, topk: Any) -> torch.Tensor:
     # already lands on the same destination rank.
     dd = d.reshape(s, K)
     same = dd[:, :, None] == dd[:, None, :]  # [s, k, k']
-    ks = torch.arange(K)
+    ks = torch.arange(K, device=dev)
     earlier = ks[None, :] < ks[:, None]  # [k, k']: k' < k
     dup = (same & earlier).any(dim=2).reshape(-1)
-    return torch.where(dup, -raw - 1, raw).to(torch.int32).contiguous()
+    return torch.where(dup, -raw - 1, raw)

@@ -22,43 +22,51 @@ every rank's slot pool::
 
 ``pool`` is the ``[R, epn, out, in]`` view of every rank's slot chunk. The
 writes land in memory other ranks read, so the caller orders them twice
-(``push_step.run_push``): before the first copy, a barrier that every rank
-reaches only once it has finished reading its slots (the pool is shared by
-all layers: a peer may still be reading the previous layer's slots), and
-after all ranks pushed, a barrier that makes the writes visible before
-anyone reads its slots.
+(``push_step.run_push``, each a barrier in stream order): before the first
+copy, one that every rank passes only once it has finished reading its slots
+(the pool is shared by all layers: a peer may still be reading the previous
+layer's slots), and after all ranks pushed, one that makes the writes
+visible before anyone reads its slots.
 
-On CUDA every copy is one ``cudaMemcpyAsync`` (device to device, run by a
-copy engine) issued on a side stream that first waits for the current
-stream, so prefetch overlaps compute queued after it; the function returns an
-event recorded after the last copy (``cudaEventRecord``). A slot may be read
-only after the reading stream waited on that event (``cudaStreamWaitEvent``):
-:func:`wait_for_slots` is that wait, for every kind of event the library
-hands out.
+**No host read of the table.** Both take the table as a device int tensor (int32 or int64; host ints
+are moved there) and issue work whose shape depends on the table's size only: on CUDA one
+:func:`~.copy_rows_kernel.copy_rows` launch per tensor (gate, up, down, scales), whose programs read the
+table in device memory and skip the entries that copy nothing, on a side stream that first waits for the
+current stream, so prefetch overlaps compute queued after it. They return a :class:`SlotFill` whose
+``event`` is recorded after the last launch (``cudaEventRecord``). A slot may be read only after the
+reading stream waited on that event (``cudaStreamWaitEvent``): :func:`wait_for_slots` is that wait, for
+every kind of event the library hands out. The fill's byte counts (copies, bytes per expert and per
+tensor) are read from its copy of the table when first asked, after the step (one host read then).
 
 **CPU tensors** (the host driver, the CUDA emulator) get the same contract,
 not a more lenient one: with ``MOONEP_EP_CPU_DEFERRED_COPIES`` (default on)
 the copies are queued on the side stream's host queue and land, in issue
 order, only when an event of that queue is waited on or synchronized (which
 lands everything queued before it, as on a stream), or at teardown
-(:meth:`SideStreams.close`, :func:`land_all`). A copy reads its source when
-it lands, as a copy engine does. A reader that did not wait sees the old
-bytes: on a GPU that is the previous layer's expert or the reload poison.
-Off: the copies run at issue and a completed event is returned.
+(:meth:`SideStreams.close`, :func:`land_all`). A fill reads its index table
+(the copy taken at issue, as the GPU path takes it in stream order) and its
+sources when it lands, as the kernel does: :meth:`RowCopies.landing_pairs`
+is the device's own work, so ``testing/host_syncs.py`` counts no read inside
+it. A reader that did not wait sees the old bytes: on a GPU that is the
+previous layer's expert or the reload poison. Off: the copies run at issue
+and a completed event is returned.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from ... import envs
+from ...errors import config_error
+from .copy_rows_kernel import copy_rows
 
-__all__ = ["pull_slots", "push_slots", "slot_copies", "SideStreams", "wait_for_slots", "land_all", "DoneEvent",
-           "PendingCopies"]
+__all__ = ["pull_slots", "push_slots", "RowCopies", "SlotFill", "SideStreams", "wait_for_slots", "land_all",
+           "DoneEvent", "PendingCopies"]
 
 
 class DoneEvent:
@@ -75,27 +83,28 @@ class DoneEvent:
 
 
 class _HostCopyQueue:
-    """A CPU side stream: copies issued, not yet landed, run in issue order when waited for."""
+    """A CPU side stream: fills issued, not yet landed, run in issue order when waited for."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque()
+        self._pending: collections.deque[RowCopies] = collections.deque()
         self.issued = 0
         self.landed = 0
 
-    def issue(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "PendingCopies":
+    def issue(self, work: "RowCopies") -> "PendingCopies":
         with self._lock:
-            self._pending.extend(pairs)
-            self.issued += len(pairs)
+            self._pending.append(work)
+            self.issued += 1
             return PendingCopies(self, self.issued)
 
     def land_through(self, ticket: int) -> None:
-        """Land every copy issued up to ``ticket`` (and so everything queued before it)."""
+        """Land every fill issued up to ``ticket`` (and so everything queued before it)."""
         with self._lock:
             while self.landed < ticket:
-                dst, src = self._pending.popleft()
+                work = self._pending.popleft()
                 self.landed += 1
-                dst.copy_(src)  # the source is read now, at landing, as a copy engine reads it
+                for dst, src in work.landing_pairs():
+                    dst.copy_(src)  # the source is read now, at landing, as a copy engine reads it
 
 
 class PendingCopies:
@@ -179,80 +188,197 @@ def land_all(streams: Optional[SideStreams] = None) -> None:
     (streams or _DEFAULT_STREAMS).close()
 
 
-def slot_copies(experts_to_copy_row: Sequence[int], num_experts: int) -> list[tuple[int, int]]:
-    """``(source row, slot row)`` pairs of one rank's pull: ``(e, E + b)`` for ``e >= 0``."""
-    return [(int(e), num_experts + b) for b, e in enumerate(experts_to_copy_row) if int(e) >= 0]
+class RowCopies:
+    """One fill's copies: for every entry ``m`` of ``ids`` (flattened) with ``lo <= ids[m] < hi``, each
+    tensor's source row ``ids[m] - lo`` into its destination row ``offset + m``, or with ``width`` (the table's
+    row length) the ``[R, epn]`` pools' row ``(m // width, m % width)``. ``ids``: a copy of the plan's table,
+    taken at issue."""
+
+    def __init__(self, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor, lo: int,
+                 hi: int, offset: int = 0, width: Optional[int] = None) -> None:
+        self.tensors = dict(tensors)  # name -> (destination, source)
+        self.ids, self.lo, self.hi, self.offset, self.width = ids, lo, hi, offset, width
+        #: the pools' slots per rank (``epn``): destination rows are numbered ``r * pool_width + b``
+        self.pool_width = next(iter(self.tensors.values()))[0].shape[1] if width is not None and tensors else 1
+
+    @property
+    def dst_row_dims(self) -> int:
+        return 1 if self.width is None else 2
+
+    def index_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(source rows, destination rows)`` ``[M]`` on the table's device, ``-1`` where nothing is copied:
+        fixed-shape tensor ops, nothing read on the host."""
+        flat = self.ids.reshape(-1)
+        used = (flat >= self.lo) & (flat < self.hi)
+        src_index = torch.where(used, flat - self.lo, torch.full_like(flat, -1))
+        m = torch.arange(flat.numel(), dtype=flat.dtype, device=flat.device)
+        dst_index = m + self.offset if self.width is None else (m // self.width) * self.pool_width + m % self.width
+        return src_index, dst_index
+
+    def landing_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(destination row, source row)`` of every copy, the table read now: the CPU side stream's landing
+        (on a GPU the kernel reads it in device memory)."""
+        pairs = []
+        for m, e in enumerate(int(v) for v in self.ids.reshape(-1).tolist()):
+            if not self.lo <= e < self.hi:
+                continue
+            for dst, src in self.tensors.values():
+                row = dst[self.offset + m] if self.width is None else dst[m // self.width, m % self.width]
+                pairs.append((row, src[e - self.lo]))
+        return pairs
 
 
-def _run_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                streams: Optional[SideStreams]) -> Any:
-    """Issue ``dst.copy_(src)`` for every pair on a side stream; return the event after the last copy."""
+class SlotFill:
+    """One issued fill: ``event`` (wait on it before a slot is read, :func:`wait_for_slots`) and its counts
+    (``copies``, ``bytes``, ``bytes_by_expert``, ``bytes_by_tensor``), counted from the fill's copy of the table
+    when first asked: one host read then, outside the step. Unpacks as the earlier return tuples: pull
+    ``(copies, bytes_by_expert, event)``, push ``(copies, bytes, event)`` (a read of a device table)."""
+
+    def __init__(self, api: str, event: Any, work: RowCopies, host_table: Optional[list] = None) -> None:
+        self.api, self.event = api, event
+        # What the counts need, and no view of the weights (the stats may outlive them)
+        self._ids, self._range = work.ids, (work.lo, work.hi)
+        self._row_bytes = {name: math.prod(src.shape[1:]) * src.element_size()
+                           for name, (_, src) in work.tensors.items()}
+        self._table = host_table  # a table given as host ints: nothing to read
+        self._counts: Optional[dict[str, Any]] = None
+
+    def table(self) -> list:
+        """The table as host ints, in its shape (pull ``[B]``, push ``[R, SL]``); read once."""
+        if self._table is None:
+            self._table = self._ids.tolist()
+        return self._table
+
+    def _count(self) -> dict[str, Any]:
+        if self._counts is None:
+            row_bytes, (lo, hi) = self._row_bytes, self._range
+            table = self.table()
+            flat = [v for row in table for v in row] if self._ids.dim() == 2 else table
+            used = [int(e) for e in flat if lo <= int(e) < hi]
+            per_expert = sum(row_bytes.values())
+            by_expert: dict[int, int] = {}
+            for e in used:
+                by_expert[e] = by_expert.get(e, 0) + per_expert
+            self._counts = {"copies": len(used) * len(row_bytes), "bytes": len(used) * per_expert,
+                            "bytes_by_expert": by_expert,
+                            "bytes_by_tensor": {n: len(used) * b for n, b in row_bytes.items() if used}}
+        return self._counts
+
+    @property
+    def copies(self) -> int:
+        """Row copies (used entries x tensors)."""
+        return self._count()["copies"]
+
+    @property
+    def bytes(self) -> int:
+        return self._count()["bytes"]
+
+    @property
+    def bytes_by_expert(self) -> dict[int, int]:
+        """Bytes read per source expert (global id), every tensor of its rows."""
+        return dict(self._count()["bytes_by_expert"])
+
+    @property
+    def bytes_by_tensor(self) -> dict[str, int]:
+        return dict(self._count()["bytes_by_tensor"])
+
+    def add_to(self, bytes_by_tensor: Optional[dict[str, int]] = None,
+               bytes_by_expert: Optional[dict[int, int]] = None) -> None:
+        """Add the counts to the caller's tallies (a read of a device table)."""
+        for tally, field in ((bytes_by_tensor, "bytes_by_tensor"), (bytes_by_expert, "bytes_by_expert")):
+            if tally is not None:
+                for key, n in getattr(self, field).items():
+                    tally[key] = tally.get(key, 0) + n
+
+    def __getitem__(self, index: int) -> Any:
+        """``fill[2]`` is the event (nothing read); ``fill[0]``, ``fill[1]`` the counts of the tuple form."""
+        fields = ("copies", "bytes_by_expert" if self.api == "pull" else "bytes", "event")
+        return getattr(self, fields[index])
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self[0], self[1], self[2]))
+
+
+def _run_copies(work: RowCopies, device: torch.device, streams: Optional[SideStreams]) -> Any:
+    """Issue ``work`` on a side stream; return the event after its last copy."""
     if device.type != "cuda":
         if envs.MOONEP_EP_CPU_DEFERRED_COPIES:
-            return (streams or _DEFAULT_STREAMS).host_queue().issue(pairs)
-        for dst, src in pairs:
+            return (streams or _DEFAULT_STREAMS).host_queue().issue(work)
+        for dst, src in work.landing_pairs():
             dst.copy_(src)
         return DoneEvent()
     stream = (streams or _DEFAULT_STREAMS).get(device)
     current = torch.cuda.current_stream(device)
-    # The slots may still be read by compute queued earlier, and the sources
-    # may have been written on the current stream: order after both.
+    # The slots may still be read by compute queued earlier, and the sources (and the table's copy) may have
+    # been written on the current stream: order after both.
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        for dst, src in pairs:
-            # Contiguous same-dtype rows: one cudaMemcpyAsync each. The
-            # weight views are persistent VMM mappings outside the caching
-            # allocator, so no record_stream is needed (or allowed).
-            dst.copy_(src, non_blocking=True)
+        src_index, dst_index = work.index_tables()
+        for dst, src in work.tensors.values():
+            # The weight views are persistent VMM mappings outside the caching allocator: no record_stream.
+            copy_rows(dst, dst_index, src, src_index, dst_row_dims=work.dst_row_dims)
         event = torch.cuda.Event()
         event.record(stream)
+    work.ids.record_stream(stream)  # made on the current stream, read on this one
     return event
 
 
-def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: Sequence[int], num_experts: int, *,
+TableLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
+
+
+def _table_copy(table: TableLike, device: torch.device) -> tuple[torch.Tensor, Optional[list]]:
+    """The fill's own copy of the table on ``device`` (a later plan may refill the caller's in place), and the
+    host ints when it was given as such."""
+    if isinstance(table, torch.Tensor):
+        return table.detach().to(device=device, copy=True), None
+    nested = len(table) > 0 and isinstance(table[0], (list, tuple))
+    host = [[int(e) for e in row] for row in table] if nested else [int(e) for e in table]
+    return torch.tensor(host, dtype=torch.int64).to(device=device), host
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(tensors.values())).device if tensors else torch.device("cpu")
+
+
+def pull_slots(full_weights: Mapping[str, torch.Tensor], experts_to_copy_row: TableLike, num_experts: int, *,
                streams: Optional[SideStreams] = None,
-               bytes_by_tensor: Optional[dict[str, int]] = None) -> tuple[int, dict[int, int], Any]:
+               bytes_by_tensor: Optional[dict[str, int]] = None) -> SlotFill:
     """The pull: ``full[E + b] <- full[experts_to_copy_row[b]]`` for every used slot.
 
     Args:
         full_weights: ``{name: [E+B, out, in]}`` pull views (gate, up, down
             and optionally scales), all on one device; row ``E + b`` is slot
             ``b`` of this rank.
-        experts_to_copy_row: ``[B]`` ints, this rank's row of the plan's
-            ``experts_to_copy`` (``-1`` = unused slot, left untouched).
+        experts_to_copy_row: ``[B]`` this rank's row of the plan's
+            ``experts_to_copy``: a device int tensor (read by the copies only), or host ints
+            (``-1`` = unused slot, left untouched).
         num_experts: ``E``.
-        streams: side-stream cache (CUDA only); the module default otherwise.
-        bytes_by_tensor: if given, the bytes copied are added to it per tensor
-            name (counted at the copy), so weight and scale traffic read apart.
+        streams: side-stream cache; the module default otherwise.
+        bytes_by_tensor: if given, the bytes copied are added to it per tensor name now (a read of a device
+            row: the step reads the returned fill's ``bytes_by_tensor`` later instead).
 
     Returns:
-        ``(copies, bytes_by_expert, event)``: copies issued (used slots ×
-        tensors), the bytes each copy read, summed per source expert (counted
-        at the copy, from the source tensors' sizes), and the event after the
-        last copy: nothing may read a slot before :func:`wait_for_slots` of it.
+        A :class:`SlotFill`: nothing may read a slot before :func:`wait_for_slots` of its ``event``.
+        Every tensor of the row moves: a weight and its scales share the row index, so a slot never
+        pairs a fresh weight with a stale scale.
     """
-    pairs = []
-    bytes_by_expert: dict[int, int] = {}
-    # Every tensor of the row moves: a quantized projection's weight and its scales share the row
-    # index (expert id / slot id), so a slot never pairs a fresh weight with a stale scale.
-    for src_row, slot_row in slot_copies(experts_to_copy_row, num_experts):
-        for name, full in full_weights.items():
-            src = full[src_row]
-            pairs.append((full[slot_row], src))
-            nbytes = src.numel() * src.element_size()
-            bytes_by_expert[src_row] = bytes_by_expert.get(src_row, 0) + nbytes
-            if bytes_by_tensor is not None:
-                bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + nbytes
-    device = next(iter(full_weights.values())).device if full_weights else torch.device("cpu")
-    event = _run_copies(pairs, device, streams)
-    return len(pairs), bytes_by_expert, event
+    device = _device_of(full_weights)
+    ids, host = _table_copy(experts_to_copy_row, device)
+    work = RowCopies({name: (full, full) for name, full in full_weights.items()}, ids, 0, num_experts,
+                     offset=num_experts)
+    fill = SlotFill("pull", _run_copies(work, device, streams), work, host)
+    fill.add_to(bytes_by_tensor)
+    return fill
 
 
 def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
-               experts_to_copy: torch.Tensor, rank: int, experts_per_rank: int, *,
+               experts_to_copy: TableLike, rank: int, experts_per_rank: int, *,
                streams: Optional[SideStreams] = None,
                bytes_by_tensor: Optional[dict[str, int]] = None,
-               bytes_by_expert: Optional[dict[int, int]] = None) -> tuple[int, int, Any]:
+               bytes_by_expert: Optional[dict[int, int]] = None) -> SlotFill:
     """The push: ``pool[r][b] <- local[e - rank*epn]`` for every slot holding one of our experts.
 
     Args:
@@ -260,34 +386,25 @@ def push_slots(local_weights: Mapping[str, torch.Tensor], pools: Mapping[str, to
         pools: ``{name: [R, epn, out, in]}`` every rank's slot pool (same
             names as ``local_weights``); ``pool[r]`` is mapped writable.
         experts_to_copy: ``[R, SL]`` int table (``SL <= epn``), identical on
-            every rank; ``-1`` = unused.
+            every rank, a device tensor (read by the copies only) or host ints; ``-1`` = unused.
         rank: this rank; experts ``[rank*epn, (rank+1)*epn)`` are pushed.
         experts_per_rank: ``epn``.
-        bytes_by_tensor: as :func:`pull_slots` (a quantized push names its scales apart).
-        bytes_by_expert: bytes pushed per own expert (global id), every tensor of its slots.
+        bytes_by_tensor, bytes_by_expert: if given, added to now as :func:`pull_slots` (a read of a device table).
 
     Returns:
-        ``(copies, bytes, event)`` as :func:`pull_slots`. The caller must call
-        this only after every rank finished reading its slots (write after
-        read), and synchronize the event (the pushes landed), then barrier,
-        before any rank reads a slot.
+        A :class:`SlotFill` (its ``bytes_by_expert``: bytes pushed per own expert, every tensor of its slots).
+        The caller must issue this only after every rank finished reading its slots (write after read), and
+        order every rank's reads after the event (the pushes landed) and a barrier
+        (``push_step.run_push``).
     """
-    table = experts_to_copy.to("cpu", torch.int64).tolist()
-    lo, hi = rank * experts_per_rank, (rank + 1) * experts_per_rank
-    pairs = []
-    nbytes = 0
-    for r, row in enumerate(table):
-        for b, e in enumerate(row):
-            if lo <= e < hi:
-                # Every tensor of the slot (weight and scale of each projection) in the same issue.
-                for name, local in local_weights.items():
-                    pairs.append((pools[name][r, b], local[e - lo]))
-                    row_bytes = local[e - lo].numel() * local.element_size()
-                    nbytes += row_bytes
-                    if bytes_by_tensor is not None:
-                        bytes_by_tensor[name] = bytes_by_tensor.get(name, 0) + row_bytes
-                    if bytes_by_expert is not None:
-                        bytes_by_expert[e] = bytes_by_expert.get(e, 0) + row_bytes
-    device = next(iter(local_weights.values())).device if local_weights else torch.device("cpu")
-    event = _run_copies(pairs, device, streams)
-    return len(pairs), nbytes, event
+    device = _device_of(local_weights)
+    ids, host = _table_copy(experts_to_copy, device)
+    if ids.dim() != 2:
+        raise config_error(rank, "push_slots needs the [R, SL] slot table, of shape", tuple(ids.shape),
+                           "pass the plan's whole experts_to_copy, not one rank's row")
+    lo = rank * experts_per_rank
+    work = RowCopies({name: (pools[name], local) for name, local in local_weights.items()}, ids, lo,
+                     lo + experts_per_rank, width=ids.shape[1])
+    fill = SlotFill("push", _run_copies(work, device, streams), work, host)
+    fill.add_to(bytes_by_tensor, bytes_by_expert)
+    return fill

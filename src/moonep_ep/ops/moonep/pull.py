@@ -65,14 +65,14 @@ class ReferenceBuffer(ReferenceBufferBase):
                                    "belong to PushReferenceBuffer, MOONEP_EP_MOONEP_API=push)")
             tensors = check_pull_weights(self.rank, self.device, full, scales, self.E + self.B)
         t0 = time.perf_counter()
-        row = plan.global_plan.experts_to_copy[self.rank].tolist()
-        copies, by_expert, event = pull_slots(tensors, row, self.E, streams=self._streams)
+        # The plan's device row: read by the copies on the device, by the stats when first asked (issue 45)
+        fill = pull_slots(tensors, plan.experts_to_copy[self.rank], self.E, streams=self._streams)
         if not async_finish:
-            wait_for_slots(event)  # CUDA: the current stream waits; CPU: the copies land now
+            wait_for_slots(fill.event)  # CUDA: the current stream waits; CPU: the copies land now
         timed = not async_finish and self.device.type != "cuda"
-        self.last_prefetch = PrefetchStats.from_copies("pull", copies, by_expert, time.perf_counter() - t0
-                                                       if timed else None, plan.slot_sources, self.epn, self.rank)
-        return event if async_finish else None  # async: the caller waits (wait_for_slots) before a slot read
+        self.last_prefetch = PrefetchStats.of_fill(fill, time.perf_counter() - t0 if timed else None, self.epn,
+                                                   self.rank)
+        return fill.event if async_finish else None  # async: the caller waits (wait_for_slots) before a slot read
 
 
 #: MoonEP's class name, for code that does ``moonep.Buffer(...)``.

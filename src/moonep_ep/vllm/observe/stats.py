@@ -49,7 +49,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ... import envs
 
@@ -157,11 +157,13 @@ class Stats:
         self.flush()
 
     def defer_prefetch(self, plan: Any, ep_rank: int, epn: int, copied: Any = None, real_tokens: Any = None,
-                       hosts: Optional[list[str]] = None) -> None:
+                       hosts: Optional[list[str]] = None, counts: Optional[Callable[[], None]] = None) -> None:
         """:meth:`record_prefetch` for the MoE op: a snapshot of what its analysis reads, this step's padding
         included, analysed by :meth:`drain` (when: ``deferred.py``). Reads no value from the device, except
-        once per :data:`BOUND` calls. ``real_tokens``: a list, or a tensor read at the analysis."""
-        record = _snapshot(plan, ep_rank, epn, copied, real_tokens, hosts, last_padding())
+        once per :data:`BOUND` calls. ``real_tokens``: a list, or a tensor read at the analysis. ``counts``:
+        called first at the analysis (the caller's own counting, e.g. a quantized fill's bytes, which reads
+        the fill's device table)."""
+        record = _snapshot(plan, ep_rank, epn, copied, real_tokens, hosts, last_padding())._replace(counts=counts)
         with _lock:
             self._pending.append(record)
             full = len(self._pending) >= BOUND
@@ -178,6 +180,8 @@ class Stats:
             tokens = r.real_tokens
             if tokens is not None and not isinstance(tokens, list):
                 tokens = [int(n) for n in tokens.tolist()]  # vLLM's counts, read here
+            if r.counts is not None:
+                r.counts()
             self._analyse_prefetch(r.plan, r.ep_rank, r.epn, r.copied, tokens, r.hosts, r.padding)
         if records:
             self.flush()
@@ -425,6 +429,7 @@ class PrefetchRecord(NamedTuple):
     real_tokens: Any  # a list, a tensor (a clone of vLLM's counts) or None
     hosts: Optional[list[str]]
     padding: Optional[dict[str, Any]]
+    counts: Optional[Callable[[], None]] = None   # the caller's own counting, run at the analysis
 
 
 def _clone(value: Any) -> Any:

@@ -32,7 +32,8 @@ method, piece by piece:
    prepare/finalize with :func:`experts_class`.
 5. **Prefetch** (:func:`prefetch_quantized`, called by the manager's
    buffer): weights and scales of each planned slot pulled through the
-   mapped rows, their bytes counted apart at the copy; both copies' events
+   mapped rows by the plan's device row (no host read), their bytes counted apart when first read
+   (:class:`QuantizedFill`); both copies' events
    go to the experts (``overlap.deliver_slot_fill``), whose ``apply`` computes the own groups first, then
    waits on them (``ops.moonep.prefetch.wait_for_slots``), then computes the slot groups (:func:`own_then_slots`,
    the BF16 experts' order: the fill overlaps the own experts' GEMMs).
@@ -40,6 +41,7 @@ method, piece by piece:
 
 from __future__ import annotations
 
+import collections.abc
 import os
 import time
 import types
@@ -466,19 +468,72 @@ def forget_layouts() -> None:
     _LAYOUTS.clear()
 
 
-def prefetch_quantized(views: dict[str, torch.Tensor], row: list[int], num_experts: int, rank: int, epn: int
-                       ) -> dict[str, Any]:
-    """Pull each used slot's weights, then its scales, through the mapped rows; bytes counted at the copy.
-    ``event``: both pulls' events, to wait on (``ops.moonep.prefetch.wait_for_slots``) before a slot row is read."""
+def prefetch_quantized(views: dict[str, torch.Tensor], row: Any, num_experts: int, rank: int, epn: int
+                       ) -> "QuantizedFill":
+    """Pull each used slot's weights, then its scales, through the mapped rows. ``row``: this rank's ``[B]``
+    row of the plan's slot table, the device tensor (read by the copies only) or host ints. Returns a
+    :class:`QuantizedFill`: ``event``, both pulls' events, to wait on (``ops.moonep.prefetch.wait_for_slots``)
+    before a slot row is read; the bytes, counted apart when first read."""
     from ...ops.moonep.prefetch import pull_slots
 
     weights = {n: v for n, v in views.items() if not n.endswith(("_scale", "_scale_inv"))}
     scales = {n: v for n, v in views.items() if n not in weights}
-    _, w_bytes, w_event = pull_slots(weights, row, num_experts)
-    _, s_bytes, s_event = pull_slots(scales, row, num_experts)
-    remote = [e for e in set(w_bytes) | set(s_bytes) if e // epn != rank]
-    return {"event": (w_event, s_event),
-            "bytes_by_expert": {e: w_bytes.get(e, 0) + s_bytes.get(e, 0) for e in set(w_bytes) | set(s_bytes)},
+    w_fill = pull_slots(weights, row, num_experts)
+    s_fill = pull_slots(scales, row, num_experts)
+    return QuantizedFill((w_fill.event, s_fill.event), w_fill, s_fill, rank, epn)
+
+
+class QuantizedFill(collections.abc.MutableMapping):
+    """A quantized fill's ``{"event", "bytes_by_expert", "weight_bytes", "scale_bytes", "remote_weight_bytes",
+    "remote_scale_bytes"}`` (the counts also as attributes). The counts are read from the fills' copies of the
+    table when one is first asked for: one host read then, outside the MoE op (issue 45)."""
+
+    COUNTS = ("bytes_by_expert", "weight_bytes", "scale_bytes", "remote_weight_bytes", "remote_scale_bytes")
+
+    def __init__(self, event: Any, w_fill: Any, s_fill: Any, rank: int, epn: int) -> None:
+        self._data: dict[str, Any] = {"event": event}
+        self._pending: Any = (w_fill, s_fill, rank, epn)
+
+    def _count(self) -> None:
+        if self._pending is None:
+            return
+        w_fill, s_fill, rank, epn = self._pending
+        w_bytes, s_bytes = w_fill.bytes_by_expert, s_fill.bytes_by_expert
+        experts = set(w_bytes) | set(s_bytes)
+        remote = [e for e in experts if e // epn != rank]
+        self._data.update({
+            "bytes_by_expert": {e: w_bytes.get(e, 0) + s_bytes.get(e, 0) for e in experts},
             "weight_bytes": sum(w_bytes.values()), "scale_bytes": sum(s_bytes.values()),
             "remote_weight_bytes": sum(w_bytes.get(e, 0) for e in remote),
-            "remote_scale_bytes": sum(s_bytes.get(e, 0) for e in remote)}
+            "remote_scale_bytes": sum(s_bytes.get(e, 0) for e in remote)})
+        self._pending = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.COUNTS:
+            self._count()
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._count()
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key in self.COUNTS:
+            self._count()
+        del self._data[key]
+
+    def __iter__(self) -> Any:
+        keys = list(self._data) + ([k for k in self.COUNTS if k not in self._data] if self._pending else [])
+        return iter(keys)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in QuantizedFill.COUNTS:
+            return self[name]
+        raise AttributeError(name)
+
+    def __reduce__(self) -> tuple:
+        """Pickled as a plain dict, counted now."""
+        return dict, (dict(self.items()),)
