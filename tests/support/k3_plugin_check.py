@@ -42,10 +42,14 @@ def _error(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _original(cls: Any, name: str, static: bool = False) -> Iterator[None]:
-    """``cls.name`` as vLLM defines it (the plugin's wrapper's ``__wrapped__``) inside the block."""
+    """``cls.name`` as vLLM defines it (under every wrapper of the plugin's, by ``__wrapped__``) inside the block."""
+    from moonep_ep.vllm.hooks import is_wrapped
+
     patched = cls.__dict__[name]
     fn = patched.__func__ if isinstance(patched, staticmethod) else patched
-    setattr(cls, name, staticmethod(fn.__wrapped__) if static else fn.__wrapped__)
+    while is_wrapped(fn):  # the quantized check's and the CUDA-graph patch's wrappers both sit on __post_init__
+        fn = fn.__wrapped__
+    setattr(cls, name, staticmethod(fn) if static else fn)
     try:
         yield
     finally:

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from moonep_ep.vllm import hooks, plugin
+from moonep_ep.vllm import graphs, hooks, plugin
 from moonep_ep.vllm.checkpoint import patches as checkpoint_patches
 from moonep_ep.vllm.cpu import patches as cpu_patches
 from moonep_ep.vllm.experts import patches as experts_patches
@@ -26,6 +26,7 @@ ALL2ALL_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
 EXPERTS = "vllm.model_executor.layers.fused_moe.experts.moonep_experts"
 RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+VLLM_CONFIG = "vllm.config.vllm"
 
 
 def _order(monkeypatch, cpu: bool, record: bool) -> list[tuple[str | None, str]]:
@@ -45,9 +46,9 @@ def test_every_patch_is_declared_one_way():
     """Every table entry is a Patch whose apply takes the module and the same three keywords."""
     every = [p for table in (plugin.PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES,
                              step_errors.PATCHES, routing_record.PATCHES, prepare_finalize_patches.PATCHES,
-                             checkpoint_patches.PATCHES, quantized_hooks.PATCHES, cpu_patches.PATCHES,
+                             checkpoint_patches.PATCHES, graphs.PATCHES, quantized_hooks.PATCHES, cpu_patches.PATCHES,
                              experts_patches.PATCHES) for p in table]
-    assert len(every) == 35
+    assert len(every) == 37
     for patch in every:
         assert isinstance(patch, hooks.Patch) and (patch.target is None or patch.target.startswith("vllm."))
         params = inspect.signature(patch.apply).parameters
@@ -68,7 +69,9 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
     assert order.index((RELOAD, "patch_reload")) < order.index((GPU_RUNNER, "patch_reload"))
     # set-up at install, in order: the cap first (it hides AMX from a capped process), the K3 default after
     assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
-    assert len(order) == len(set(order)) == 35  # every table applied, each patch once
+    # the CUDA-graph lift wraps VllmConfig.__post_init__ over the quantized check's wrapper (each sees its own mark)
+    assert _on(order, VLLM_CONFIG) == ["patch_config_check", "lift_eager_rule"]
+    assert len(order) == len(set(order)) == 37  # every table applied, each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):

@@ -35,7 +35,9 @@ patches on one vLLM module run in it:
    ``MOONEP_EP_VLLM_STATS_DIR`` set ``observe/deferred.py`` (the prefetch statistics analysed after each step);
 4. ``prepare_finalize/patches.py``: capacity padding (after 3's count, on the
    same module), vLLM's MoonEP names and the push API's choice;
-5. ``checkpoint/patches.py``: ``VllmConfig``'s check of quantized schemes;
+5. ``checkpoint/patches.py``: ``VllmConfig``'s check of quantized schemes, then ``graphs.py`` (CUDA graphs
+   under moonep: vLLM's eager-only rule lifted for breakable graphs, the MoE ops eager between the pieces;
+   after 5's ``__post_init__`` wrapper, on the same module);
 6. ``quantized/hooks.py``: the quantized MoE methods (their experts in the
    store);
 7. with ``MOONEP_EP_CPU=1`` only, ``cpu/patches.py``: the CPU engine's kernel
@@ -56,7 +58,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import envs
-from . import hooks
+from . import graphs, hooks
 from .checkpoint import patches as checkpoint_patches
 from .compat import check_vllm
 from .cpu import patches as cpu_patches
@@ -133,7 +135,7 @@ def _patch_tables() -> list[tuple[Patch, ...]]:
         tables.append(host_syncs.PATCHES)
     if deferred.enabled():
         tables.append(deferred.PATCHES)
-    tables += [prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES, quantized_hooks.PATCHES]
+    tables += [prepare_finalize_patches.PATCHES, checkpoint_patches.PATCHES, graphs.PATCHES, quantized_hooks.PATCHES]
     if cpu_enabled():
         tables.append(cpu_patches.PATCHES)
     tables.append(experts_patches.PATCHES)
