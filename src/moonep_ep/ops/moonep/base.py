@@ -341,7 +341,8 @@ class ReferenceBufferBase:
     def _check_total(self, total_num_tokens: Any, s: int) -> Optional[int]:
         if total_num_tokens is None:
             return None
-        total = positive_int(self.rank, "total_num_tokens", total_num_tokens, "pass the sum of s over the group, or None")
+        total = positive_int(self.rank, "total_num_tokens", total_num_tokens,
+                             "pass the sum of s over the group, or None")
         if not s <= total <= self.R * self.S:
             raise config_error(self.rank, f"total_num_tokens must be in [s, R*S] = [{s}, {self.R * self.S}]", total,
                                "pass the sum of s over all ranks")
@@ -367,9 +368,9 @@ class ReferenceBufferBase:
               local_tokens: Optional[int] = None) -> tuple[DispatchPlan, torch.Tensor]:
         """The global plan from every rank's ``[R, E]`` counts on the device (the pull plan, planned there:
         ``planner_device.py``; the push buffer plans its own) and its device flag. ``total_num_tokens``: the
-        group's token total, or None in uniform mode with this rank's ``local_tokens``. Lockstep path: every rule the flag checks was checked on the host (each rank's
-        counts are a bincount of its checked ids, 1 <= s <= S), so the flag stays unread; sync-free path: the
-        flag goes into the deferred error word."""
+        group's token total, or None in uniform mode with this rank's ``local_tokens``. Lockstep path: every
+        rule the flag checks was checked on the host (each rank's counts are a bincount of its checked ids,
+        1 <= s <= S), so the flag stays unread; sync-free path: the flag goes into the deferred error word."""
         return plan_dispatch_device(counts, S=self.S, K=self.K, E=self.E, R=self.R, B=self.B,
                                     token_padding=self.token_padding, total_num_tokens=total_num_tokens,
                                     local_tokens=local_tokens, rank=self.rank)

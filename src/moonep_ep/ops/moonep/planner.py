@@ -66,8 +66,8 @@ import torch
 from ...errors import config_error
 from .limits import DispatchShape, as_int, check_shape, nvs_rows
 
-__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "check_token_totals", "entry_dst", "entry_rows",
-           "nvs_rows"]
+__all__ = ["DispatchPlan", "plan_dispatch", "build_plan", "check_counts", "check_token_totals", "entry_dst",
+           "entry_rows", "nvs_rows"]
 
 #: A generation's slot choice: ``(remote experts of d in ascending id, alloc, d, B) -> slot experts in slot order``.
 SlotPicker = Callable[[list[int], list[list[int]], int, int], list[int]]

@@ -260,7 +260,8 @@ def _comm_plan(buf: Any, gplan: Any, dst: torch.Tensor, recv_loff: torch.Tensor,
         return t.to(device=dev, dtype=torch.int32).contiguous()
 
     return CommPlan(
-        dst=i32(dst), experts_to_copy=i32(gplan.experts_to_copy), zero_fill_ranges=i32(gplan.zero_fill_ranges[buf.rank]),
+        dst=i32(dst), experts_to_copy=i32(gplan.experts_to_copy),
+        zero_fill_ranges=i32(gplan.zero_fill_ranges[buf.rank]),
         remote_stats=i32(gplan.remote_stats[buf.rank]), dup_groups=i32(dup_groups), dup_loffs=i32(dup_loffs),
         dup_counts=i32(dup_counts), N=s * K, R=R, E=buf.E, NvS=NvS, K=K, B=buf.B, nvs_s=gplan.nvs_s,
         rank=buf.rank, cu_seqlens=i32(gplan.cu_seqlens[buf.rank]), global_plan=gplan,
