@@ -121,6 +121,10 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/vllm/test_quantized_hooks.py"],
         "canary": None,
     },
+    "ops/moonep/sync_free": {   # a one-rank gloo group in this process (test_sync_free.py spawns 2 and 4 ranks)
+        "tests": ["tests/ops/test_sync_free_decisions.py", "tests/ops/test_sync_free_units.py"],
+        "canary": None,
+    },
     "ops/moonep/instrument": {   # a one-rank gloo group in this process (tests/ops/test_instrument.py spawns two ranks)
         "tests": ["tests/ops/test_instrument_decisions.py"],
         "canary": None,
@@ -468,6 +472,78 @@ EQUIVALENT: dict[str, str] = {
         "failures only and builds the MOONEP_EP_MULTICAST=on error with this rank itself",
     "moonep_ep.memory.symmetric.xǁSymmetricMemoryǁ_bind_multicast_in_lockstep__mutmut_44":
         "rank dropped from the bind's CollectiveError: as mutmut_41",
+    "moonep_ep.ops.moonep.sync_free.x__comm_plan__mutmut_13":
+        "t.to(device=None, dtype=int32) for device=dev: every table (the device plan, dst, recv_loff, the dedup tables) is already on the buffer's device",
+    "moonep_ep.ops.moonep.sync_free.x__comm_plan__mutmut_15":
+        "t.to(dtype=int32) without device=dev: as mutmut_13",
+    "moonep_ep.ops.moonep.sync_free.x__dedup_tables__mutmut_56":
+        "grouped.to(None) for .to(torch.int64): cumsum of a bool tensor is int64",
+    "moonep_ep.ops.moonep.sync_free.x__dedup_tables__mutmut_103":
+        "is_dup.to(None) for .to(torch.int64): cumsum of a bool tensor is int64",
+    "moonep_ep.ops.moonep.sync_free.x__dedup_tables__mutmut_69":
+        "NvS + 2 spare rows for NvS + 1: the spare rows are cut off ([:NvS])",
+    "moonep_ep.ops.moonep.sync_free.x__dedup_tables__mutmut_114":
+        "NvS + 2 spare rows for NvS + 1: the spare rows are cut off ([:NvS])",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_19":
+        "torch.full(..., -1) without dtype=int64: an int fill value makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_23":
+        "torch.full(..., -1) without dtype=int64: an int fill value makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_30":
+        "torch.full(..., -1) without dtype=int64: an int fill value makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_34":
+        "torch.full(..., -1) without dtype=int64: an int fill value makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_25":
+        "dest +1 past the s*K entries: their loff is -1, so meta is -1 for every rank either way",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_26":
+        "dest -2 past the s*K entries: as mutmut_25",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_36":
+        "loff +1 past the s*K entries: their dest -1 is no rank, so meta is -1 either way",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_37":
+        "loff -2 past the s*K entries: as mutmut_36",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_39":
+        "clamp(None, R-1) for clamp(0, R-1): raw >= 0 (a duplicate's -dst-1 included), so raw // NvS >= 0",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_51":
+        "torch.arange(R) without dtype=int64: an int end makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__exchange_and_place__mutmut_54":
+        "torch.arange(R) without dtype=int64: an int end makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x__padding_mask__mutmut_2":
+        "start.to(None) for .to(torch.int64): int32 starts stay exact (rows < 2**31) and index_add_ takes int32 indices",
+    "moonep_ep.ops.moonep.sync_free.x__padding_mask__mutmut_4":
+        "count.to(None) for .to(torch.int64): as mutmut_2",
+    "moonep_ep.ops.moonep.sync_free.x__padding_mask__mutmut_8":
+        "count >= 0 for > 0: a count-0 range adds and removes 1 at the same (clamped) row",
+    "moonep_ep.ops.moonep.sync_free.x__padding_mask__mutmut_18":
+        "NvS + 2 for NvS + 1 in the difference array: it is cut to [:NvS]",
+    "moonep_ep.ops.moonep.sync_free.x_combine__mutmut_202":
+        "dst > 0 for >= 0: dst 0 read as a duplicate gives raw -1, -1 // NvS = -1, clamped to rank 0, its rank",
+    "moonep_ep.ops.moonep.sync_free.x_combine__mutmut_203":
+        "dst >= 1 for >= 0: as mutmut_202",
+    "moonep_ep.ops.moonep.sync_free.x_combine__mutmut_208":
+        "clamp(None, R-1) for clamp(0, R-1): raw >= 0, so raw // NvS >= 0",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_5":
+        "s = None for s = 0 at the start: every path assigns s before reading it (the except sets 0)",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_6":
+        "s = 1 for s = 0 at the start: as mutmut_5",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_74":
+        "ids = '' for None: ids is read only on a fresh call without an error, where it is assigned",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_130":
+        "tpe.to(None) for .to(torch.int64): != of int64 counts and int32 tpe compares the values",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_137":
+        "torch.tensor(head) without dtype=int64: a list of Python ints makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_140":
+        "torch.tensor(head) without dtype=int64: a list of Python ints makes it int64",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_194":
+        "planner_flags zeros without dtype=int64: used only on reuse, where it is 0 and record converts it to int64",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_197":
+        "planner_flags zeros without dtype=int64: as mutmut_194",
+    "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁraise_if_set__mutmut_2":
+        "bits.to(None).tolist() for .to('cpu').tolist(): tolist copies a device tensor to the host itself",
+    "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁraise_if_set__mutmut_8":
+        "bad_id.to(None).tolist() for .to('cpu').tolist(): as mutmut_2",
+    "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁraise_if_set__mutmut_87":
+        "'XX'-wrapped step name of the CollectiveError: wording; the tests check it names the sync-free dispatch",
+    "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁrecord__mutmut_22":
+        "planner_flags.to(None) for .to(torch.int64): bitwise_or_ into the int64 word promotes the int32 flag",
 }
 
 _STATUS = {0: "survived", 1: "killed", 3: "killed", -24: "timeout", 24: "timeout", 152: "timeout",
