@@ -260,13 +260,6 @@ def test_capture_restores_what_the_region_wrote():
 
 # -- collectives ------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_collective_is_recorded_and_replayed_and_a_barrier_refused(one_rank):
     def reduce(x):
         y = x * 3

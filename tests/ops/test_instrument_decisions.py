@@ -31,14 +31,6 @@ def _weights() -> torch.Tensor:
     return torch.randn(4, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
 
 
-@pytest.fixture
-def one_rank():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 

@@ -22,14 +22,6 @@ from moonep_ep.ops.moonep.push import PushReferenceBuffer
 H, K, E, S, TP = 128, 3, 4, 4, 4
 
 
-@pytest.fixture
-def one_rank():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _inputs(s: int, seed: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(s)]).to(torch.int32)

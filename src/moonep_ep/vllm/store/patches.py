@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ... import envs
-from ..hooks import Install, Mark, Note, Patch, is_wrapped
+from ..hooks import RUNNER_MODULES, Install, Mark, Note, Patch, is_wrapped
 
 logger = logging.getLogger("vllm.moonep_ep")
 
@@ -34,8 +34,6 @@ MOD_ORACLE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
 MOD_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
 MOD_BASE_LOADER = "vllm.model_executor.model_loader.base_loader"
 MOD_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
-MOD_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
-MOD_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 
 
 def _ep_size() -> int:
@@ -190,6 +188,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(MOD_METHOD, patch_create_weights),
     Patch(MOD_BASE_LOADER, patch_initialize_model),
     Patch(MOD_RELOAD, patch_reload),
-    *(Patch(runner, patch) for runner in (MOD_GPU_RUNNER, MOD_GPU_RUNNER_V2)
+    *(Patch(runner, patch) for runner in RUNNER_MODULES
       for patch in (patch_reload, patch_model_memory)),
 )
