@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh --plan      every part's steps and time limits, and the one command (runs nothing)
 #   bash scripts/gpu_check.sh --part N    run part N; its last stdout line is one JSON object
-#   bash scripts/gpu_check.sh --one-gpu   the one command for a machine with one GPU: parts 6 and 7 and the
+#   bash scripts/gpu_check.sh --one-gpu   the one command for a machine with one GPU: parts 6-8 and the
 #                                         one-GPU steps of parts 1-2 that matter most, within one total limit
 #                                         (ONE_GPU below); its last stdout line is one JSON object
 #
@@ -12,7 +12,8 @@
 # install, nothing fetched. Part 1 alone answers the first question: does the CUDA path allocate,
 # export, import, map, verify and tear down with 0 leaks on the real driver? Part 6 (one GPU, torch and
 # Triton) runs the project's MXFP4 experts at Kimi K2/K3 shapes and the slot-fill race; part 7 (the same) one
-# Kimi K3 MoE layer with SiTU through them against a dense reference. Parts 3-5 need >= 2 GPUs
+# Kimi K3 MoE layer with SiTU through them against a dense reference; part 8 (the same) the MoE step's slot
+# fill, wait and experts captured in a CUDA graph and replayed against eager. Parts 3-5 need >= 2 GPUs
 # and an installed vLLM 0.33.0 environment (.venv-vllm, up to date); elsewhere they report
 # "not_applicable" with the reason and "ok": null (nothing ran, nothing passed).
 # MOONEP_EP_CUDA_EMULATOR=1 (set by the CPU test of this script, never on a GPU) runs every step over
@@ -49,26 +50,27 @@ PLAN=$(cat <<'EOF'
 6|mxfp4_kernel|150|gpu|torch,triton|out["ok"]|the MXFP4 grouped GEMM's registers, spills and time over a dense bf16 grouped GEMM (decode and prefill, fastest trials)
 6|mxfp4_race|120|gpu|torch,triton|out["ok"]|slot fills on a side stream, then the experts: without a wait (reported) and after wait_for_slots (must match)
 7|k3_moe_layer|180|gpu|torch,triton|out["ok"]|one Kimi K3 MoE layer at real widths (latent 3584, I 3072) through the MXFP4 experts with SiTU against a dense fp32 reference; SiLU, no linear_beta, the bias in the weights, the norm skipped must each fail
+8|moe_step_graphs|240|gpu|torch,triton|out["ok"]|the MoE step's slot fill (a side stream), wait and experts captured in a CUDA graph at K3's expert widths, BF16 and MXFP4, SiLU and SiTU, 1/8/64 tokens: every replay equals eager, the captured/eager time; the step without the wait and a slot table baked on the host must be caught
 EOF
 )
 # The one command for a machine with one GPU (`--one-gpu`): step|limit_s|needs|modules|check|what, where "="
 # for the last four takes them from the step's PLAN row. The limits are tighter than the parts' so that their
 # sum -- the command's total limit, stated by --plan -- fits one command (ONE_GPU_MAX_S) and, with the machine's
 # start-up, a session's device time. Each step runs under `timeout` with min(its limit, what is left of the
-# total): the whole command stops within the total. Parts 6 and 7 first, then what parts 1-2 ask of one GPU.
+# total): the whole command stops within the total. Parts 6-8 first, then what parts 1-2 ask of one GPU.
 # needs besides PLAN's: vllm (python3 must import vllm), unbuilt (the check does not exist yet: never runs).
 ONE_GPU=$(cat <<'EOF'
 env|30|-|torch,numpy,pytest|out["ok"]|python3, torch, numpy, pytest importable (cuda-bindings and Triton reported: the steps that need them check for themselves); the GPU seen by torch
-mxfp4_experts|110|=
-mxfp4_kernel|90|=
+mxfp4_experts|100|=
+mxfp4_kernel|80|=
 mxfp4_race|45|=
-k3_moe_layer|90|=
+k3_moe_layer|80|=
+moe_step_graphs|70|=
 check|30|=
-selftest|60|=
+selftest|50|=
 push_layout|50|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|the push layout on GPU 0, 2 ranks over CUDA VMM (POSIX fds, gloo): the store's [2*epn] compute views and [R, epn] slot pools, a row pushed into the next rank's pool read back, handles == the plan, 0 leaks; Kimi K3 MXFP4 real rows at the GPU page size, every byte pushed and read back (pytest -m cuda tests/layout/test_layout_cuda.py tests/layout/test_push_layout.py)
-quantized_vmm|75|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|INT4 g32, MXFP4 and FP8 block experts over CUDA VMM on GPU 0, 2 ranks: weights and scales in the store, a slot fill, the project's dequantizing expert FFN against a reference from the codes; a stale scale must miss (pytest -m cuda tests/ops/test_quantized_experts_cuda.py)
+quantized_vmm|65|gpu|torch,cuda.bindings,numpy,pytest,hypothesis|out["ok"]|INT4 g32, MXFP4 and FP8 block experts over CUDA VMM on GPU 0, 2 ranks: weights and scales in the store, a slot fill, the project's dequantizing expert FFN against a reference from the codes; a stale scale must miss (pytest -m cuda tests/ops/test_quantized_experts_cuda.py)
 vllm_int4_fp8|0|vllm|vllm|rc|vLLM's own INT4 (Marlin) and FP8 block (DeepGEMM, Triton) MoE kernels on the store's views
-cuda_graph|0|unbuilt|-|rc|the experts captured in and replayed from a CUDA graph (issue 46)
 EOF
 )
 ONE_GPU_COMMAND="bash scripts/gpu_check.sh --one-gpu"
@@ -206,6 +208,7 @@ PYEOF
     mxfp4_kernel) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.mxfp4 --check kernel --json ;;
     mxfp4_race) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.mxfp4 --check race --json ;;
     k3_moe_layer) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.k3 --json ;;
+    moe_step_graphs) timeout -k "$KILL_AFTER_S" "$limit" "$PY" -m checks.gpu.graphs --json ;;
     push_layout) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" push_layout \
                    tests/layout/test_layout_cuda.py tests/layout/test_push_layout.py ;;
     quantized_vmm) timeout -k "$KILL_AFTER_S" "$limit" "$PY" scripts/gpu_checks/pytest_gpu.py "$OUT" "$GPUS" quantized_vmm \
@@ -322,6 +325,7 @@ keep = {
     "mxfp4_kernel": ("device", "triton", "models", "kernels"),
     "mxfp4_race": ("device", "models"),
     "k3_moe_layer": ("device", "max_token_rel_err", "bound", "controls", "gate_past_beta", "up_past_linear_beta"),
+    "moe_step_graphs": ("device", "formats"),
 }.get(name, ())
 figures = {k: out[k] for k in keep if isinstance(out, dict) and k in out}
 if name == "check" and "cuda" in figures:

@@ -166,6 +166,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "count every device-to-host read inside the MoE ops per engine step (moonep_ep.testing.host_syncs; "
              "a Python call per torch op there): vllm-demo's decode_host_syncs, which sets it for its runs",
              scope="vLLM plugin"),
+    Variable("MOONEP_EP_CPU_MOE_GRAPHS", "bool", False,
+             "the CPU engine (MOONEP_EP_CPU=1) runs each MoonEP layer's decode-sized MoE step under the CUDA graph "
+             "capture-and-replay emulator (moonep_ep.testing.cuda_capture): captured at the first such step of "
+             "each buffer capacity, replayed at every later one (vllm-demo --moe-graphs sets it)",
+             scope="vLLM plugin"),
     Variable("MOONEP_EP_LOCKSTEP_CHECKS", "bool", False,
              "the reference buffer under vLLM checks every call's inputs on the host in lockstep (clear errors at "
              "once, several device-to-host reads per MoE layer); default: sync-free (ops/moonep/sync_free.py), "

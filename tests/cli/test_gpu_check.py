@@ -64,7 +64,7 @@ def test_plan_lists_each_parts_steps_and_limits_within_one_command():
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
     parts = _plan_lines(proc.stdout, "part")
-    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6, 7]
+    assert [p["part"] for p in parts] == [1, 2, 3, 4, 5, 6, 7, 8]
     for p in parts:
         assert p["limit_s"] == sum(s["limit_s"] for s in p["steps"]) <= 480, p   # a command gets 600 s at most
         assert f"part {p['part']}: {p['limit_s']} s of limits" in proc.stdout
@@ -114,7 +114,7 @@ def test_every_part_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_
     # push them out: both sides are CPU memcpy / matmul over the same DRAM here.
     assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["slot_fill_imported_over_local"])
     assert all(0.2 < r < 5 for r in summary["figures"]["perf"]["ffn_views_over_plain"])
-    for part in (3, 4, 5, 6, 7):
+    for part in (3, 4, 5, 6, 7, 8):
         proc = _run("--part", str(part), env=env, timeout=60)
         summary = _last_json(proc.stdout)
         assert proc.returncode == 0 and summary["ok"] is None and summary["failed"] == []
@@ -139,17 +139,17 @@ def test_plan_states_each_steps_needs_against_the_gpu_machine():
     assert "hypothesis" in steps["gpu_tests"]["modules"]
     assert steps["make_demo"]["gpu_machine"] == "cannot run: it has no vllm, compressed_tensors"
     assert all(steps[n]["gpu_machine"] == "cannot run: it has no vllm" for n in ("kv_accounting", "serve"))
-    # Parts 6 and 7 need nothing the GPU machine lacks: one GPU, torch and Triton (no vLLM, no cuda-bindings).
-    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer"):
+    # Parts 6-8 need nothing the GPU machine lacks: one GPU, torch and Triton (no vLLM; part 8's VMM store
+    # uses cuda-bindings where present and says so where not).
+    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer", "moe_step_graphs"):
         assert steps[name]["modules"] == ["torch", "triton"] and steps[name]["gpu_machine"] == "runs", steps[name]
         assert re.search(rf"^  {name}\s+\d+ s  \[gpu\] ", proc.stdout, re.M), name
 
 
 def test_plan_shows_the_one_command_for_a_machine_with_one_gpu_and_its_total_limit():
     """--plan names one command (--one-gpu) and its total limit: the sum of its steps' limits in the script's
-    ONE_GPU table, under 12 minutes and within one command's 600 s. It holds parts 6 and 7, the one-GPU steps of
-    parts 1-2, the push layout and INT4/FP8 over CUDA VMM, and states what it cannot run (vLLM's kernels, the
-    CUDA-graph part not built yet)."""
+    ONE_GPU table, under 12 minutes and within one command's 600 s. It holds parts 6-8, the one-GPU steps of
+    parts 1-2, the push layout and INT4/FP8 over CUDA VMM, and states what it cannot run (vLLM's kernels)."""
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
     [one] = _plan_lines(proc.stdout, "command")
@@ -164,11 +164,11 @@ def test_plan_shows_the_one_command_for_a_machine_with_one_gpu_and_its_total_lim
         assert re.search(rf"^  {name}\s+{limit} s ", proc.stdout, re.M), name
     steps = {s["step"]: s for s in one["steps"]}
     parts = {s["step"]: p["part"] for p in _plan_lines(proc.stdout, "part") for s in p["steps"]}
-    assert {n for n, p in parts.items() if p in (6, 7)} <= set(steps)            # parts 6 and 7 whole
+    assert {n for n, p in parts.items() if p in (6, 7, 8)} <= set(steps)         # parts 6-8 whole
     assert {"env", "check", "selftest", "push_layout", "quantized_vmm"} <= set(steps)
     assert steps["vllm_int4_fp8"]["gpu_machine"] == "cannot run: it has no vllm"
-    assert steps["cuda_graph"]["gpu_machine"] == "cannot run: not built yet"
-    assert all(steps[n]["limit_s"] == 0 for n in ("vllm_int4_fp8", "cuda_graph"))   # they never run
+    assert steps["moe_step_graphs"]["gpu_machine"] == "runs" and steps["moe_step_graphs"]["limit_s"] > 0
+    assert steps["vllm_int4_fp8"]["limit_s"] == 0   # it never runs
     # steps taken from a part keep that part's needs and modules, with a tighter limit
     for s in one["steps"]:
         if s["step"] in parts and s["step"] != "env":
@@ -180,7 +180,7 @@ def test_plan_shows_the_one_command_for_a_machine_with_one_gpu_and_its_total_lim
 @pytest.mark.slow
 def test_the_one_command_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line(tmp_path):
     """--one-gpu on an emulated one-H200 machine: env, check and selftest run and pass; every step that needs
-    real hardware (the Triton kernels, the cuda-marked tests), vLLM or a part not built yet says why not; the
+    real hardware (the Triton kernels, the graph capture, the cuda-marked tests) or vLLM says why not; the
     last line holds every step's result, within the total limit."""
     env = {"MOONEP_EP_CUDA_EMULATOR": "1", "MOONEP_EP_CUDA_EMULATOR_NODE": "H200x1", "PYTHON": sys.executable,
            "OUT": str(tmp_path)}
@@ -193,10 +193,10 @@ def test_the_one_command_runs_on_cpu_over_the_emulator_and_ends_in_one_json_line
     assert list(summary["results"]) == list(summary["steps"]) == [name for name, _ in table]
     assert {k for k, v in summary["steps"].items() if v == "passed"} == {"env", "check", "selftest"}
     assert set(summary["not_applicable"]) == {name for name, _ in table} - {"env", "check", "selftest"}
-    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer", "push_layout", "quantized_vmm"):
+    for name in ("mxfp4_experts", "mxfp4_kernel", "mxfp4_race", "k3_moe_layer", "moe_step_graphs", "push_layout",
+                 "quantized_vmm"):
         assert "needs a real GPU" in summary["not_applicable"][name], name
     assert "vLLM" in summary["not_applicable"]["vllm_int4_fp8"]
-    assert summary["not_applicable"]["cuda_graph"].startswith("not built yet")
     for name in ("env", "check", "selftest"):
         res = summary["results"][name]
         assert res["rc"] == 0 and res["seconds"] <= res["limit_s"] == dict(table)[name], res

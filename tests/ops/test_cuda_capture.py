@@ -1,4 +1,4 @@
-"""The capture-and-replay emulator (``tests/support/cuda_capture.py``, issue 46): replays equal eager bit for bit,
+"""The capture-and-replay emulator (``src/moonep_ep/testing/cuda_capture.py``, issue 46): replays equal eager bit for bit,
 and each thing a CUDA graph bakes in shows, as a refusal at the call or a replay that disagrees with eager.
 
 Controls: a planted ``.item()`` / ``int(t)`` is refused naming the op and this file's line; a per-call output
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moonep_ep.ops.moonep.prefetch import PendingCopies, pull_slots, wait_for_slots
-from tests.support import cuda_capture
-from tests.support.cuda_capture import CaptureRefused, CapturedGraph, capture
+from moonep_ep.testing import cuda_capture
+from moonep_ep.testing.cuda_capture import CaptureRefused, CapturedGraph, capture
 
 T, H, F, E, K, CAP = 6, 8, 16, 4, 2, 2   # tokens, hidden, inter, experts, top-k, rows per expert kept
 B = 3                                       # slots

@@ -1,4 +1,4 @@
-"""An interpreted Triton launch under the capture-and-replay emulator (``tests/support/cuda_capture.py``).
+"""An interpreted Triton launch under the capture-and-replay emulator (``src/moonep_ep/testing/cuda_capture.py``).
 
 ``python -m tests.support.capture_triton_check`` runs in the vllm==0.33.0 environment (it has Triton; nothing
 here imports vLLM), in Triton's interpreter. A step of aten ops around one launch (``y = 2x * alpha + 1``
@@ -25,7 +25,7 @@ def main() -> int:
     import triton
     import triton.language as tl
 
-    from tests.support.cuda_capture import CaptureRefused, _Launch, capture
+    from moonep_ep.testing.cuda_capture import CaptureRefused, _Launch, capture
     from moonep_ep.testing.triton_interpreter import mend_interpreter
 
     mend_interpreter()

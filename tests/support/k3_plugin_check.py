@@ -33,7 +33,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Iterator
 
-SITU_BETAS = {"activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0}   # Kimi K3's config.json
+from tests.support.vllm_moe_model import SITU_BETAS   # Kimi K3's betas (its config.json)
 
 
 def _error(exc: BaseException) -> str:

@@ -200,8 +200,11 @@ def _bf16_steps(rank: int, world: int) -> dict[str, Any]:
     return {"experts_class": type(model.layers[0].quant_method.moe_kernel.fused_experts).__name__, "steps": steps}
 
 
-def quantized_rank(rank: int, world: int, manager: Any, fmt: str, kind: str, material: Any,
-                   step_names: tuple[str, ...]) -> dict[str, Any]:
+def quantized_layers(rank: int, manager: Any, fmt: str, kind: str, material: Any, case: Any) -> tuple[list, list]:
+    """``case.layers`` MoE layers of format ``fmt`` over a new store of the manager's API (weights and scales,
+    layer ``l``'s expert ``e`` is entry ``l*E + e`` of the material: every layer's experts differ), each bound by
+    the plugin's ``bind_quantized_layer`` to vLLM's prepare/finalize and the experts of ``kind`` (``dequant``:
+    ``MoonEPQuantizedExperts``; ``triton``: ``MoonEPTritonQuantizedExperts``). Returns ``(layers, kernels)``."""
     import torch
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
@@ -209,29 +212,30 @@ def quantized_rank(rank: int, world: int, manager: Any, fmt: str, kind: str, mat
     from moonep_ep.vllm.store.loading import BINDING_ATTR
     from moonep_ep.vllm.quantized.engine import bind_quantized_layer
     from moonep_ep.vllm.store.sharded import ModelExpertStore
-    from tests.support.kernel_check import routing
-    from tests.support.vllm_moe_model import KernelCase, fused_moe_config
+    from tests.support.vllm_moe_model import fused_moe_config
 
     os.environ["MOONEP_EP_QUANTIZED_EXPERTS"] = kind
-    tensors, oracle = layer_material(material, QL, QE)
-    case = KernelCase(ranks=world, experts=QE, top_k=QTOPK, hidden=QH, intermediate=QI, layers=QL, tokens=QTOKENS)
-    epn = QE // world
-    store = ModelExpertStore(layer_names=[f"{fmt}.{kind}.{l}" for l in range(QL)], num_experts=QE, hidden=QH,
-                             intermediate=QI, num_slots=vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS,
-                             group=manager.cpu_group, device=torch.device("cpu"), fmt=fmt)
+    E, L = case.experts, case.layers
+    tensors, _ = layer_material(material, L, E)
+    epn = E // case.ranks
+    api = manager.buffer_choice.api_choice
+    store = ModelExpertStore(layer_names=[f"{fmt}.{kind}.{api.api}.{l}" for l in range(L)], num_experts=E,
+                             hidden=case.hidden, intermediate=case.intermediate,
+                             num_slots=api.num_slots(epn, vllm_moonep.MOONEP_DEFAULT_NUM_PREFETCH_SLOTS),
+                             api=api.api, group=manager.cpu_group, device=torch.device("cpu"), fmt=fmt)
     manager.expert_stores.append(store)
-    for l in range(QL):  # layer l's expert e is entry l*E + e of the material: every layer's experts differ
+    for l in range(L):
         for j in range(epn):
             for name, stacked in tensors.items():
-                row = stacked[l * QE + rank * epn + j]
-                if name.startswith("w13_"):  # gate and up, as vLLM's loader writes them: the row's two halves
-                    for part, half in enumerate(row.chunk(2)):
-                        store.write_expert(l, name, j, half, "slot_fill_check", part=part)
-                else:
-                    store.write_expert(l, name, j, row, "slot_fill_check")
+                row = stacked[l * E + rank * epn + j]
+                # gate and up, as vLLM's loader writes them: the row's two halves (push: split store tensors)
+                parts = enumerate(row.chunk(2)) if name.startswith("w13_") else [(None, row)]
+                for part, half in parts:
+                    target, target_part = store.store_target(name, part)
+                    store.write_expert(l, target, j, half, "slot_fill_check", part=target_part)
     store.settle()  # slots poisoned (NaN scales), as after a load or a reload
     layers, kernels = [], []
-    for l in range(QL):
+    for l in range(L):
         layer = torch.nn.Module()
         layer.layer_name = store.layer_names[l]
         layer._expert_routing_tables = lambda: None
@@ -241,6 +245,19 @@ def quantized_rank(rank: int, world: int, manager: Any, fmt: str, kind: str, mat
         bind_quantized_layer(method, layer)
         layers.append(layer)
         kernels.append(method.moe_kernel)
+    return layers, kernels
+
+
+def quantized_rank(rank: int, world: int, manager: Any, fmt: str, kind: str, material: Any,
+                   step_names: tuple[str, ...]) -> dict[str, Any]:
+    import torch
+
+    from tests.support.kernel_check import routing
+    from tests.support.vllm_moe_model import KernelCase
+
+    case = KernelCase(ranks=world, experts=QE, top_k=QTOPK, hidden=QH, intermediate=QI, layers=QL, tokens=QTOKENS)
+    _, oracle = layer_material(material, QL, QE)
+    layers, kernels = quantized_layers(rank, manager, fmt, kind, material, case)
     steps = []
     for step in step_names:
         counter: dict[str, int] = {}

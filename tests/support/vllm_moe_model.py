@@ -30,6 +30,11 @@ class KernelCase:
     skew: float = 8.0
     max_num_tokens: int = 256
     seed: int = 0
+    activation: str = "silu"   # or "situ", with Kimi K3's betas (SITU_BETAS)
+
+
+#: Kimi K3's SiTU betas (its config.json): what a SiTU layer's FusedMoEConfig carries
+SITU_BETAS = {"activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0}
 
 
 def expert_weights(case: KernelCase, layer: int, expert: int) -> tuple[Any, Any, Any]:
@@ -55,9 +60,10 @@ def fused_moe_config(case: KernelCase, rank: int) -> Any:
                                 ep_rank=rank, sp_size=1, use_ep=True, all2all_backend="moonep", enable_eplb=False)
     return FusedMoEConfig(num_experts=case.experts, experts_per_token=case.top_k, hidden_dim=case.hidden,
                           intermediate_size=case.intermediate, num_local_experts=case.experts // R,
-                          num_logical_experts=case.experts, activation=MoEActivation.SILU, device="cpu",
-                          routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc,
-                          in_dtype=torch.bfloat16, max_num_tokens=case.max_num_tokens)
+                          num_logical_experts=case.experts, activation=MoEActivation(case.activation),
+                          device="cpu", routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc,
+                          in_dtype=torch.bfloat16, max_num_tokens=case.max_num_tokens,
+                          **(SITU_BETAS if case.activation == "situ" else {}))
 
 
 def _layer_names(case: KernelCase, prefix: str = "model") -> list[str]:

@@ -27,10 +27,13 @@ from ..layout.footprint import (DEFAULT_EP_SIZES, DEFAULT_GRANULARITY, DEFAULT_R
                          GPU_CAPACITY_GB, SCHEMES, VLLM_DEFAULT_NUM_PREFETCH_SLOTS,
                          FootprintOptions, footprint_report)
 from ..layout.formats import FORMAT_NAMES, get_format
+from ..layout.graph_buffers import (DEFAULT_CAPTURE_SIZES, DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_SMALL_TOKEN_PADDING,
+                                    VLLM_TOKEN_PADDING, capture_size_report)
 from ..models import DEFAULT_MODELS, MoEModelConfig, get_model, load_hf_config, model_names
 from ..tools.args import add_run_arguments
 
-__all__ = ["add_parser", "run", "format_table", "write_plot", "parse_size", "parse_int_list"]
+__all__ = ["add_parser", "run", "format_table", "format_capture_table", "write_plot", "parse_size",
+           "parse_int_list"]
 
 _SCHEME_LABEL = {
     "replicated": "replicated (vLLM 0.33.0)",
@@ -145,6 +148,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --measure: EP ranks to run")
     p.add_argument("--layers", type=int, default=None, metavar="L",
                    help="with --measure: MoE layers to allocate")
+    p.add_argument("--capture-sizes", type=parse_int_list, nargs="?", default=None,
+                   const=list(DEFAULT_CAPTURE_SIZES), metavar="LIST",
+                   help="also print the MoonEP dispatch buffer's receive-shard bytes per CUDA graph capture size "
+                        "(tokens per rank), under vLLM's pool and one buffer per capture size (derived; "
+                        "issue 46); without LIST: " + ",".join(map(str, DEFAULT_CAPTURE_SIZES)))
+    p.add_argument("--token-padding-small", type=int, default=DEFAULT_SMALL_TOKEN_PADDING, metavar="N",
+                   help=f"with --capture-sizes: the small decode token_padding the per-size buffers are also "
+                        f"sized at (vLLM's is {VLLM_TOKEN_PADDING})")
+    p.add_argument("--max-tokens-per-rank", type=int, default=DEFAULT_MAX_TOKENS_PER_RANK, metavar="N",
+                   help="with --capture-sizes: vLLM's pool's largest capacity (max_num_batched_tokens)")
     add_run_arguments(p, driver_default="host",
                       driver_help="with --measure: memory driver (host: memfd sizes from the OS; cuda: device "
                                   "bytes from the driver, over the emulator with MOONEP_EP_CUDA_EMULATOR=1)",
@@ -252,6 +265,45 @@ def _load_peak_table(mf: dict[str, Any], cols: list[str]) -> list[str]:
             *_render(rows)]
 
 
+def format_capture_table(report: dict[str, Any]) -> str:
+    """The ``--capture-sizes`` tables (``layout.graph_buffers.capture_size_report``): one per model and EP size."""
+    a, f = report["assumptions"], report["formulas"]
+    tp, small = a["token_padding"], a["token_padding_small"]
+    lines = [f"MoonEP dispatch buffer per CUDA graph capture size n (tokens per rank), {a['api']} API; derived, "
+             f"not measured: {f['rows_' + a['api']]}; bytes = {f['bytes']}; pad = {f['padding_fraction']}; "
+             f"MB = 1e6 bytes.",
+             f"vLLM pool: S = {f['vllm_pool_S']} with "
+             f"max_tokens_per_rank {a['max_tokens_per_rank']} (MoonEPBufferPool.capacity_for), tp {tp}; "
+             f"per size: S = {f['per_size_S']}, tp {tp} and tp {small}. Totals: {f['total_bytes']}.",
+             "pad counts the rows beyond the buffer's S*K; a capture of n < S tokens fills only n*K rows."]
+    for name, mf in report["models"].items():
+        cfg = mf["config"]
+        for ep, entry in mf["ep"].items():
+            head = f"{name} EP{ep}: E={cfg['num_experts']} K={cfg['top_k']} H={cfg['hidden_size']}"
+            if not entry["supported"]:
+                lines += ["", f"{head}: n/a: {entry['reason']}"]
+                continue
+            lines += ["", f"{head} epn={entry['epn']}"]
+            rows = [["n", "vLLM S", f"NvS tp{tp}", "MB", "pad", "own S", f"NvS tp{tp}", "MB", "pad",
+                     f"NvS tp{small}", "MB", "pad"]]
+            for r in entry["rows"]:
+                v, o, s = r["vllm_pool"], r["per_size"], r["per_size_small_tp"]
+                rows.append([str(r["capture_size"]), str(v["S"])]
+                            + _capture_cells(v)
+                            + [str(o["S"])] + _capture_cells(o) + _capture_cells(s))
+            lines += _render(rows)
+            t = entry["totals"]
+            lines.append("  distinct buffers: " + "; ".join(
+                f"{label} S={','.join(map(str, t[k]['S']))}: {t[k]['bytes']:,} B = {t[k]['bytes'] / 1e6:.2f} MB"
+                for k, label in (("vllm_pool", f"vLLM pool tp{tp}"), ("per_size", f"per size tp{tp}"),
+                                 ("per_size_small_tp", f"per size tp{small}"))))
+    return "\n".join(lines)
+
+
+def _capture_cells(e: dict[str, Any]) -> list[str]:
+    return [str(e["rows"]), f"{e['bytes'] / 1e6:.2f}", f"{100 * e['padding_fraction']:.1f}%"]
+
+
 def _render(rows: list[list[str]]) -> list[str]:
     """Right-aligned columns, indented two spaces, a dash rule under the header row."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -352,6 +404,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         models = _select_models(args)
         report = footprint_report(models, args.ep, _options(args))
+        if getattr(args, "capture_sizes", None):
+            report["capture_size_buffers"] = capture_size_report(
+                models, args.ep, args.capture_sizes, args.token_padding_small, getattr(args, "moonep_api", "pull"),
+                args.max_tokens_per_rank)
     except ConfigError as exc:
         print(f"moonep-ep footprint: {exc}", file=sys.stderr)
         return 2
@@ -361,6 +417,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
+        if "capture_size_buffers" in report:
+            print("\n" + format_capture_table(report["capture_size_buffers"]))
         if args.plot:
             print(f"\nplot written to {args.plot}")
     return 0

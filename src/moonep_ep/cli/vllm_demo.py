@@ -44,6 +44,10 @@ def add_parser(subparsers: Any) -> None:
                         "to that owner's experts (on the tiny DeepSeek-V3 family, its planted skew; on PATH, words "
                         "read off the checkpoint's own routers), then the mixed prompts; mixed: six mixed prompts "
                         "only; auto (default): skewed on the tiny DeepSeek-V3 family, mixed otherwise")
+    p.add_argument("--moe-graphs", action="store_true",
+                   help="CPU engine: the dp_sharded run's decode-sized MoE steps are captured and replayed by the "
+                        "CUDA graph emulator (MOONEP_EP_CPU_MOE_GRAPHS), as a full decode graph holds them on a GPU; "
+                        "the JSON's moe_graph counts captures, replays and host reads")
     p.add_argument("--oracle-model", default=None, metavar="PATH",
                    help="judge the runs against this bf16 checkpoint instead of the model's own (or its "
                         "decompressed copy): a negative control, e.g. a checkpoint with a planted bug judged "
@@ -73,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(model=args.model, dp=args.dp, runs=tuple(r for r in args.runs.split(",") if r),
                      max_tokens=args.max_tokens, device=device, engine=dist,
                      reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout,
-                     oracle_model=args.oracle_model, workload=args.workload, reload_control=args.reload_control)
+                     oracle_model=args.oracle_model, workload=args.workload, reload_control=args.reload_control,
+                     moe_graphs=args.moe_graphs)
     try:
         summary = run_demo(cfg, progress)
     except ConfigError as exc:

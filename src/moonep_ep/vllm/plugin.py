@@ -30,8 +30,10 @@ patches on one vLLM module run in it:
    ``observe/peer_naming.py`` (a lost DP peer named), ``observe/step_errors.py``
    (the sync-free buffers' deferred errors raised after each step), and with
    ``MOONEP_EP_ROUTING_RECORD_DIR`` set ``observe/routing_record.py`` (each
-   step's rows for the routers' record), and with ``MOONEP_EP_COUNT_HOST_SYNCS``
-   on ``observe/host_syncs.py`` (the host reads in the MoE ops, per step), and with
+   step's rows for the routers' record), with ``MOONEP_EP_CPU=1`` and ``MOONEP_EP_CPU_MOE_GRAPHS`` on
+   ``cpu/moe_graphs.py`` (the MoE step captured and replayed by the graph emulator), and with
+   ``MOONEP_EP_COUNT_HOST_SYNCS`` on ``observe/host_syncs.py`` (the host reads in the MoE ops, per step; it
+   wraps the emulator's wrapper), and with
    ``MOONEP_EP_VLLM_STATS_DIR`` set ``observe/deferred.py`` (the prefetch statistics analysed after each step);
 4. ``prepare_finalize/patches.py``: capacity padding (after 3's count, on the
    same module), vLLM's MoonEP names and the push API's choice;
@@ -61,7 +63,7 @@ from .. import envs
 from . import graphs, hooks
 from .checkpoint import patches as checkpoint_patches
 from .compat import check_vllm
-from .cpu import patches as cpu_patches
+from .cpu import moe_graphs, patches as cpu_patches
 from .experts import patches as experts_patches
 from .hooks import Install, Mark, Note, Patch, when_imported
 from .observe import deferred, host_syncs, patches as observe_patches, peer_naming, routing_record, step_errors
@@ -131,6 +133,8 @@ def _patch_tables() -> list[tuple[Patch, ...]]:
     tables = [PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES, step_errors.PATCHES]
     if routing_record.record_dir() is not None:
         tables.append(routing_record.PATCHES)
+    if moe_graphs.enabled():   # before the read counter, which then wraps it
+        tables.append(moe_graphs.PATCHES)
     if host_syncs.enabled():
         tables.append(host_syncs.PATCHES)
     if deferred.enabled():

@@ -180,7 +180,12 @@ def dispatch(buf: Any, hidden_sh: torch.Tensor, weights_sk: Optional[torch.Tenso
         ids = torch.where(bad, torch.zeros_like(ids), ids)   # safe ids: the flag makes the step void
         counts.index_add_(0, ids, torch.ones_like(ids))
         flags = torch.where(bad.any(), _BAD_ID, 0) | torch.where((counts != tpe.to(torch.int64)).any(), _BAD_COUNTS, 0)
-    mine = torch.cat([flags.view(1), torch.tensor(head, dtype=torch.int64, device=dev), first_bad, counts])
+    # the header's Python ints by scalar fills, not torch.tensor(..., device=): that is a blocking host->device
+    # copy, which CUDA graph capture refuses; a fill's scalar is baked, as the capture size fixes it
+    head_t = torch.empty(len(head), dtype=torch.int64, device=dev)
+    for i, value in enumerate(head):
+        head_t[i].fill_(value)
+    mine = torch.cat([flags.view(1), head_t, first_bad, counts])
     gathered = torch.empty(R * (_HEADER + E), dtype=torch.int64, device=dev)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name in torch >= 2.13
     with buf.comm.peer_loss_named("dispatch: counts gather"):

