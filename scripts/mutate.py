@@ -125,6 +125,10 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/ops/test_sync_free_decisions.py", "tests/ops/test_sync_free_units.py"],
         "canary": None,
     },
+    "vllm/cpu/moe_graphs": {   # vLLM's modular kernel a stand-in in this process (the engine tier runs the real one)
+        "tests": ["tests/vllm/test_moe_graphs_decisions.py"],
+        "canary": None,
+    },
     "ops/moonep/instrument": {   # a one-rank gloo group in this process (tests/ops/test_instrument.py spawns two ranks)
         "tests": ["tests/ops/test_instrument_decisions.py"],
         "canary": None,
@@ -528,14 +532,10 @@ EQUIVALENT: dict[str, str] = {
         "ids = '' for None: ids is read only on a fresh call without an error, where it is assigned",
     "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_130":
         "tpe.to(None) for .to(torch.int64): != of int64 counts and int32 tpe compares the values",
-    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_137":
-        "torch.tensor(head) without dtype=int64: a list of Python ints makes it int64",
-    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_140":
-        "torch.tensor(head) without dtype=int64: a list of Python ints makes it int64",
-    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_194":
-        "planner_flags zeros without dtype=int64: used only on reuse, where it is 0 and record converts it to int64",
     "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_197":
-        "planner_flags zeros without dtype=int64: as mutmut_194",
+        "planner_flags zeros without dtype=int64: used only on reuse, where it is 0 and record converts it to int64",
+    "moonep_ep.ops.moonep.sync_free.x_dispatch__mutmut_200":
+        "planner_flags zeros without dtype=int64: as mutmut_197",
     "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁraise_if_set__mutmut_2":
         "bits.to(None).tolist() for .to('cpu').tolist(): tolist copies a device tensor to the host itself",
     "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁraise_if_set__mutmut_8":
@@ -544,6 +544,9 @@ EQUIVALENT: dict[str, str] = {
         "'XX'-wrapped step name of the CollectiveError: wording; the tests check it names the sync-free dispatch",
     "moonep_ep.ops.moonep.sync_free.xǁDeferredErrorsǁrecord__mutmut_22":
         "planner_flags.to(None) for .to(torch.int64): bitwise_or_ into the int64 word promotes the int32 flag",
+    "moonep_ep.vllm.cpu.moe_graphs.x_graph_moe_steps__mutmut_56":
+        "signature.bind(None, ...) for bind(self, ...): the bound 'self' is popped and never read, and binding "
+        "checks no argument's value",
 }
 
 _STATUS = {0: "survived", 1: "killed", 3: "killed", -24: "timeout", 24: "timeout", 152: "timeout",

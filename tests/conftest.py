@@ -42,6 +42,7 @@ ENGINE_FILES = frozenset({
     "tests/vllm/test_gpu_experts_engine.py",
     "tests/vllm/test_push_engine.py",
     "tests/vllm/test_soak.py",
+    "tests/vllm/test_moe_graphs_engine.py",
 })
 
 

