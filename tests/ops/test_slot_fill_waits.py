@@ -266,6 +266,12 @@ INVENTORY: dict[tuple[str, str, str], tuple[str, tuple[str, str, str], tuple[str
         ("ops/moonep/prefetch.py", "PendingCopies.wait", "land_through"),
         (f"{OPS_TEST}::test_a_cpu_fill_lands_only_when_its_event_is_waited_on",
          f"{OPS_TEST}::test_copies_land_in_issue_order_and_read_their_source_when_they_land")),
+    ("testing/cuda_capture.py", "_Issue.replay", "issue"): (
+        "the graph emulator's replay issues a captured fill again on the CPU side stream; the recorded wait lands it "
+        "at the same place in the step",
+        ("testing/cuda_capture.py", "_Land.replay", "land_through"),
+        ("tests/ops/test_cuda_capture.py::test_a_read_before_the_fill_wait_disagrees_under_replay",
+         "tests/ops/test_cuda_capture.py::test_slot_fills_replay_with_new_tables_equal_to_eager")),
     ("ops/moonep/prefetch.py", "_HostCopyQueue.issue", "PendingCopies"): (
         "the CPU side stream's event; teardown lands the queue",
         ("ops/moonep/prefetch.py", "SideStreams.close", "land_through"),
