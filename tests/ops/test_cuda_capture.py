@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moonep_ep.ops.moonep.prefetch import PendingCopies, pull_slots, wait_for_slots
 from moonep_ep.testing import cuda_capture
 from moonep_ep.testing.cuda_capture import CaptureRefused, CapturedGraph, capture
+from moonep_ep.testing.host_syncs import count_host_syncs, mark_host
 
 T, H, F, E, K, CAP = 6, 8, 16, 4, 2, 2   # tokens, hidden, inter, experts, top-k, rows per expert kept
 B = 3                                       # slots
@@ -350,6 +351,24 @@ def test_a_synchronous_host_to_device_copy_is_refused_and_a_non_blocking_one_bak
     host.copy_(torch.tensor([5.0, 7.0]))
     graph.replay()
     assert torch.equal(out, torch.tensor([5.0, 7.0]))
+
+
+def test_a_host_op_that_torch_decomposes_is_cpu_work_and_replays_nothing():
+    """``repeat_interleave`` on a host table reaches the dispatcher as ``repeat_interleave.Tensor`` then
+    ``index_select``, whose outputs no tensor-level tag sees: both are CPU work (their inputs are host memory), not
+    captured, so a replay reads nothing. Control: the same op on a device table is a data-dependent read, refused."""
+    table = torch.tensor([1, 0, 2])
+    mark_host(table)
+    x = torch.randn(4)
+    graph, out = capture(lambda: x + 0 * torch.repeat_interleave(table, table).sum())
+    assert not any("repeat_interleave" in n or "index_select" in n for n in graph.op_names()), graph.op_names()
+    with count_host_syncs(cpu_is_device=True) as reads:
+        graph.replay()
+    assert reads.total == 0 and torch.equal(out, x)
+    device_table = torch.tensor([1, 0, 2])   # made outside a counted region and not declared: device memory
+    with pytest.raises(CaptureRefused) as err:
+        capture(lambda: x + 0 * torch.repeat_interleave(device_table, device_table).sum())
+    assert err.value.kind == "repeat_interleave"
 
 
 def test_a_refusal_leaves_an_outer_host_read_counter_counting():

@@ -301,13 +301,20 @@ def test_without_dp_metadata_or_outside_a_forward_context_the_rank_s_own_tokens_
 
 
 def test_host_reads_made_during_a_replay_are_counted(monkeypatch):
-    # The step reads a host table (declared with mark_host, as vLLM's ``*_cpu`` tables are) through
-    # repeat_interleave: at capture that is host work, so nothing is refused, but its output is the emulator's,
-    # not a host tensor, so the op is recorded; a replay runs it on views of the recorded storages, which are
-    # device tensors, so each replay makes one counted read.
-    table = torch.tensor([1, 0, 2])
-    mark_host(table)
-    cls = _patched(monkeypatch, host_table=table)
+    # A replay runs only what the capture recorded, and the capture refuses every host read, so a read in a
+    # replay can only be planted: here one in the emulator's replay, on a tensor made before the region (device
+    # memory for the counter).
+    from moonep_ep.testing import cuda_capture
+
+    device_value = torch.ones(1)
+    real = cuda_capture.CapturedGraph.replay
+
+    def replay(self):
+        real(self)
+        device_value.item()
+
+    monkeypatch.setattr(cuda_capture.CapturedGraph, "replay", replay)
+    cls = _patched(monkeypatch)
     impl = cls(MoonEPPrepareAndFinalize(bound=8))
     for seed in (16, 17):
         x, ids, w = _inputs(2, seed)

@@ -358,7 +358,16 @@ class CapturedGraph:
         self._seen.clear()
         for item in self.items:
             if isinstance(item, _Op):
-                keys = [a.key for a in item.flat if isinstance(a, _Ref)] + [o[0].key for o in item.outs if o]
+                inputs = [a.key for a in item.flat if isinstance(a, _Ref)]
+                outputs = [o[0].key for o in item.outs if o]
+                # An op on host storages alone is CPU work, its fresh outputs host memory too: the aten ops a host
+                # op decomposes into (``repeat_interleave`` into ``repeat_interleave.Tensor`` and
+                # ``index_select``) make outputs the tensor-level tags never see. A move to a device (a
+                # ``device=`` argument) is not: a GPU captures that copy.
+                moves = "device" in tree_unflatten(item.flat, item.spec)[1]
+                if inputs and all(k in host for k in inputs) and not moves:
+                    host.update(k for o in item.outs if o and o[1] for k in (o[0].key,))
+                keys = inputs + outputs
                 item.elided = bool(keys) and all(k in host for k in keys)
         with _disable_current_modes():
             for k, (storage, saved) in self._saved.items():
