@@ -255,15 +255,32 @@ def _kill_one_engine(server: SoakServer) -> dict[str, Any]:
     while server.alive() and time.monotonic() - t_kill < EXIT_AFTER_KILL_S:
         time.sleep(0.5)
     exited_s = round(time.monotonic() - t_kill, 1) if not server.alive() else None
-    log = server.log_tail(200_000)
-    # vLLM's own line ("Engine core process EngineCore_DP1 died unexpectedly") or the plugin's peer naming on
-    # the surviving rank ("lost rank(s) [1] on host ...")
-    named = [line.strip()[-400:] for line in log.splitlines()
-             if "died unexpectedly" in line or "lost rank(s) [" in line]
+    named = dead_engine_named(server.log_tail(200_000))
     return {"killed": {"pid": pid, "title": name}, "request_in_flight_status": in_flight[0] if in_flight else None,
             "request_after_kill_status": after[0],
             "server_exited_s": exited_s, "server_exit_code": server.proc.returncode,
             "dead_engine_named": named[:3]}
+
+
+#: what names the killed engine in the server's log: vLLM's own line ("Engine core process EngineCore_DP1 died
+#: unexpectedly", the name before the words) or the plugin's peer naming on the surviving rank ("lost rank(s) [1] on
+#: host ...", the name after them)
+DEAD_ENGINE_WORDS = (("died unexpectedly", 160), ("lost rank(s) [", 0))
+
+
+def dead_engine_named(log: str) -> list[str]:
+    """The log lines that name the dead engine, each cut to 400 characters around its naming words. A line's tail
+    alone would lose them where the collective's error text that follows is long (gloo's "Read error ...
+    Connection reset by peer" runs past 400 characters, its "Connection closed by peer" does not)."""
+    named = []
+    for line in log.splitlines():
+        for words, before in DEAD_ENGINE_WORDS:
+            at = line.find(words)
+            if at >= 0:
+                start = max(0, at - before)
+                named.append(line[start:start + 400].strip())
+                break
+    return named
 
 
 def _leftovers(tree: list[int], shm_before: list[str]) -> dict[str, Any]:

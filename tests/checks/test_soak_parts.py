@@ -799,3 +799,24 @@ def test_plot_writes_a_png(tmp_path):
     empty = str(tmp_path / "empty.png")
     plot.plot_soak(empty, [], [], [], t0=0.0)
     assert os.path.getsize(empty) > 0
+
+
+def test_the_dead_engine_is_named_whatever_the_length_of_the_error_text_after_it():
+    from checks.soak.run import dead_engine_named
+
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:21715: Connection reset by peer. This is typically caused by a remote worker hanging or bugs "
+            "in the application. Check the logs of the remote worker before reporting an error. Fix: read the other "
+            "ranks' logs for the first failure, then restart all ranks")
+    peer = ("(EngineCore_DP0 pid=25133) ERROR 12-07 16:19:51 [core.py:1512] moonep_ep.errors.PeerLostError: [rank 0] "
+            "lost contact with a peer during 'DP state synchronization (engine core of DP rank 0)' (a rank was "
+            "killed, crashed or stopped answering within MOONEP_EP_TIMEOUT_S=30s): lost rank(s) [1] on host vm "
+            f"(127.0.0.1): {gloo}")
+    died = "(APIServer pid=1) ERROR [core_client.py:610] Engine core process EngineCore_DP1 died unexpectedly. " + gloo
+    log = "\n".join(["INFO started", peer, "INFO something else", died])
+    named = dead_engine_named(log)
+    assert len(peer) > 500 and len(named) == 2 and all(len(n) <= 400 for n in named)
+    assert named[0].startswith("lost rank(s) [1] on host vm (127.0.0.1)")   # a 400-character tail lost these words
+    assert "EngineCore_DP1 died unexpectedly" in named[1]
+    assert peer[-400:].find("lost rank(s) [1]") == -1                          # the old cut, on the same line
+    assert dead_engine_named("INFO all well\nWARNING slow") == []
