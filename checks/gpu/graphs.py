@@ -76,50 +76,9 @@ def _activation(name: str) -> Any:
     return SILU if name == "silu" else GatedActivation("situ", beta=BETA, linear_beta=LINEAR_BETA)
 
 
-def _projections(fmt: str, dims: Dims) -> list:
-    from moonep_ep.layout.formats import expert_projections
-
-    return expert_projections(fmt, dims.hidden, dims.inter)
-
-
-@contextlib.contextmanager
-def expert_views(fmt: str, dims: Dims, device: torch.device, vmm: bool
-                 ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-    """``({name: [E+B, ...]}, info)``: the store's views over CUDA VMM on one rank where ``vmm`` and the driver
-    allow, else plain tensors on ``device`` (``info["views"]`` says which, and why)."""
-    store = driver = None
-    info: dict[str, Any] = {}
-    views: dict[str, torch.Tensor] = {}
-    if vmm:
-        try:
-            import torch.distributed as dist
-
-            from moonep_ep.layout.store import ShardedExpertStore
-            from moonep_ep.memory import make_driver
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            driver = make_driver("cuda", rank=0)
-            store = ShardedExpertStore(num_layers=1, num_experts=dims.experts, projections=_projections(fmt, dims),
-                                       num_slots=dims.slots, driver=driver)
-            views = {p.name: store.pull_view(0, p.name) for p in _projections(fmt, dims)}
-            info["views"] = "store over CUDA VMM, one rank"
-        except Exception as exc:  # noqa: BLE001 - a driver refusing VMM: plain tensors, said so
-            if driver is not None:
-                driver.close()
-            store = driver = None
-            info["vmm_not_applicable"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if store is None:
-        info["views"] = "plain device tensors"
-        views = {p.name: torch.empty((dims.experts + dims.slots, *p.shape), dtype=p.dtype, device=device)
-                 for p in _projections(fmt, dims)}
-    try:
-        yield views, info
-    finally:
-        views.clear()
-        if store is not None:
-            store.close()
-            driver.close()
+def _shape(dims: Dims) -> mxfp4.Shape:
+    """The dims as part 6's ``Shape``, whose ``expert_views`` makes the views of either format."""
+    return mxfp4.Shape("k3-graphs", dims.hidden, dims.inter, dims.experts, dims.top_k, dims.slots)
 
 
 def fill_experts(fmt: str, views: dict[str, torch.Tensor], dims: Dims, seed: int = 0) -> None:
@@ -268,12 +227,11 @@ def run_case(fmt: str, activation: str, views: dict[str, torch.Tensor], dims: Di
     return res
 
 
-def unjoined_control(views: dict[str, torch.Tensor], dims: Dims, device: torch.device,
+def unjoined_control(fmt: str, views: dict[str, torch.Tensor], dims: Dims, device: torch.device,
                      new_graph: Callable[[], Any], config: Optional[dict[str, int]]) -> dict[str, Any]:
     """The step without the wait: capture must refuse it (the fill's side stream never joined)."""
     static, _ = draw_inputs(dims, 1, 7, device)
-    step = make_step("mxfp4" if "w13_weight_packed" in views else "bf16", "silu", views, dims, static, config,
-                     wait=False)
+    step = make_step(fmt, "silu", views, dims, static, config, wait=False)
     step()
     _synchronize(device)
     try:
@@ -334,13 +292,13 @@ def run_all(dims: Dims, device: torch.device, new_graph: Callable[[], Any], conf
         if why:
             out["formats"][fmt] = {"not_applicable": why}
             continue
-        with expert_views(fmt, dims, device, vmm) as (views, info):
+        with mxfp4.expert_views(_shape(dims), device, vmm, fmt=fmt) as (views, info):
             fill_experts(fmt, views, dims)
             res: dict[str, Any] = dict(info)
             for act in ACTIVATIONS:
                 res[act] = {str(n): run_case(fmt, act, views, dims, n, device, new_graph, config, trials)
                             for n in sizes}
-            res["control_without_wait"] = unjoined_control(views, dims, device, new_graph, config)
+            res["control_without_wait"] = unjoined_control(fmt, views, dims, device, new_graph, config)
             res["control_baked_table"] = baked_table_control(fmt, views, dims, device, new_graph, config)
             out["formats"][fmt] = res
     ran = [r for r in out["formats"].values() if "not_applicable" not in r]

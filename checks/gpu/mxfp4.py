@@ -180,8 +180,8 @@ def missing_preconditions() -> list[str]:
 # weights
 
 
-def _store_views(shape: Shape) -> tuple[dict[str, torch.Tensor], Any, Any]:
-    """The store over CUDA VMM on one rank (a one-process gloo group): ``(views, store, driver)``."""
+def _store_views(shape: Shape, fmt: str) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """The store of ``fmt`` over CUDA VMM on one rank (a one-process gloo group): ``(views, store, driver)``."""
     import torch.distributed as dist
 
     from moonep_ep.layout.formats import expert_projections
@@ -192,7 +192,7 @@ def _store_views(shape: Shape) -> tuple[dict[str, torch.Tensor], Any, Any]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     driver = make_driver("cuda", rank=0)
     try:
-        projs = expert_projections("mxfp4", shape.H, shape.I)
+        projs = expert_projections(fmt, shape.H, shape.I)
         store = ShardedExpertStore(num_layers=1, num_experts=shape.E, projections=projs, num_slots=shape.B,
                                    driver=driver)
     except BaseException:
@@ -202,10 +202,10 @@ def _store_views(shape: Shape) -> tuple[dict[str, torch.Tensor], Any, Any]:
 
 
 @contextlib.contextmanager
-def expert_views(shape: Shape, device: torch.device, vmm: bool = True
+def expert_views(shape: Shape, device: torch.device, vmm: bool = True, fmt: str = "mxfp4"
                  ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-    """``({name: [E+B, ...] view}, info)``: the VMM store's views (``vmm``, when the driver allows), else plain
-    tensors on ``device``; ``info["views"]`` says which, and why not the store."""
+    """``({name: [E+B, ...] view}, info)`` of format ``fmt``: the VMM store's views (``vmm``, when the driver
+    allows), else plain tensors on ``device``; ``info["views"]`` says which, and why not the store."""
     from moonep_ep.layout.formats import expert_projections
 
     store = driver = None
@@ -213,7 +213,7 @@ def expert_views(shape: Shape, device: torch.device, vmm: bool = True
     views: dict[str, torch.Tensor] = {}
     if vmm:
         try:
-            views, store, driver = _store_views(shape)
+            views, store, driver = _store_views(shape, fmt)
             info["views"] = "store over CUDA VMM, one rank"
         except Exception as exc:  # noqa: BLE001 - a sandbox refusing VMM calls: plain tensors instead
             info["views"] = "plain device tensors"
@@ -221,7 +221,7 @@ def expert_views(shape: Shape, device: torch.device, vmm: bool = True
     if store is None:
         info.setdefault("views", "plain device tensors")
         views = {p.name: torch.empty((shape.E + shape.B, *p.shape), dtype=p.dtype, device=device)
-                 for p in expert_projections("mxfp4", shape.H, shape.I)}
+                 for p in expert_projections(fmt, shape.H, shape.I)}
     try:
         yield views, info
     finally:

@@ -120,6 +120,21 @@ def _build(case_name: str, rank: int, world: int, manager: Any, materials: dict)
     return _Layers(case, layers, kernels, MoEActivation(act))
 
 
+def _replays_and_eager(layers: _Layers, graph: Any, static: list, outs: list, rank: int, world: int
+                       ) -> Iterator[tuple[list, list, list[int]]]:
+    """For each of the ``max(3, R)`` replays (new tokens, routing skewed towards owner ``j mod R``, copied into the
+    static inputs): the replay's outputs (copied), an eager run's on the same inputs after it, and the owners that
+    eager run's prefetches filled slots from."""
+    M = static[0].shape[0]
+    for j in range(1, max(3, world) + 1):
+        new = _inputs(layers.case, M, rank, world, j)
+        for s, n in zip(static, new):
+            s.copy_(n)
+        graph.replay()
+        got = [o.clone() for o in outs]
+        yield got, layers.step(*new), layers.slot_owners()
+
+
 def run_case(layers: _Layers, rank: int, world: int, sizes: tuple[int, ...]) -> dict[str, Any]:
     import torch
 
@@ -134,17 +149,10 @@ def run_case(layers: _Layers, rank: int, world: int, sizes: tuple[int, ...]) -> 
         with graph.capture():
             outs = layers.step(*static)
         poisoned = all(bool(o.isnan().all()) for o in outs)
-        replays = []
-        for j in range(1, max(3, world) + 1):
-            new = _inputs(layers.case, M, rank, world, j)
-            for s, n in zip(static, new):
-                s.copy_(n)
-            graph.replay()
-            got = [o.clone() for o in outs]
-            eager = layers.step(*new)
-            replays.append({"equal": [bool(torch.equal(a, b)) for a, b in zip(got, eager)],
-                            "finite": all(bool(torch.isfinite(o).all()) for o in got),
-                            "owners": layers.slot_owners(), "digest": [float(o.float().sum()) for o in got]})
+        replays = [{"equal": [bool(torch.equal(a, b)) for a, b in zip(got, eager)],
+                    "finite": all(bool(torch.isfinite(o).all()) for o in got),
+                    "owners": owners, "digest": [float(o.float().sum()) for o in got]}
+                   for got, eager, owners in _replays_and_eager(layers, graph, static, outs, rank, world)]
         out[str(M)] = {"items": len(graph.items), "poisoned_after_capture": poisoned, "replays": replays,
                        "seconds": round(time.perf_counter() - t0, 2)}
     return out
@@ -195,7 +203,6 @@ def _skipped_wait(layers: _Layers, static: list, rank: int, world: int) -> dict[
 
     from moonep_ep.testing.cuda_capture import CapturedGraph, CaptureRefused
 
-    M = static[0].shape[0]
     try:   # never joined: cudaStreamEndCapture refuses the capture
         with CapturedGraph().capture(), _late_waits(join=False):
             layers.step(*static)
@@ -207,15 +214,9 @@ def _skipped_wait(layers: _Layers, static: list, rank: int, world: int) -> dict[
         with _late_waits(join=True) as skipped:
             outs = layers.step(*static)
     equal, owners = [], []
-    for j in range(1, max(3, world) + 1):
-        new = _inputs(layers.case, M, rank, world, j)
-        for s, n in zip(static, new):
-            s.copy_(n)
-        graph.replay()
-        got = [o.clone() for o in outs]
-        eager = layers.step(*new)
+    for got, eager, slot_owners in _replays_and_eager(layers, graph, static, outs, rank, world):
         equal.append(all(bool(torch.equal(a, b)) for a, b in zip(got, eager)))
-        owners.append(layers.slot_owners())
+        owners.append(slot_owners)
     return {"unjoined_refused": unjoined, "replays_equal": equal, "owners": owners,
             "waits_skipped": sum(e is not None for e in skipped)}
 

@@ -106,9 +106,13 @@ def _run(impl: Any, orig: Any, hidden_states: Any, w1: Any, w2: Any, topk_ids: A
         if isinstance(shared_input, torch.Tensor):
             statics["shared_experts_input"] = _padded(shared_input, capacity, 0.0)
 
+        kwargs = dict(rest)
+        if "shared_experts_input" in statics:
+            kwargs["shared_experts_input"] = statics["shared_experts_input"]
+
         def step() -> Any:
             return orig(impl, statics["hidden_states"], w1, w2, statics["topk_ids"], statics["topk_weights"],
-                        **{**rest, **{k: v for k, v in statics.items() if k == "shared_experts_input"}})
+                        **kwargs)
 
         step()   # warm-up, as vLLM runs before it captures: anything made at a first call is made now
         graph = CapturedGraph()
