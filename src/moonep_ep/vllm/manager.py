@@ -34,6 +34,7 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as vllm_moonep
 
 from ..errors import ConfigError
+from ..ops.moonep import prefetch as slot_copies
 from ..memory.group import GroupComm, register_peers
 from .buffers import agree_decisions, local_decisions, select_buffer, system_check
 from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
@@ -164,7 +165,8 @@ class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
         #: The MoonEP API its buffers speak: "push" makes vLLM build the push prepare/finalize
         #: (``prepare_finalize/push.py``).
         self.api = manager.buffer_choice.api
-        self.build_decode_buffers()
+        self._decode_sizes: list[int] = []
+        self._decode_sizes = self.build_decode_buffers()
 
     def build_decode_buffers(self) -> list[int]:
         """Build, now, the buffer of every capacity a decode step can pick (up to vLLM's ``max_num_seqs`` times
@@ -186,6 +188,14 @@ class ShardedBufferPool(vllm_moonep.MoonEPBufferPool):
         capacity = self.capacity_for(num_tokens)
         buffer = self._buffers.get(capacity)
         if buffer is None:
+            if slot_copies.stream_capturing():  # the module's: the capture emulator answers it
+                raise RuntimeError(
+                    f"moonep_ep: rank {self._manager.rank}: a MoonEP Buffer of capacity {capacity} (a step of "
+                    f"{num_tokens} tokens) would be built inside a CUDA graph capture; building one is a "
+                    "collective with host reads and memory mapping, which a capture cannot hold. Fix: let a warm-up "
+                    "step of that size run before the capture (-cc.cudagraph_num_of_warmups=1, which the plugin "
+                    "sets for full decode graphs), or capture no size above the decode bound "
+                    f"({self._decode_sizes or 'none'} are built at start)")
             kwargs = dict(self._kwargs)
             if self._manager.buffer_choice.kind == "reference":   # the real library has no such argument
                 kwargs["lockstep_checks"] = self._manager.decisions.lockstep_checks   # agreed by every rank

@@ -30,8 +30,9 @@ patches on one vLLM module run in it:
    ``observe/peer_naming.py`` (a lost DP peer named), ``observe/step_errors.py``
    (the sync-free buffers' deferred errors raised after each step), and with
    ``MOONEP_EP_ROUTING_RECORD_DIR`` set ``observe/routing_record.py`` (each
-   step's rows for the routers' record), with ``MOONEP_EP_CPU=1`` and ``MOONEP_EP_CPU_MOE_GRAPHS`` on
-   ``cpu/moe_graphs.py`` (the MoE step captured and replayed by the graph emulator), and with
+   step's rows for the routers' record), with ``MOONEP_EP_CPU=1`` ``cpu/moe_graphs.py`` (the MoE step
+   captured and replayed by the graph emulator where ``MOONEP_EP_CPU_MOE_GRAPHS`` is on at the step: a full
+   decode ``-cc.cudagraph_mode`` sets it, ``graphs.py``), and with
    ``MOONEP_EP_COUNT_HOST_SYNCS`` on ``observe/host_syncs.py`` (the host reads in the MoE ops, per step; it
    wraps the emulator's wrapper), and with
    ``MOONEP_EP_VLLM_STATS_DIR`` set ``observe/deferred.py`` (the prefetch statistics analysed after each step);
@@ -133,7 +134,7 @@ def _patch_tables() -> list[tuple[Patch, ...]]:
     tables = [PATCHES, store_patches.PATCHES, observe_patches.PATCHES, peer_naming.PATCHES, step_errors.PATCHES]
     if routing_record.record_dir() is not None:
         tables.append(routing_record.PATCHES)
-    if moe_graphs.enabled():   # before the read counter, which then wraps it
+    if cpu_enabled():   # before the read counter, which then wraps it; on only where the engine's mode asks
         tables.append(moe_graphs.PATCHES)
     if host_syncs.enabled():
         tables.append(host_syncs.PATCHES)

@@ -108,6 +108,11 @@ class ReferenceBufferBase:
     (``_ctx["NvS"]``, read by vLLM 0.33.0).
     """
 
+    #: ``async_finish=True`` is safe inside a CUDA graph capture: the copies fork from the current stream and the
+    #: event the caller waits on joins them back (``prefetch.py``); nothing calls ``record_stream``. The real
+    #: MoonEP library's async mode does (it runs on its comm stream), so under capture it is driven synchronously.
+    async_capture_safe = True
+
     def __init__(self, S: int, H: int, K: int, E: int, num_ep_ranks: int, num_sms: Optional[int] = None,
                  token_padding: int = 128, B: Optional[int] = None, group: Any = None,
                  comm_stream_priority: int = -1, enable_pdl: bool = True, explicitly_destroy: bool = False,

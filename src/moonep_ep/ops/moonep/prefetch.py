@@ -66,7 +66,14 @@ from ...errors import config_error
 from .copy_rows_kernel import copy_rows
 
 __all__ = ["pull_slots", "push_slots", "RowCopies", "SlotFill", "SideStreams", "wait_for_slots", "land_all",
-           "DoneEvent", "PendingCopies"]
+           "DoneEvent", "PendingCopies", "stream_capturing"]
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (the capture emulator, ``testing/cuda_capture.py``,
+    answers True while it records): what decides the MoonEP library's synchronous mode under capture
+    (``vllm/experts/overlap.py``) and refuses a buffer built inside a capture (``vllm/manager.py``)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class DoneEvent:

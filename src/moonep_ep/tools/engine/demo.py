@@ -45,6 +45,9 @@ RUNS = ("single", "dp_sharded", "dp_replicated")
 #: auto: skewed on the tiny DeepSeek-V3 family (its router has a planted skew), mixed otherwise; skewed on any
 #: other checkpoint: prompts read off its own routers (``router_skew.py``); mixed: the six mixed prompts only.
 WORKLOADS = ("auto", "skewed", "mixed")
+#: vLLM's ``CUDAGraphMode`` names (``-cc.cudagraph_mode``), and those with full graphs
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 #: Long enough that each step's batch is dominated by one routing kind per rank.
 IMBALANCE_PROMPT_TOKENS = 250
 
@@ -63,7 +66,14 @@ class DemoConfig:
     oracle_model: Optional[str] = None  # judge against this checkpoint instead (negative controls)
     workload: str = "auto"            # see WORKLOADS
     reload_control: Optional[str] = None  # --reload: a checkpoint with a planted bug, must fail A's oracle
-    moe_graphs: bool = False          # the sharded run's MoE steps under the graph emulator (CPU engine)
+    #: vLLM's ``-cc.cudagraph_mode`` for the sharded run (None: vLLM's default). On the CPU engine a mode with
+    #: full graphs puts the decode-sized MoE steps under the graph emulator (``vllm/graphs.py``).
+    cudagraph_mode: Optional[str] = None
+
+    @property
+    def moe_graphs(self) -> bool:
+        """Whether the sharded run's decode MoE steps are captured (a mode with full graphs)."""
+        return self.cudagraph_mode in FULL_GRAPH_MODES
 
 
 @dataclasses.dataclass
@@ -233,11 +243,16 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
         raise ConfigError("--reload-control is a step of --reload. Fix: pass --reload too")
     if cfg.reload and "dp_sharded" not in cfg.runs:
         raise ConfigError("--reload updates the dp_sharded engine in place. Fix: include dp_sharded in --runs")
+    if cfg.cudagraph_mode is not None and cfg.cudagraph_mode not in GRAPH_MODES:
+        raise ConfigError(f"--cudagraph-mode {cfg.cudagraph_mode}: not one of vLLM's modes. Fix: one of "
+                          f"{', '.join(GRAPH_MODES)}")
     if cfg.moe_graphs and cfg.device != "cpu":
-        raise ConfigError(f"--moe-graphs runs the MoE step under the CPU engine's graph emulator; this run is on "
-                          f"{cfg.device}. Fix: drop --moe-graphs (a GPU engine takes vLLM's own graph flags)")
-    if cfg.moe_graphs and "dp_sharded" not in cfg.runs:
-        raise ConfigError("--moe-graphs applies to the dp_sharded run. Fix: include dp_sharded in --runs")
+        raise ConfigError(f"--cudagraph-mode {cfg.cudagraph_mode} (or --moe-graphs) runs the MoE step under the CPU "
+                          f"engine's graph emulator here; this run is on {cfg.device}. Fix: serve on the GPU with "
+                          "vLLM's own -cc.cudagraph_mode (moonep-ep serve ... -- -cc.cudagraph_mode=...)")
+    if cfg.cudagraph_mode is not None and "dp_sharded" not in cfg.runs:
+        raise ConfigError(f"--cudagraph-mode {cfg.cudagraph_mode} applies to the dp_sharded run. Fix: include "
+                          "dp_sharded in --runs")
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
     cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
@@ -264,9 +279,11 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
                 if layout == "sharded" else engine_cfg
             if layout == "sharded":  # its decode_host_syncs (issue 45): the host reads in the MoE ops
                 extra = {"MOONEP_EP_COUNT_HOST_SYNCS": "1"}
-                if cfg.moe_graphs:  # issue 46: decode-sized MoE steps captured and replayed (cpu/moe_graphs.py)
-                    extra["MOONEP_EP_CPU_MOE_GRAPHS"] = "1"
-                run_cfg = dataclasses.replace(run_cfg, extra_env={**run_cfg.extra_env, **extra})
+                llm = dict(run_cfg.dp_llm_kwargs)
+                if cfg.cudagraph_mode is not None:  # vLLM's own flag; issue 46's graphs follow it (vllm/graphs.py)
+                    llm["compilation_config"] = {**llm.get("compilation_config", {}),
+                                                 "cudagraph_mode": cfg.cudagraph_mode}
+                run_cfg = dataclasses.replace(run_cfg, extra_env={**run_cfg.extra_env, **extra}, dp_llm_kwargs=llm)
             results[run] = run_dp(run_cfg, progress, layout=layout)
         timings[run] = round(time.perf_counter() - t0, 1)
     progress("oracle: HF transformers, fp32 and bf16, teacher-forced along every run's own tokens")

@@ -75,7 +75,9 @@ FIGURE_SOURCES: dict[str, str] = {
                          "host_syncs.py)",
     "decode_host_syncs_by_rank": "measured: per rank, decode steps and MoE calls counted, the reads in them by kind "
                                  "and site (file:line function), and the mean per layer and step",
-    "moe_graph": "measured (--moe-graphs): the CPU engine's MoE steps under the CUDA graph capture-and-replay "
+    "cudagraph_mode": "given: vLLM's -cc.cudagraph_mode of the dp_sharded run (--cudagraph-mode; --moe-graphs is "
+                      "FULL_DECODE_ONLY)",
+    "moe_graph": "measured (a full --cudagraph-mode, or --moe-graphs): the CPU engine's MoE steps under the CUDA graph capture-and-replay "
                  "emulator (vllm/cpu/moe_graphs.py): captures (one per layer and buffer capacity), replays, "
                  "eager calls (prefill-sized steps) and device-to-host reads during replays, summed over the ranks, "
                  "after the first generation and (--reload, after_reload) after the updates' generations too",
@@ -235,7 +237,7 @@ def host_sync_fields(dp: dict[int, Any], ranks: list[int]) -> dict[str, Any]:
 
 
 def moe_graph_fields(dp: dict[int, Any], ranks: list[int]) -> dict[str, Any]:
-    """``moe_graph`` (``--moe-graphs``, ``vllm/cpu/moe_graphs.py``): the emulator's mode, and captures, replays,
+    """``moe_graph`` (a full ``--cudagraph-mode``, ``vllm/cpu/moe_graphs.py``): the emulator's mode, and captures, replays,
     eager calls and host reads during replays summed over the ranks, with the per-rank tables; nothing where no
     rank ran it."""
     tables = [((dp.get(r) or {}).get("forward_stats") or {}).get("moe_graph") for r in ranks]
@@ -352,6 +354,8 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
         summary["cpu_code_path_by_rank"] = [dp[r].get("cpu_code_path") if r in dp else None for r in ranks]
         summary.update(_sharded_fields(dp, stats, ranks))
         runs["dp_sharded"]["checks"] = _sharded_checks(summary, stats, ranks, cfg.device)
+        if getattr(cfg, "cudagraph_mode", None):
+            summary["cudagraph_mode"] = cfg.cudagraph_mode   # vLLM's -cc.cudagraph_mode the run was given
         if getattr(cfg, "moe_graphs", False):
             graph = summary.get("moe_graph") or {}
             runs["dp_sharded"]["checks"]["moe_steps_replayed_from_graphs"] = graph.get("replays", 0) > 0

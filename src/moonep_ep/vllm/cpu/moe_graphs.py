@@ -1,6 +1,7 @@
 """The CPU engine's MoonEP MoE step captured and replayed by the capture-and-replay emulator (issue 46).
 
-``MOONEP_EP_CPU_MOE_GRAPHS=1`` (with ``MOONEP_EP_CPU=1``): the CPU engine cannot capture CUDA graphs, so each
+``-cc.cudagraph_mode=FULL_DECODE_ONLY`` (or another mode with full graphs; ``vllm/graphs.py`` then sets
+``MOONEP_EP_CPU_MOE_GRAPHS=1``, with ``MOONEP_EP_CPU=1``): the CPU engine cannot capture CUDA graphs, so each
 MoonEP layer's modular kernel (``FusedMoEKernelModularImpl.apply``: padding, dispatch, prefetch, experts,
 combine) runs under ``moonep_ep.testing.cuda_capture`` at decode-sized steps, as a full decode graph would hold
 it: at the first such step of each buffer capacity ``S`` the layer's step is warmed up, captured on static
@@ -155,7 +156,7 @@ def graph_moe_steps(module: ModuleType, *, install: Install, mark: Mark, note: N
     """``FusedMoEKernelModularImpl.apply``: a MoonEP layer's decode-sized step captured and replayed."""
     cls = getattr(module, "FusedMoEKernelModularImpl", None)
     orig = getattr(cls, "apply", None)
-    if not enabled() or orig is None or wrapped_with(orig, _MARK):
+    if not envs.MOONEP_EP_CPU or orig is None or wrapped_with(orig, _MARK):
         return
 
     signature = inspect.signature(orig)
@@ -163,7 +164,9 @@ def graph_moe_steps(module: ModuleType, *, install: Install, mark: Mark, note: N
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
         pf = getattr(self, "prepare_finalize", None)
         pool = getattr(pf, "buffer_pool", None)
-        if "MoonEP" not in type(pf).__name__ or pool is None:
+        # read at each step: the engine's own config sets it (-cc.cudagraph_mode, vllm/graphs.py) after this
+        # patch is in place
+        if not enabled() or "MoonEP" not in type(pf).__name__ or pool is None:
             return orig(self, *args, **kwargs)
         from ..experts.overlap import decode_sized
 
@@ -184,6 +187,6 @@ def graph_moe_steps(module: ModuleType, *, install: Install, mark: Mark, note: N
     install(cls, "apply", apply, orig, "modular_kernel.FusedMoEKernelModularImpl.apply (MoE step graphs, emulated)")
 
 
-#: Applied by the plugin only with the setting on, before ``observe/host_syncs.py``'s counter (which then wraps
-#: this, so it counts the reads of a capture and of a replay as the MoE op's).
+#: Applied by the plugin on the CPU engine (the setting is read at each step), before ``observe/host_syncs.py``'s
+#: counter (which then wraps this, so it counts the reads of a capture and of a replay as the MoE op's).
 PATCHES: tuple[Patch, ...] = (Patch(MOD_MODULAR_KERNEL, graph_moe_steps),)

@@ -55,6 +55,7 @@ import torch
 
 from ...ops.experts.activation import SILU, SUPPORTED_ACTIVATIONS, GatedActivation
 from ...ops.experts.grouped_blocks import restrict_to_groups
+from ...ops.moonep import prefetch as slot_copies
 from ...ops.moonep.prefetch import wait_for_slots
 from . import bf16_gpu
 from .activation import activation_name, activation_of
@@ -160,8 +161,27 @@ def decode_sized(step_tokens: int, vllm_config: Any) -> bool:
     return bound is not None and step_tokens <= bound
 
 
+#: async_finish asked of a Buffer whose async mode a capture cannot hold, while capturing
+ASYNC_UNDER_CAPTURE = (
+    "moonep_ep: prefetch_weight(async_finish=True) asked of {cls} during a CUDA graph capture: its async mode "
+    "runs on the library's comm stream and calls record_stream on its inputs, which a capture cannot hold "
+    "(kvcache-ai/Mooncake#2087: stream recording is incompatible with CUDA graphs). Under capture the plugin "
+    "drives it synchronously, in the capturing stream. Fix: pass async_finish=False while capturing, or keep "
+    "this step out of the graph (-cc.cudagraph_mode=PIECEWISE, the plugin's default under moonep)")
+
+
 def prefetch(buffer: Any, plan: Any, async_finish: bool, weights: dict[str, Any]) -> Any:
-    """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked."""
+    """The plugin's prefetch: asynchronous for an armed step (the event waits for :func:`apply`), else as asked.
+
+    Inside a CUDA graph capture a Buffer whose async mode the capture cannot hold (the real MoonEP library:
+    ``record_stream`` on its comm stream; the reference buffers declare ``async_capture_safe``) runs
+    synchronously, in the capturing stream, and an explicit ``async_finish`` is refused with the reason. A
+    decode-sized step loses no overlap by it: its experts run in one pass after the wait anyway."""
+    if slot_copies.stream_capturing() and not getattr(buffer, "async_capture_safe", False):
+        if async_finish:
+            raise RuntimeError(ASYNC_UNDER_CAPTURE.format(cls=type(buffer).__name__))
+        SLOT_FILL_HANDOFF.armed = False
+        return buffer.prefetch_weight(plan=plan, async_finish=False, **weights)
     if not SLOT_FILL_HANDOFF.armed or async_finish:
         SLOT_FILL_HANDOFF.armed = False
         return buffer.prefetch_weight(plan=plan, async_finish=async_finish, **weights)
