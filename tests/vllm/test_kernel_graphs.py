@@ -84,7 +84,10 @@ def _result(world: int = 2) -> list[dict]:
         controls = {"item_refused": {"kind": "item", "site": "tests/support/kernel_graph_check.py:1 apply"},
                     "kept_output_equal": {"reference": False, "copy": True},
                     "skipped_wait": {"unjoined_refused": {"kind": "a side stream not joined", "site": "x"},
-                                     "replays_equal": [False, True, True], "owners": [], "waits_skipped": 2}}
+                                     "replays_equal": [False, True, True], "owners": [], "waits_skipped": 2},
+                    "unbuilt": {"built_capacities": [8], "tokens": 9, "capacity": 16},
+                    "unbuilt_buffer_refused": {"type": "RuntimeError", "message": "moonep_ep: rank 0: a MoonEP Buffer "
+                                               "of capacity 16 (a step of 9 tokens) would be built inside a capture"}}
         return {"rank": r, "deferred_copies": True,
                 "cases": {"bf16/pull/silu": {"sizes": sizes, "controls": controls}}}
     return [rank(r) for r in range(world)]
@@ -92,7 +95,8 @@ def _result(world: int = 2) -> list[dict]:
 
 @pytest.mark.parametrize("breakage", [
     "replay_differs", "not_poisoned", "one_owner", "same_digests", "item_not_refused", "kept_reference_agrees",
-    "late_wait_agrees", "unjoined_accepted", "not_deferred", "not_finite"])
+    "late_wait_agrees", "unjoined_accepted", "not_deferred", "not_finite", "unbuilt_buffer_accepted",
+    "unbuilt_capacity_was_built"])
 def test_the_verdict_fails_when_any_expectation_fails(breakage):
     good = _result()
     assert verdict(good, controls=True) == []
@@ -123,4 +127,8 @@ def test_the_verdict_fails_when_any_expectation_fails(breakage):
         bad[1]["deferred_copies"] = False
     elif breakage == "not_finite":
         size["replays"][0]["finite"] = False
+    elif breakage == "unbuilt_buffer_accepted":
+        case["controls"]["unbuilt_buffer_refused"] = None
+    elif breakage == "unbuilt_capacity_was_built":   # the control captured a capacity a warm-up had built
+        case["controls"]["unbuilt"]["built_capacities"].append(16)
     assert verdict(bad, controls=True), breakage

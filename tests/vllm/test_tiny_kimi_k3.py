@@ -22,7 +22,7 @@ import tempfile
 from moonep_ep.vllm.checkpoint.schemes import classify
 from tests.support.vllm_envs import run_json
 
-H, L, I, E, V, HEADS, KDA_HEADS, KDA_D, CONV = 256, 128, 128, 16, 1024, 2, 2, 128, 4
+H, L, I, E, V, HEADS, KDA_HEADS, KDA_D, CONV = 256, 128, 128, 16, 1024, 2, 1, 64, 4
 
 
 def _expected_bf16_names() -> dict[str, list[int]]:
@@ -73,8 +73,8 @@ def test_config_has_k3s_features_as_vllms_kimi_linear_config_reads_them():
     c = _check()["vllm_config"]
     assert _check()["architectures"] == ["KimiLinearForCausalLM"] and c["model_type"] == "kimi_linear"
     assert c["kda"] == [True, True, True, False] and c["is_mla"] and c["is_moe"] and c["is_linear_attn"]
-    assert c["linear_attn_config"] == {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 128,
-                                       "num_heads": 2, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+    assert c["linear_attn_config"] == {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 64,
+                                       "num_heads": 1, "short_conv_kernel_size": 4, "use_full_rank_gate": True,
                                        "gate_lower_bound": -5.0}
     assert (c["hidden_act"], c["activation_situ_beta"], c["activation_situ_linear_beta"]) == ("situ", 4.0, 25.0)
     assert (c["routed_expert_hidden_size"], c["latent_moe_use_norm"]) == (128, True)

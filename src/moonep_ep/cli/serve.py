@@ -37,6 +37,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from .. import envs
 from ..errors import ConfigError
 from ..launch import cpu_threads_bind
 from ..testing.triton_interpreter import triton_experts_env
@@ -86,7 +87,8 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
     if moonep_api is not None:
         env["MOONEP_EP_MOONEP_API"] = moonep_api
     if device == "cpu":
-        env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   MOONEP_EP_CPU_K3_STANDINS=envs.raw("MOONEP_EP_CPU_K3_STANDINS") or "1")
         env.update(triton_experts_env({**os.environ, **env}))
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, *flags], env
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
@@ -149,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         path = model_path(args.model)
-        info = require_servable(path, ep_size=args.dp, engine=dist, warn=lambda m: say(f"model check: {m}"))
+        info = require_servable(path, ep_size=args.dp, engine=dist, warn=lambda m: say(f"model check: {m}"),
+                                cpu_k3_standins=True)   # server_command arms them on the CPU engine
     except ConfigError as exc:
         print(f"moonep-ep serve: {exc}", file=sys.stderr)
         return 2

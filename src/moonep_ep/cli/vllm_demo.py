@@ -43,7 +43,8 @@ def add_parser(subparsers: Any) -> None:
                    help="skewed: one phase per owner in which every DP rank gets a 250-token prompt of words routed "
                         "to that owner's experts (on the tiny DeepSeek-V3 family, its planted skew; on PATH, words "
                         "read off the checkpoint's own routers), then the mixed prompts; mixed: six mixed prompts "
-                        "only; auto (default): skewed on the tiny DeepSeek-V3 family, mixed otherwise")
+                        "only; auto (default): skewed on the tiny DeepSeek-V3 family and the tiny Kimi K3s, mixed "
+                        "otherwise")
     p.add_argument("--cudagraph-mode", default=None, type=str.upper, metavar="MODE",
                    help="vLLM's -cc.cudagraph_mode for the dp_sharded run (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, "
                         "FULL_AND_PIECEWISE). The CPU engine captures no graph: a mode with full graphs runs each "

@@ -104,8 +104,10 @@ class TinyKimiK3Config:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     mla_output_gate: bool = True
-    kda_heads: int = 2
-    kda_head_dim: int = 128
+    # one KDA head of 64: its state (64 x 64 fp32 + three bf16 conv windows, 17,536 B) fits one 16-token page of
+    # the CPU engine's MLA backend (16 x 576 bf16, 18,432 B), the only block CPU_MLA takes (vllm/cpu/k3.py)
+    kda_heads: int = 1
+    kda_head_dim: int = 64
     short_conv: int = 4
     gate_lower_bound: float = -5.0
     attn_res_block_size: Optional[int] = None  # K3: 12; see the module docstring
@@ -377,3 +379,12 @@ def high_prompt_ids(n: int, start: int = 0, vocab: int = 1024) -> list[int]:
     from .tiny_deepseek_v3 import high_prompt_ids as high
 
     return high(n, start, vocab)
+
+
+def skewed_by_default(name: str) -> bool:
+    """Tiny models whose demo workload is skewed unless asked otherwise, and whose runs must then show fills from
+    every owner: the tiny DeepSeek-V3 family (its planted skew) and the tiny Kimi K3s (prompts read off their own
+    routers, ``tools/engine/router_skew.py``)."""
+    from .tiny_quantized import skewed_tiny_deepseek
+
+    return skewed_tiny_deepseek(name) or name in K3_MODELS

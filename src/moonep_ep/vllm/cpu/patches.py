@@ -10,7 +10,8 @@ convention). The plugin applies :data:`PATCHES` only with ``MOONEP_EP_CPU=1``, i
 4. ``experts.moonep_experts.MoonEPExperts`` → a subclass that accepts the CPU device (vLLM's oracle imports the
    class at call time); ``experts/patches.py`` patches its base after it;
 5. Kimi K3's model modules (``k3.py``): ``VLLM_KIMI_K3_GEMM_AR=0`` by default (at install), no CUDA aux stream or
-   events (vLLM's "no aux stream" path), K3's MLA ``kv_b_proj`` kept unpacked as vLLM's generic MLA keeps it on CPU.
+   events (vLLM's "no aux stream" path), K3's MLA ``kv_b_proj`` kept unpacked as vLLM's generic MLA keeps it on CPU,
+   and an MLA hybrid's KV block kept at CPU_MLA's 16 tokens (``CpuPlatform._align_hybrid_block_size``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 from types import ModuleType
 from typing import Any, Optional
 
-from ..hooks import Install, Mark, Note, Patch, is_wrapped, mark_wrapped
+from ..hooks import Install, Mark, Note, Patch, is_wrapped, mark_wrapped, wrapped_with
 from . import isa, k3
 
 logger = logging.getLogger("vllm.moonep_ep")
@@ -113,6 +114,18 @@ def k3_mla_keeps_kv_b_proj(module: ModuleType, *, install: Install, mark: Mark, 
     k3.patch_mla_module(module, install=install)
 
 
+def cpu_mla_block_rule(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
+    """``CpuPlatform._align_hybrid_block_size``: :func:`k3.cpu_mla_hybrid_blocks`."""
+    cls = getattr(module, "CpuPlatform", None)
+    orig = getattr(cls, "_align_hybrid_block_size", None)
+    if orig is None or wrapped_with(orig, "_moonep_ep_cpu_mla_blocks"):
+        return
+    wrapper = k3.cpu_mla_hybrid_blocks(orig)
+    wrapper._moonep_ep_cpu_mla_blocks = True  # type: ignore[attr-defined]
+    install(cls, "_align_hybrid_block_size", wrapper, orig,
+            "CpuPlatform._align_hybrid_block_size (CPU_MLA: 16-token blocks for MLA hybrids)")
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(None, cap_kernel_library),
     Patch(None, request_amx_permission),
@@ -121,4 +134,5 @@ PATCHES: tuple[Patch, ...] = (
     Patch(None, k3_engine_defaults),
     *(Patch(name, k3_without_cuda_streams) for name in k3.K3_MODULES),
     Patch(k3.MOD_K3_MLA, k3_mla_keeps_kv_b_proj),
+    Patch(k3.MOD_CPU_PLATFORM, cpu_mla_block_rule),
 )

@@ -420,8 +420,14 @@ def _expected_checkpoint_tensors(store: Any) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
+#: Mixtral's per-expert names, which Kimi K3's checkpoints use too: vLLM's K3 model maps them in its ``load_weights``
+#: (``ckpt_gate_proj_name="w1"``, ...) while its experts layer keeps FusedMoE's default names
+W123_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
 def _expert_checkpoint_modules(model: Any) -> dict[str, str]:
-    """Checkpoint module name -> projection, from the layers' own checkpoint names (``gate_proj`` ...)."""
+    """Checkpoint module name -> projection, from the layers' own checkpoint names (``gate_proj`` ...), and
+    :data:`W123_NAMES` where a layer's names are others."""
     names: dict[str, str] = {}
     for layer in model.modules():
         if getattr(layer, BINDING_ATTR, None) is not None:
@@ -430,6 +436,8 @@ def _expert_checkpoint_modules(model: Any) -> dict[str, str]:
                 name = getattr(layer, attr, None)
                 if name:
                     names[name] = projection
+    if names:
+        names.update({k: v for k, v in W123_NAMES.items() if k not in names})
     return names
 
 
