@@ -64,18 +64,7 @@ def install() -> None:
 
     when_imported(MLA_OPS_MODULE, register_mla)
     for module_name in sorted({m for m, _ in kda.TARGETS}):
-        attrs = [a for m, a in kda.TARGETS if m == module_name]
-
-        def point(module: ModuleType, attrs: list[str] = attrs) -> None:
-            changed = []
-            for attr in attrs:
-                new = kda._OPS.get(attr, kda.gather_initial_states)
-                if getattr(module, attr, None) is not new:
-                    setattr(module, attr, new)
-                    changed.append(f"{module.__name__}:{attr}")
-            _note(changed)
-
-        when_imported(module_name, point)
+        when_imported(module_name, lambda module: _note(kda.point_module(module)))
 
 
 def plugin() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from types import ModuleType
 from typing import Iterator
 
 import torch
@@ -234,16 +235,21 @@ TARGETS = ([(PKG, n) for n in _OPS] + [(PKG + ".chunk", "chunk_kda_with_fused_ga
                "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn")])
 
 
-def install() -> list[str]:
-    """Point every target at the stand-in; returns the ``module:attr`` names it changed ([] the second time)."""
+def point_module(module: ModuleType) -> list[str]:
+    """Point ``module``'s targets (:data:`TARGETS`) at the stand-ins; the ``module:attr`` names it changed."""
     changed = []
-    for mod_name, attr in TARGETS:
-        mod = importlib.import_module(mod_name)
+    for attr in (a for m, a in TARGETS if m == module.__name__):
         new = _OPS.get(attr, gather_initial_states)
-        if getattr(mod, attr, None) is not new:
-            setattr(mod, attr, new)
-            changed.append(f"{mod_name}:{attr}")
+        if getattr(module, attr, None) is not new:
+            setattr(module, attr, new)
+            changed.append(f"{module.__name__}:{attr}")
     return changed
+
+
+def install() -> list[str]:
+    """Import every target module now and point it at the stand-ins; the names changed ([] the second time)."""
+    return [name for mod_name in dict.fromkeys(m for m, _ in TARGETS)
+            for name in point_module(importlib.import_module(mod_name))]
 
 
 @contextlib.contextmanager
