@@ -58,6 +58,12 @@ def install() -> None:
             return
         _state["requested"] = True
 
+    # K3's other Triton kernels (norms, short convolutions) run interpreted on the CPU engine: with the
+    # interpreter's bf16 dot and downcasts mended, as the quantized experts' processes have them
+    from ..triton_interpreter import mend_interpreter
+
+    mend_interpreter()
+
     def register_mla(module: ModuleType) -> None:
         if mla.register():
             _note([f"_C::{op}" for op in mla.OPS])
