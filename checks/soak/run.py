@@ -168,15 +168,41 @@ class _Greedy:
     def __init__(self, server: SoakServer, prompts: list[list[int]]):
         self.server, self.prompts = server, prompts
         self.first: dict[str, list[list[int]]] = {}
+        self.answers: dict[str, list[dict[str, Any]]] = {}
+        #: each check whose tokens changed, with its answers: the oracle judges them after the run
+        self.changed: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
         self.checks: list[dict[str, Any]] = []
 
     def check(self, t_s: float, weights: str) -> list[dict[str, Any]]:
         answers = [self.server.greedy(p, GREEDY_TOKENS) for p in self.prompts]
         tokens = [a.get("token_ids") for a in answers]
         first = self.first.setdefault(weights, tokens)
-        self.checks.append({"t_s": round(t_s, 1), "minute": int(t_s // 60), "weights": weights,
-                            "statuses": [a["status"] for a in answers], "same_as_first": tokens == first})
+        self.answers.setdefault(weights, answers)
+        entry = {"t_s": round(t_s, 1), "minute": int(t_s // 60), "weights": weights,
+                 "statuses": [a["status"] for a in answers], "same_as_first": tokens == first}
+        if tokens != first:
+            entry["first_change"] = first_change(self.answers[weights], answers)
+            self.changed.append((entry, answers))
+        self.checks.append(entry)
         return answers
+
+
+def first_change(first: list[dict[str, Any]], now: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Where a greedy answer first differs from the first one on the same weights: the prompt, the position, each
+    answer's token there, and the first answer's margin there (its top-2 log-prob gap: a near-tie has a small one)."""
+    for i, (a, b) in enumerate(zip(first, now)):
+        ta, tb = a.get("token_ids") or [], b.get("token_ids") or []
+        for pos, (x, y) in enumerate(zip(ta, tb)):
+            if x == y:
+                continue
+            top = sorted((a.get("top_logprobs") or [{}] * len(ta))[pos].values(), reverse=True)
+            return {"prompt": i, "position": pos, "first_token": x, "now_token": y,
+                    "first_top2_gap": round(top[0] - top[1], 5) if len(top) > 1 else None,
+                    "now_logprob_of_first_token": (b.get("top_logprobs") or [{}] * len(tb))[pos].get(
+                        f"token_id:{x}")}
+        if ta != tb:
+            return {"prompt": i, "position": min(len(ta), len(tb)), "lengths": [len(ta), len(tb)]}
+    return None
 
 
 def _oracle(model_dir: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -186,7 +212,8 @@ def _oracle(model_dir: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
     if len(ok) != len(answers):
         return {"ok": False, "failed": ["a greedy request failed"]}
     verdict = judge_runs(model_dir, {"greedy": ok}, dtypes=(RULE.reference_dtype,))["greedy"][RULE.reference_dtype]
-    return {k: verdict.get(k) for k in ("ok", "failed", "abs_logprob_diff", "positions", "divergences")}
+    return {k: verdict.get(k) for k in ("ok", "failed", "abs_logprob_diff", "positions", "divergences",
+                                        "max_gap_at_divergence")}
 
 
 def _oracle_dir(model: str, path: str) -> str:
@@ -395,6 +422,8 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         if server.alive():
             final = greedy.check(t_end, weights)
             result["oracle_end"] = _oracle(_oracle_dir(cfg.model, path), final)
+        for entry, answers in greedy.changed:   # a changed answer is a tie only if the oracle passes it as well
+            entry["oracle"] = _oracle(_oracle_dir(cfg.model, path if entry["weights"] == "A" else path_b), answers)
             result["digests_end"] = server.digests(os.path.join(cfg.out_dir, "digests-end"))
             samples.append(sample_tree(server.proc.pid))
             scrapes.append(scrape_metrics(server.url, scrape_timeout))
@@ -518,10 +547,17 @@ def _verdicts(cfg: SoakConfig, r: dict[str, Any], samples: list, t0: float, done
           int(failed[0][0] // 60) if failed else 0, served +
           (f"; {r['stopped_early']}" if r.get("stopped_early") else ""), {"requests": len(spans), "failed": len(failed)})
     g = r["greedy"]
-    bad = [c for c in g if not c["same_as_first"] or set(c["statuses"]) != {200}]
+    # vLLM is not batch-invariant: under load the same prompt meets other batches, and a token whose runner-up is
+    # within bf16's rounding may change. Such a change passes only measured: the changed answers must pass the
+    # fp32 oracle under its rule as well (a corrupted step fails it), with the margin where they first changed.
+    bad = [c for c in g if set(c["statuses"]) != {200} or not (c["same_as_first"] or (c.get("oracle") or {}).get("ok"))]
+    ties = [c for c in g if not c["same_as_first"] and c not in bad]
     check("greedy_prompts_unchanged", bool(g) and not bad, "every minute's greedy tokens equal the first ones on "
-          "the same weights (A, or B while B serves)", "greedy tokens", bad[0]["minute"] if bad else 0,
-          f"greedy tokens changed or failed at {[(c['minute'], c['weights']) for c in bad]}", len(g))
+          "the same weights (A, or B while B serves), or the changed answers pass the oracle too (a measured tie)",
+          "greedy tokens", bad[0]["minute"] if bad else 0,
+          f"greedy tokens changed or failed at {[(c['minute'], c['weights'], c.get('first_change'), c.get('oracle')) for c in bad]}",
+          {"checks": len(g), "changed_at_measured_ties": [(c["minute"], c["weights"], c["first_change"],
+                                                           (c["oracle"] or {}).get("abs_logprob_diff")) for c in ties]})
     for key in ("oracle_start", "oracle_end"):
         o = r.get(key) or {}
         check(key, bool(o.get("ok")), "the greedy answers pass the transformers oracle", "greedy log-probs",

@@ -114,15 +114,17 @@ class SoakServer:
 
     # -- requests ----------------------------------------------------------------------------
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
-        """One greedy completion with the log-prob of each generated token (the oracle's input)."""
+        """One greedy completion with the log-prob of each generated token (the oracle's input) and the two most
+        likely tokens at each position (the margin a changed greedy token had)."""
         status, body = http("POST", self.url + "/v1/completions", {
             "model": self.served_model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})
+            "logprobs": 2, "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})
         if status != 200:
             return {"status": status, "error": str(body)[:500]}
         choice = body["choices"][0]
         return {"status": 200, "prompt_token_ids": list(choice.get("prompt_token_ids") or prompt_ids),
-                "token_ids": list(choice["token_ids"]), "logprobs": list(choice["logprobs"]["token_logprobs"])}
+                "token_ids": list(choice["token_ids"]), "logprobs": list(choice["logprobs"]["token_logprobs"]),
+                "top_logprobs": list(choice["logprobs"].get("top_logprobs") or [])}
 
     def rpc(self, method: str, timeout_s: float = 300.0, **kwargs: str) -> tuple[int, Any]:
         return http("POST", self.url + "/collective_rpc", {"method": method, "kwargs": kwargs, "timeout": timeout_s},

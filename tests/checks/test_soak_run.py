@@ -66,7 +66,17 @@ def test_a_clean_result_passes_and_each_broken_part_names_itself():
         "bench.log), so no load request is known to have been served"]}
     bad = copy.deepcopy(GOOD)
     bad["greedy"][1]["same_as_first"] = False
-    assert _failures(bad)["greedy_prompts_unchanged"] == ["greedy tokens changed or failed at [(1, 'B')]"]
+    assert _failures(bad)["greedy_prompts_unchanged"] == ["greedy tokens changed or failed at [(1, 'B', None, None)]"]
+    # a changed answer the oracle passes is a measured tie (vLLM is not batch-invariant); one it fails is not
+    tie = copy.deepcopy(GOOD)
+    tie["greedy"][1].update(same_as_first=False, first_change={"position": 1, "first_top2_gap": 0.0156},
+                            oracle={"ok": True, "abs_logprob_diff": {"p90": 0.01}})
+    out = _verdicts(SoakConfig(minutes=3), tie, [], 0.0, {"bad": [], "client": []})["verdicts"]
+    assert out["greedy_prompts_unchanged"]["ok"]
+    assert out["greedy_prompts_unchanged"]["figures"]["measured"]["changed_at_measured_ties"] == [
+        (1, "B", {"position": 1, "first_top2_gap": 0.0156}, {"p90": 0.01})]
+    tie["greedy"][1]["oracle"] = {"ok": False, "failed": ["p90"]}
+    assert list(_failures(tie)) == ["greedy_prompts_unchanged"]
     bad = copy.deepcopy(GOOD)
     bad["after_exit"]["dev_shm_left"] = ["psm_1"]
     assert list(_failures(bad)) == ["sigkill_contained"]
@@ -118,3 +128,16 @@ def test_the_soak_command_outside_the_engine_environment_names_the_fix():
     assert proc.stderr.strip().startswith("python -m checks.soak: No module named")
     assert proc.stderr.strip().endswith("Fix: run it from the CPU engine's environment (`make soak`)")
     assert "Traceback" not in proc.stderr
+
+
+def test_first_change_names_the_prompt_the_position_and_the_first_answers_margin():
+    from checks.soak.run import first_change
+
+    a = [{"token_ids": [1, 2]}, {"token_ids": [7, 8, 9], "top_logprobs": [
+        {"token_id:7": -1.0}, {"token_id:8": -4.6730, "token_id:3": -4.6886}, {"token_id:9": -2.0}]}]
+    b = [{"token_ids": [1, 2]}, {"token_ids": [7, 3, 5], "top_logprobs": [
+        {"token_id:7": -1.0}, {"token_id:3": -4.6880, "token_id:8": -4.6878}, {"token_id:5": -2.0}]}]
+    assert first_change(a, b) == {"prompt": 1, "position": 1, "first_token": 8, "now_token": 3,
+                                  "first_top2_gap": 0.0156, "now_logprob_of_first_token": -4.6878}
+    assert first_change(a, a) is None
+    assert first_change(a, [a[0], {"token_ids": [7, 8]}]) == {"prompt": 1, "position": 2, "lengths": [3, 2]}

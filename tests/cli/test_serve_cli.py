@@ -40,6 +40,34 @@ def test_the_cpu_engine_takes_the_module_entry_point_and_the_plugin_overrides():
     assert push["MOONEP_EP_MOONEP_API"] == "push"
 
 
+def test_a_k3_checkpoint_on_the_cpu_engine_gets_the_demos_k3_engine_arguments(tmp_path, monkeypatch):
+    """Kimi K3 on the CPU engine (issue 47): CPU_MLA, no prefix caching and the interpreter's environment, as the
+    demo's offline engines have them (``harness.k3_cpu_engine_args``), before the user's flags (which win); a
+    DeepSeek checkpoint and a GPU get none of it."""
+    import json
+
+    from moonep_ep.tools.checkpoints.tiny_kimi_k3 import TinyKimiK3Config, hf_config
+    from moonep_ep.tools.engine import harness
+
+    monkeypatch.setattr(harness, "engine_interpreter_env", lambda environ: {"TRITON_INTERPRET": "1",
+                                                                            "PYTHONPATH": "/interpreter-triton"})
+    k3 = tmp_path / "k3"
+    k3.mkdir()
+    (k3 / "config.json").write_text(json.dumps(hf_config(TinyKimiK3Config())))
+    argv, env = server_command("vllm-cpu", "cpu", str(k3), "tiny-k3", 2, "127.0.0.1", 8001,
+                               ["--attention-backend", "TORCH_SDPA"])
+    assert argv[-5:] == ["--attention-backend", "CPU_MLA", "--no-enable-prefix-caching", "--attention-backend",
+                         "TORCH_SDPA"]
+    assert env["TRITON_INTERPRET"] == "1" and env["PYTHONPATH"] == "/interpreter-triton"
+    gpu, gpu_env = server_command("vllm", "cuda", str(k3), "tiny-k3", 2, "127.0.0.1", 8001, [])
+    assert "CPU_MLA" not in gpu and "TRITON_INTERPRET" not in gpu_env
+    other = tmp_path / "dsv3"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    argv, env = server_command("vllm-cpu", "cpu", str(other), "n", 2, "127.0.0.1", 8001, [])
+    assert "CPU_MLA" not in argv and "TRITON_INTERPRET" not in env
+
+
 def test_gpus_take_vllm_serve_with_the_same_flags():
     cpu, _ = server_command("vllm-cpu", "cpu", "/m", "n", 2, "127.0.0.1", 8000, [])
     gpu, env = server_command("vllm", "cuda", "/m", "n", 2, "127.0.0.1", 8000, [])

@@ -56,8 +56,9 @@ def python_of(kind: str) -> str:
 def run_in(kind: str, args: list[str], timeout: float, env: dict[str, str] | None = None,
            cwd: str | None = None) -> subprocess.CompletedProcess:
     py = python_of(kind)
-    full_env = dict(os.environ, **(env or {}))
+    full_env = dict(os.environ)
     full_env.pop("PYTHONPATH", None)  # the environment's own moonep_ep install, not this one's path
+    full_env.update(env or {})        # unless the caller sets it (a planted bug's folder)
     return subprocess.run([py, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=cwd or ROOT)
 

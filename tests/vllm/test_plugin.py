@@ -92,6 +92,31 @@ def test_hook_failure_is_logged_not_raised(tmp_path, monkeypatch, caplog):
     sys.modules.pop("moonep_ep_hook_probe2", None)
 
 
+def test_an_mtp_draft_is_refused_by_the_engines_and_by_serve_before_any_engine_starts():
+    """Speculative decoding with the checkpoint's MTP layers (vLLM's ``mtp``, ``kimi_k3_mtp``): refused with the
+    reason and the fix at backend selection on every rank (``refuse_mtp_draft``) and by ``moonep-ep serve`` from
+    its arguments; controls: no speculative config, a draft of another method, a malformed value (vLLM's)."""
+    from types import SimpleNamespace
+
+    from moonep_ep.cli.serve import speculative_refusal
+    from moonep_ep.errors import ConfigError
+    from moonep_ep.vllm.store.loading import refuse_mtp_draft
+
+    for method in ("mtp", "kimi_k3_mtp", "deepseek_mtp"):
+        with pytest.raises(ConfigError, match=f"method '{method}'.*MoE block.*Fix: start without --speculative"):
+            refuse_mtp_draft(SimpleNamespace(speculative_config=SimpleNamespace(method=method)))
+    for config in (None, SimpleNamespace(speculative_config=None),
+                   SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"))):
+        refuse_mtp_draft(config)
+    mtp = '{"method": "mtp", "num_speculative_tokens": 1}'
+    for args in (["--speculative-config", mtp], [f"--speculative-config={mtp}"], ["--max-num-seqs", "4",
+                                                                                     "--speculative_config", mtp]):
+        assert speculative_refusal(args).startswith("moonep_ep: speculative decoding with the checkpoint's MTP")
+    for args in ([], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                 ["--speculative-config", "{not json"], ["--speculative-config"], ["--max-model-len", "512"]):
+        assert speculative_refusal(args) is None, args
+
+
 def test_sleep_mode_is_refused_with_the_sharded_layout_only(monkeypatch):
     from types import SimpleNamespace
 
@@ -638,6 +663,24 @@ def test_the_heap_is_frozen_at_interpreter_exit_once_not_before():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["registered: True False", "frozen before exit: 0", "frozen at exit: True"]
+
+
+def test_the_heap_is_unfrozen_at_exit_where_tritons_nanobind_extension_is_loaded():
+    """gc_heap: with ``triton._C.libtriton`` imported, the exit handler unfreezes (the start-up freeze too), so
+    finalization frees Triton's objects and nanobind reports none; the control without it freezes."""
+    code = textwrap.dedent("""
+        import atexit, gc, sys, types
+        from moonep_ep.vllm import gc_heap
+
+        gc.freeze()                       # as the start-up freeze leaves it
+        frozen = gc.get_freeze_count()
+        print("frozen:", frozen > 1000, gc_heap.settle_heap_for_exit(), gc.get_freeze_count() >= frozen)
+        sys.modules[gc_heap.NANOBIND_EXTENSION] = types.ModuleType(gc_heap.NANOBIND_EXTENSION)
+        print("with Triton:", gc_heap.settle_heap_for_exit(), gc.get_freeze_count())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["frozen: True frozen True", "with Triton: unfrozen 0"]
 
 
 def test_the_startup_heap_is_frozen_once_with_vllms_own_freeze():

@@ -214,3 +214,24 @@ def test_demo_builds_the_tiny_k3_by_name(monkeypatch):
     monkeypatch.setattr(tiny_kimi_k3, "build_tiny_kimi_k3", lambda name, d: calls.append((name, d)) or "/k3")
     assert model_path("tiny-k3-mxfp4", "/x") == "/k3" and calls == [("tiny-k3-mxfp4", "/x")]
     assert model_path("/some/path") == "/some/path"
+
+
+def test_footprint_measure_sizes_the_tiny_k3s_latent_experts_as_the_os_counts_them(tmp_path):
+    """``footprint --measure`` on the tiny K3's config (issue 47): K3's experts are latent-width (L x I per
+    projection, not H), three MoE layers after the dense one; the host driver's memfd sizes equal the closed form,
+    BF16 as the checkpoint says and MXFP4 (E2M1 + an E8M0 scale per 32) as the tiny-k3-mxfp4 is."""
+    import json
+
+    from moonep_ep.tools.checkpoints.tiny_kimi_k3 import TinyKimiK3Config, hf_config
+    from tests.support.cli import moonep_ep_json
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TinyKimiK3Config())))
+    for fmt, weight, scale in (("bf16", 3 * L * I * 2, 0), ("mxfp4", 3 * L * I // 2, 3 * L * I // 32)):
+        args = ["footprint", "--config", str(tmp_path), "--measure", "--ranks", "2"]
+        out = moonep_ep_json(*args, *(["--format", fmt] if fmt != "bf16" else []))
+        assert out["ok"] and out["format"] == fmt and out["layers"] == 3, out
+        assert (out["expert_weight_bytes"], out["expert_scale_bytes"]) == (weight, scale), out
+        assert out["measured_bytes_per_rank"] == out["predicted_bytes_per_rank"], out
+        # vLLM 0.33.0's replica: every MoE layer holds all E experts and 4 slots on every rank
+        assert out["replicated_bytes_per_rank"] == 3 * (E + 4) * (weight + scale), out
+        assert all(row["filled"] for row in out["per_rank"])

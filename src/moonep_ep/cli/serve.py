@@ -81,8 +81,11 @@ def add_parser(subparsers: Any) -> None:
 def server_command(dist: str, device: str, path: str, name: str, dp: int, host: str, port: int,
                    extra: list[str], moonep_api: Optional[str] = None) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment additions)`` of the server."""
+    from ..tools.engine.harness import k3_cpu_env, k3_cpu_server_flags
+
     flags = ["--served-model-name", name, "--host", host, "--port", str(port), "--data-parallel-size", str(dp),
-             "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *SHUTDOWN, *extra]
+             "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS, *SHUTDOWN,
+             *k3_cpu_server_flags(device, path), *extra]
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if moonep_api is not None:
         env["MOONEP_EP_MOONEP_API"] = moonep_api
@@ -90,9 +93,31 @@ def server_command(dist: str, device: str, path: str, name: str, dp: int, host: 
         env.update(MOONEP_EP_CPU="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    MOONEP_EP_CPU_K3_STANDINS=envs.raw("MOONEP_EP_CPU_K3_STANDINS") or "1")
         env.update(triton_experts_env({**os.environ, **env}))
+        env.update(k3_cpu_env(device, path, env))
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, *flags], env
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     return [vllm if os.path.exists(vllm) else "vllm", "serve", path, *flags], env
+
+
+def speculative_refusal(vllm_args: list[str]) -> Optional[str]:
+    """The refusal of an MTP draft in ``--speculative-config`` among the vLLM arguments (None: nothing to refuse),
+    before any engine starts; the engines refuse it too (``store/loading.refuse_mtp_draft``)."""
+    import json
+
+    from ..vllm.store.loading import is_mtp_method, mtp_refusal
+
+    for i, arg in enumerate(vllm_args):
+        key, _, value = arg.partition("=")
+        if key.replace("_", "-") != "--speculative-config":
+            continue
+        value = value or (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+        try:
+            method = json.loads(value).get("method")
+        except (ValueError, AttributeError):
+            continue   # vLLM's own parser names what is wrong with it
+        if is_mtp_method(method):
+            return mtp_refusal(method)
+    return None
 
 
 def _hosts(args: argparse.Namespace) -> tuple[list[str], Optional[str]]:
@@ -117,11 +142,12 @@ def _hosts(args: argparse.Namespace) -> tuple[list[str], Optional[str]]:
 def _run_host(args: argparse.Namespace, hosts: list[str], dist: str, device: str, path: str, name: str,
               extra: list[str]) -> int:
     """Print every host's command; with ``--node-rank K`` (and no --dry-run) become host K's server."""
+    from ..tools.engine.harness import k3_cpu_server_flags
     from .serve_hosts import DEFAULT_RPC_PORT, base_command, describe, host_commands
 
     _, env = server_command(dist, device, path, name, args.dp, args.host, args.port, extra, args.moonep_api)
     flags = ["--served-model-name", name, "--enable-expert-parallel", "--all2all-backend", "moonep", *SERVE_LIMITS,
-             *extra]
+             *k3_cpu_server_flags(device, path), *extra]
     commands = host_commands(base_command(dist, device, path), flags, hosts, args.dp, port=args.port,
                              listen=args.host, rpc_port=args.rpc_port or DEFAULT_RPC_PORT, env=env,
                              ifname=args.gloo_ifname)
@@ -145,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     code, dist, device = engine_context("serve", args, bad, local_ranks=args.dp // len(hosts) if hosts else None)
     if code is not None:
         return code
+    from ..tools.checkpoints.tiny_kimi_k3 import K3_MODELS
     from ..tools.checkpoints.tiny_quantized import QUANTIZED_MODELS
     from ..tools.engine.demo import TINY_MODELS, model_path
     from ..vllm.checkpoint.model_check import require_servable
@@ -156,8 +183,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"moonep-ep serve: {exc}", file=sys.stderr)
         return 2
-    name = args.served_model_name or (args.model if args.model in TINY_MODELS + tuple(QUANTIZED_MODELS) else path)
+    name = args.served_model_name or (args.model if args.model in (*TINY_MODELS, *QUANTIZED_MODELS, *K3_MODELS)
+                                      else path)
     extra = [a for a in args.vllm_args if a != "--"]
+    refusal = speculative_refusal(extra)
+    if refusal:
+        print(f"moonep-ep serve: {refusal}", file=sys.stderr)
+        return 2
     if hosts:
         return _run_host(args, hosts, dist, device, info["path"], name, extra)
     argv, env = server_command(dist, device, info["path"], name, args.dp, args.host, args.port, extra,

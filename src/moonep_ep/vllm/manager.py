@@ -38,7 +38,7 @@ from ..ops.moonep import prefetch as slot_copies
 from ..memory.group import GroupComm, register_peers
 from .buffers import agree_decisions, local_decisions, select_buffer, system_check
 from .gc_heap import freeze_heap_at_exit, freeze_startup_heap
-from .store.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_sleep_mode
+from .store.loading import BINDING_ATTR, TARGET_DEVICE_ATTR, refuse_mtp_draft, refuse_sleep_mode
 from .store.sharded import ModelExpertStore
 from .observe.deferred import dp_token_counts
 from .observe.stats import STATS, stats_dir
@@ -220,6 +220,7 @@ class ShardedMoonEPAll2AllManager(MoonEPAll2AllManager):
         comm = GroupComm(cpu_group)
         with comm.step("MoonEP backend selection (moonep_ep system check)") as selected:
             refuse_sleep_mode(self.vllm_config)
+            refuse_mtp_draft(self.vllm_config)
             self.buffer_choice = select_buffer(device_type)
             if self.buffer_choice.kind == "moonep":
                 from vllm.utils.import_utils import check_moonep_system_support

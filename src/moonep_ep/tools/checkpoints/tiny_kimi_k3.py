@@ -39,9 +39,14 @@ K3 class builds it (``self_attention_res_proj``/``mlp_res_proj`` per layer),
 but it runs only as Triton / CUDA kernels (``nvidia/ops/attn_res.py``) and the
 oracle's model (transformers' ``kimi_linear``) has no AttnRes, so a run could
 not be judged; ``TinyKimiK3Config(attn_res_block_size=N)`` writes the config
-key and its weights for a GPU-only check. MTP layers
-(``num_nextn_predict_layers``) and the vision tower are not built: this is the
-text model ``KimiK3ForConditionalGeneration`` wraps.
+key and its weights for a GPU-only check. The vision tower is not built: this
+is the text model ``KimiK3ForConditionalGeneration`` wraps. **MTP** layers
+(``num_nextn_predict_layers``): none by default; ``TinyKimiK3Config(mtp_layers=1)``
+writes one as vLLM's ``kimi_k3/nvidia/mtp.py`` reads it, at index
+``num_hidden_layers`` (``model.layers.4.``): a whole decoder layer (MLA, since
+its 1-based index is no KDA layer, and a MoE block) plus ``enorm``, ``hnorm``,
+``eh_proj`` ``[H, 2H]`` and ``shared_head.{norm,head}``, drawn after every other
+tensor (the other tensors are the same as without it).
 
 Default shape: hidden 256, latent 128, moe_intermediate 128, 16 experts top-4,
 2 shared, 4 layers (1 dense + 3 MoE), vocab 1024: widths are multiples of 128
@@ -111,6 +116,7 @@ class TinyKimiK3Config:
     short_conv: int = 4
     gate_lower_bound: float = -5.0
     attn_res_block_size: Optional[int] = None  # K3: 12; see the module docstring
+    mtp_layers: int = 0               # num_nextn_predict_layers; see the module docstring
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
     gate_out_std: float = 3.0         # std of w1·x on unit-RMS x (before the block gains)
@@ -190,7 +196,7 @@ def hf_config(c: TinyKimiK3Config) -> dict[str, Any]:
                                "short_conv_kernel_size": c.short_conv, "use_full_rank_gate": True,
                                "gate_lower_bound": c.gate_lower_bound},
         "attn_res_block_size": c.attn_res_block_size,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": c.mtp_layers,
         "max_position_embeddings": c.max_positions,
         "rope_theta": 10000.0,
         "initializer_range": 0.02,
@@ -282,6 +288,44 @@ def random_weights(c: TinyKimiK3Config) -> dict[str, Any]:
     if c.attn_res_block_size is not None:
         w["model.output_attn_res_norm.weight"] = ones(H)
         w["model.output_attn_res_proj.weight"] = bf16(randn(1, H, std=0.05))
+    for layer in range(c.layers, c.layers + c.mtp_layers):
+        w.update(_mtp_layer(c, draw, layer))
+    return w
+
+
+def _mtp_layer(c: TinyKimiK3Config, draw: WeightDraw, layer: int) -> dict[str, Any]:
+    """One MTP layer's tensors: MLA attention, a MoE block (BF16 experts), the MTP head's projections."""
+    randn, bf16, ones = draw.randn, draw.bf16, draw.ones
+    H, L, E, Im = c.hidden, c.latent, c.experts, c.moe_intermediate
+    p, qk_head = f"model.layers.{layer}.", c.qk_nope_head_dim + c.qk_rope_head_dim
+    a, m = p + "self_attn.", p + "block_sparse_moe."
+    w = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+         p + "enorm.weight": ones(H), p + "hnorm.weight": ones(H),
+         p + "eh_proj.weight": bf16(randn(H, 2 * H, std=0.05)),
+         p + "shared_head.norm.weight": ones(H), p + "shared_head.head.weight": bf16(randn(c.vocab, H, std=0.05)),
+         a + "q_a_proj.weight": bf16(randn(c.q_lora_rank, H, std=0.05)), a + "q_a_layernorm.weight": ones(c.q_lora_rank),
+         a + "q_b_proj.weight": bf16(randn(c.heads * qk_head, c.q_lora_rank, std=0.05)),
+         a + "kv_a_proj_with_mqa.weight": bf16(randn(c.kv_lora_rank + c.qk_rope_head_dim, H, std=0.05)),
+         a + "kv_a_layernorm.weight": ones(c.kv_lora_rank),
+         a + "kv_b_proj.weight": bf16(randn(c.heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
+                                            std=0.05)),
+         a + "o_proj.weight": bf16(randn(H, c.heads * c.v_head_dim, std=0.05)),
+         m + "gate.weight": bf16(randn(E, H, std=c.router_std)),
+         m + "gate.e_score_correction_bias": randn(E, std=c.bias_std).float(),
+         m + "routed_expert_down_proj.weight": bf16(randn(L, H, std=H ** -0.5)),
+         m + "routed_expert_norm.weight": ones(L),
+         m + "routed_expert_up_proj.weight": bf16(randn(H, L, std=0.5 * L ** -0.5))}
+    if c.mla_output_gate:
+        w[a + "g_proj.weight"] = bf16(randn(c.heads * c.v_head_dim, H, std=0.05))
+    for e in range(E):
+        q = f"{m}experts.{e}."
+        w[q + "w1.weight"] = bf16(randn(Im, L, std=c.gate_out_std * L ** -0.5))
+        w[q + "w3.weight"] = bf16(randn(Im, L, std=c.up_out_std * L ** -0.5))
+        w[q + "w2.weight"] = bf16(randn(L, Im, std=Im ** -0.5))
+    if c.shared_experts:
+        for name, shape in (("gate_proj", (Im * c.shared_experts, H)), ("up_proj", (Im * c.shared_experts, H)),
+                            ("down_proj", (H, Im * c.shared_experts))):
+            w[f"{m}shared_experts.{name}.weight"] = bf16(randn(*shape, std=0.05))
     return w
 
 
@@ -307,6 +351,9 @@ def build_tiny_kimi_k3(name: str = "tiny-k3", out_dir: Optional[str] = None,
     c = config or TinyKimiK3Config()
     _validate(c)
     fmt = K3_MODELS[name]
+    if c.mtp_layers and fmt != "bf16":
+        raise ConfigError(f"tiny Kimi K3 {name!r}: mtp_layers {c.mtp_layers} with {fmt} experts; the MTP layer's "
+                          "experts are written in BF16 only. Fix: build tiny-k3 with mtp_layers")
     out = out_dir or default_model_dir(name, c)
     stamp = {"format": fmt, **dataclasses.asdict(c)}
     stamp_path = os.path.join(out, "moonep_ep_tiny.json")

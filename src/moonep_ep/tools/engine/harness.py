@@ -112,13 +112,37 @@ def _llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return kwargs
 
 
-def k3_cpu_engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+def k3_cpu_engine_args(device: str, model_dir: str) -> dict[str, Any]:
     """Kimi K3 on the CPU engine: the reference MLA backend (CPU_MLA, on every CPU: AMX_MLA would free
     ``kv_b_proj`` and refuse the in-place update) and no prefix caching (its linear-attention states in 'align'
-    mode are gathered by a CUDA-only kernel, ``kda_metadata._mamba_get_block_table_tensor``)."""
-    if cfg.device != "cpu" or not is_k3_checkpoint(cfg.model_dir):
+    mode are gathered by a CUDA-only kernel, ``kda_metadata._mamba_get_block_table_tensor``); nothing for another
+    model or device. The offline engines take these as keyword arguments, the server as flags
+    (:func:`k3_cpu_server_flags`)."""
+    if device != "cpu" or not is_k3_checkpoint(model_dir):
         return {}
     return {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
+
+
+def k3_cpu_engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    return k3_cpu_engine_args(cfg.device, cfg.model_dir)
+
+
+def k3_cpu_server_flags(device: str, model_dir: str) -> list[str]:
+    """:func:`k3_cpu_engine_args` as vLLM server flags (put before the user's, which win)."""
+    flags: list[str] = []
+    for key, value in k3_cpu_engine_args(device, model_dir).items():
+        name = "--" + key.replace("_", "-")
+        flags += ([name] if value else ["--no-" + name[2:]]) if isinstance(value, bool) else [name, str(value)]
+    return flags
+
+
+def k3_cpu_env(device: str, model_dir: str, added: dict[str, str]) -> dict[str, str]:
+    """What a K3 checkpoint's CPU engine adds to the engine's environment additions ``added``: K3's attention runs
+    Triton kernels the stand-ins keep (its norms, short convolutions), interpreted; nothing when ``added`` has the
+    interpreter already (the Triton experts')."""
+    if device != "cpu" or not is_k3_checkpoint(model_dir) or "TRITON_INTERPRET" in added:
+        return {}
+    return engine_interpreter_env({**os.environ, **added})
 
 
 def generate(llm: Any, prompts: list[Any], max_tokens: int) -> list[dict[str, Any]]:
@@ -276,9 +300,7 @@ def base_env(cfg: EngineConfig) -> dict[str, str]:
         env["MOONEP_EP_CPU"] = "1"
         env.setdefault("MOONEP_EP_CPU_K3_STANDINS", "1")   # act only where vLLM imports K3's modules
         env.update(triton_experts_env({**os.environ, **env}))
-        if is_k3_checkpoint(cfg.model_dir) and "TRITON_INTERPRET" not in env:
-            # K3's attention runs Triton kernels the stand-ins keep (its norms, short convolutions): interpreted
-            env.update(engine_interpreter_env({**os.environ, **env}))
+        env.update(k3_cpu_env(cfg.device, cfg.model_dir, env))
         if in_process(cfg, {**os.environ, **env}):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env

@@ -17,9 +17,11 @@ convention). The plugin applies :data:`PATCHES` only with ``MOONEP_EP_CPU=1``, i
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 from typing import Any, Optional
 
+from ..gc_heap import unfreeze_at_exit_if_triton
 from ..hooks import Install, Mark, Note, Patch, is_wrapped, mark_wrapped, wrapped_with
 from . import isa, k3
 
@@ -103,6 +105,13 @@ def k3_engine_defaults(module: Optional[ModuleType], *, install: Install, mark: 
     k3.set_engine_defaults()
 
 
+def interpreted_triton_exit(module: Optional[ModuleType], *, install: Install, mark: Mark, note: Note) -> None:
+    """At install, where Triton is interpreted (``TRITON_INTERPRET=1``):
+    :func:`gc_heap.unfreeze_at_exit_if_triton` (no nanobind leak report at exit)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and unfreeze_at_exit_if_triton():
+        mark("exit: heap unfrozen where Triton's extension is loaded (interpreted Triton)")
+
+
 def k3_without_cuda_streams(module: ModuleType, *, install: Install, mark: Mark, note: Note) -> None:
     """One of K3's model modules (:data:`k3.K3_MODULES`): :func:`k3.patch_model_module`."""
     if k3.patch_model_module(module):
@@ -132,6 +141,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(MOD_CPU_COMM, patch_cpu_communicator),
     Patch(MOD_EXPERTS, subclass_experts),
     Patch(None, k3_engine_defaults),
+    Patch(None, interpreted_triton_exit),
     *(Patch(name, k3_without_cuda_streams) for name in k3.K3_MODULES),
     Patch(k3.MOD_K3_MLA, k3_mla_keeps_kv_b_proj),
     Patch(k3.MOD_CPU_PLATFORM, cpu_mla_block_rule),

@@ -82,6 +82,26 @@ def refuse_sleep_mode(vllm_config: Any) -> None:
             "MOONEP_EP_LAYOUT=replicated to keep vLLM's all-gathered expert tensors, which its sleep mode manages")
 
 
+def is_mtp_method(method: Any) -> bool:
+    """A speculative method whose draft is the checkpoint's own MTP layers (vLLM's ``mtp`` and ``*_mtp``)."""
+    return isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
+
+
+def mtp_refusal(method: str) -> str:
+    return (f"moonep_ep: speculative decoding with the checkpoint's MTP layers (--speculative-config method "
+            f"{method!r}) is not supported under --all2all-backend moonep: the MTP draft (for Kimi K3 vLLM's "
+            "KimiK3MTPModel) has a MoE block of its own, a second expert-parallel model whose MoonEP buffers and "
+            "sharded expert store no engine has run yet. The target model skips the checkpoint's MTP weights, so "
+            "it serves without them. Fix: start without --speculative-config")
+
+
+def refuse_mtp_draft(vllm_config: Any) -> None:
+    """An MTP draft is refused (called on every rank at backend selection)."""
+    method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
+    if is_mtp_method(method):
+        raise ConfigError(mtp_refusal(method))
+
+
 # -- 1. construction ---------------------------------------------------------------------------
 
 def create_placeholder_weights(create_weights: Callable[..., Any], method: Any, layer: Any, *args: Any,
