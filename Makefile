@@ -136,8 +136,10 @@ serve: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready
 SOAK_MIN ?= 30
 SOAK_MODEL ?= tiny-deepseek-v3
 SOAK_REPLICATED_MIN ?= 5
+# SOAK_RATE: load requests per second (default: checks/soak's 1.5; a slower model or CPU may need less)
+SOAK_RATE ?=
 soak: $(VENV)/.moonep-ep-installed $(ENGINE_VENV)/.moonep-ep-ready $(VLLM_VENV)/.moonep-ep-ready
-	$(ENGINE_VENV)/bin/python -m checks.soak --minutes $(SOAK_MIN) --model $(SOAK_MODEL) --replicated-minutes $(SOAK_REPLICATED_MIN)
+	$(ENGINE_VENV)/bin/python -m checks.soak --minutes $(SOAK_MIN) --model $(SOAK_MODEL) --replicated-minutes $(SOAK_REPLICATED_MIN) $(if $(SOAK_RATE),--rate $(SOAK_RATE))
 
 selftest: install
 	$(VENV)/bin/moonep-ep selftest --ranks $(RANKS) --driver auto

@@ -422,11 +422,11 @@ def run_soak(cfg: SoakConfig, say: Callable[[str], None] = print) -> dict[str, A
         if server.alive():
             final = greedy.check(t_end, weights)
             result["oracle_end"] = _oracle(_oracle_dir(cfg.model, path), final)
-        for entry, answers in greedy.changed:   # a changed answer is a tie only if the oracle passes it as well
-            entry["oracle"] = _oracle(_oracle_dir(cfg.model, path if entry["weights"] == "A" else path_b), answers)
             result["digests_end"] = server.digests(os.path.join(cfg.out_dir, "digests-end"))
             samples.append(sample_tree(server.proc.pid))
             scrapes.append(scrape_metrics(server.url, scrape_timeout))
+        for entry, answers in greedy.changed:   # a changed answer is a tie only if the oracle passes it as well
+            entry["oracle"] = _oracle(_oracle_dir(cfg.model, path if entry["weights"] == "A" else path_b), answers)
         tree = sorted({p.pid for s in samples for p in s.processes} | {server.proc.pid})
         if cfg.kill and server.alive():
             result["sigkill"] = _kill_one_engine(server)

@@ -49,7 +49,7 @@ def test_every_patch_is_declared_one_way():
                              step_errors.PATCHES, routing_record.PATCHES, prepare_finalize_patches.PATCHES,
                              checkpoint_patches.PATCHES, graphs.PATCHES, quantized_hooks.PATCHES, cpu_patches.PATCHES,
                              experts_patches.PATCHES) for p in table]
-    assert len(every) == 38
+    assert len(every) == 39
     for patch in every:
         assert isinstance(patch, hooks.Patch) and (patch.target is None or patch.target.startswith("vllm."))
         params = inspect.signature(patch.apply).parameters
@@ -69,12 +69,13 @@ def test_the_tables_apply_in_an_order_that_keeps_each_modules_constraints(monkey
                                       "patch_runner"]
     assert order.index((RELOAD, "patch_reload")) < order.index((GPU_RUNNER, "patch_reload"))
     # set-up at install, in order: the cap first (it hides AMX from a capped process), the K3 default after
-    assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults"]
+    assert _on(order, None) == ["cap_kernel_library", "request_amx_permission", "k3_engine_defaults",
+                                "interpreted_triton_exit"]
     # the CUDA-graph lift wraps VllmConfig.__post_init__ over the quantized check's wrapper (each sees its own mark)
     assert _on(order, VLLM_CONFIG) == ["patch_config_check", "lift_eager_rule"]
     # the CPU engine's MoE step graphs before the host-read counter (which then wraps them)
     assert (MODULAR_KERNEL, "graph_moe_steps") in order
-    assert len(order) == len(set(order)) == 39  # every table applied (the CPU engine's graphs too), each patch once
+    assert len(order) == len(set(order)) == 40  # every table applied (the CPU engine's graphs too), each patch once
 
 
 def test_the_cpu_engine_and_the_routing_record_patch_only_when_asked(monkeypatch):
