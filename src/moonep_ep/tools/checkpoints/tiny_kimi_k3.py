@@ -391,7 +391,15 @@ def kimi_k3_wrapper_copy(model_dir: str) -> str:
                                   "tie_word_embeddings") if k in text}}
     if "quantization_config" in text:
         cfg["quantization_config"] = text["quantization_config"]
-    return _copy_beside(model_dir, f"{model_dir.rstrip('/')}-kimi-k3", cfg, renamed)
+    out = _copy_beside(model_dir, f"{model_dir.rstrip('/')}-kimi-k3", cfg, renamed)
+    # vLLM builds K3's processing info (its image processor, vLLM's KimiK25FusedVisionProcessor) for every
+    # KimiK3ForConditionalGeneration, even serving text only: the fields that class reads; no image is served
+    media = {"patch_size": 14, "merge_kernel_size": [2, 2], "temporal_merge_kernel_size": 4,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 16384,
+             "patch_limit_on_one_side": 512, "fixed_output_tokens": None, "in_patch_limit_each_frame": 4096}
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump({"media_proc_cfg": media}, f, indent=1)
+    return out
 
 
 def saturation_fractions(model_dir: str, hidden: Any = None, tokens: int = 512, seed: int = 0) -> dict[str, Any]:

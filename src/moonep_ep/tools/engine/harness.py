@@ -115,12 +115,23 @@ def _llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
 def k3_cpu_engine_args(device: str, model_dir: str) -> dict[str, Any]:
     """Kimi K3 on the CPU engine: the reference MLA backend (CPU_MLA, on every CPU: AMX_MLA would free
     ``kv_b_proj`` and refuse the in-place update) and no prefix caching (its linear-attention states in 'align'
-    mode are gathered by a CUDA-only kernel, ``kda_metadata._mamba_get_block_table_tensor``); nothing for another
+    mode are gathered by a CUDA-only kernel, ``kda_metadata._mamba_get_block_table_tensor``); for the
+    ``KimiK3ForConditionalGeneration`` wrapper, text only (MoonViT is not run on the CPU engine); nothing for another
     model or device. The offline engines take these as keyword arguments, the server as flags
     (:func:`k3_cpu_server_flags`)."""
     if device != "cpu" or not is_k3_checkpoint(model_dir):
         return {}
-    return {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
+    args: dict[str, Any] = {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
+    if _architecture(model_dir) == "KimiK3ForConditionalGeneration":
+        args["language_model_only"] = True   # K3's MoonViT tower is not run on the CPU engine
+    return args
+
+
+def _architecture(model_dir: str) -> Optional[str]:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return (json.load(f).get("architectures") or [None])[0]
 
 
 def k3_cpu_engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
