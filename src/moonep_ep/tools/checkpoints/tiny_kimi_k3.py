@@ -217,17 +217,11 @@ def random_weights(c: TinyKimiK3Config) -> dict[str, Any]:
 
     draw = WeightDraw(c.seed)
     gen, randn, bf16, ones = draw.gen, draw.randn, draw.bf16, draw.ones
-    H, L, E, Im = c.hidden, c.latent, c.experts, c.moe_intermediate
+    H, E = c.hidden, c.experts
     R, alpha = int(c.owner_split[0]), float(c.owner_split[1])
     emb, v = draw.owner_skewed_embeddings(c.vocab, H, alpha)
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": bf16(emb), "model.norm.weight": ones(H),
                                   "lm_head.weight": bf16(randn(c.vocab, H, std=0.05))}
-
-    def mlp(prefix: str, width: int) -> None:
-        w[prefix + "gate_proj.weight"] = bf16(randn(width, H, std=0.05))
-        w[prefix + "up_proj.weight"] = bf16(randn(width, H, std=0.05))
-        w[prefix + "down_proj.weight"] = bf16(randn(H, width, std=0.05))
-
     for layer in range(c.layers):
         p = f"model.layers.{layer}."
         w[p + "input_layernorm.weight"] = ones(H)
@@ -248,43 +242,20 @@ def random_weights(c: TinyKimiK3Config) -> dict[str, Any]:
             w[a + "o_norm.weight"] = ones(D)
             w[a + "o_proj.weight"] = bf16(randn(H, proj, std=0.05))
         else:
-            qk_head = c.qk_nope_head_dim + c.qk_rope_head_dim
-            w[a + "q_a_proj.weight"] = bf16(randn(c.q_lora_rank, H, std=0.05))
-            w[a + "q_a_layernorm.weight"] = ones(c.q_lora_rank)
-            w[a + "q_b_proj.weight"] = bf16(randn(c.heads * qk_head, c.q_lora_rank, std=0.05))
-            w[a + "kv_a_proj_with_mqa.weight"] = bf16(randn(c.kv_lora_rank + c.qk_rope_head_dim, H, std=0.05))
-            w[a + "kv_a_layernorm.weight"] = ones(c.kv_lora_rank)
-            w[a + "kv_b_proj.weight"] = bf16(randn(c.heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
-                                                   std=0.05))
-            if c.mla_output_gate:
-                w[a + "g_proj.weight"] = bf16(randn(c.heads * c.v_head_dim, H, std=0.05))
-            w[a + "o_proj.weight"] = bf16(randn(H, c.heads * c.v_head_dim, std=0.05))
+            w.update(_mla_attention(c, draw, a))
         if c.attn_res_block_size is not None:
             w[p + "self_attention_res_norm.weight"] = ones(H)
             w[p + "mlp_res_norm.weight"] = ones(H)
             w[p + "self_attention_res_proj.weight"] = bf16(randn(1, H, std=0.05))
             w[p + "mlp_res_proj.weight"] = bf16(randn(1, H, std=0.05))
         if layer < c.first_k_dense:
-            mlp(p + "mlp.", c.intermediate)
+            w.update(_mlp(c, draw, p + "mlp.", c.intermediate))
             continue
-        m = p + "block_sparse_moe."
         gate = randn(E, H, std=c.router_std)
         if alpha:
             owner = torch.arange(E) // (E // R)
             gate = gate + torch.where(owner == 0, alpha, -alpha)[:, None] * v[None, :]
-        w[m + "gate.weight"] = bf16(gate)
-        w[m + "gate.e_score_correction_bias"] = randn(E, std=c.bias_std).float()
-        # latent down: unit-RMS MoE inputs (post_attention_layernorm) give unit-RMS latent rows
-        w[m + "routed_expert_down_proj.weight"] = bf16(randn(L, H, std=H ** -0.5))
-        w[m + "routed_expert_norm.weight"] = ones(L)
-        w[m + "routed_expert_up_proj.weight"] = bf16(randn(H, L, std=0.5 * L ** -0.5))
-        for e in range(E):
-            q = f"{m}experts.{e}."
-            w[q + "w1.weight"] = bf16(randn(Im, L, std=c.gate_out_std * L ** -0.5))
-            w[q + "w3.weight"] = bf16(randn(Im, L, std=c.up_out_std * L ** -0.5))
-            w[q + "w2.weight"] = bf16(randn(L, Im, std=Im ** -0.5))
-        if c.shared_experts:
-            mlp(m + "shared_experts.", Im * c.shared_experts)
+        w.update(_moe_block(c, draw, p + "block_sparse_moe.", gate))
     if c.attn_res_block_size is not None:
         w["model.output_attn_res_norm.weight"] = ones(H)
         w["model.output_attn_res_proj.weight"] = bf16(randn(1, H, std=0.05))
@@ -293,39 +264,61 @@ def random_weights(c: TinyKimiK3Config) -> dict[str, Any]:
     return w
 
 
-def _mtp_layer(c: TinyKimiK3Config, draw: WeightDraw, layer: int) -> dict[str, Any]:
-    """One MTP layer's tensors: MLA attention, a MoE block (BF16 experts), the MTP head's projections."""
-    randn, bf16, ones = draw.randn, draw.bf16, draw.ones
-    H, L, E, Im = c.hidden, c.latent, c.experts, c.moe_intermediate
-    p, qk_head = f"model.layers.{layer}.", c.qk_nope_head_dim + c.qk_rope_head_dim
-    a, m = p + "self_attn.", p + "block_sparse_moe."
-    w = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
-         p + "enorm.weight": ones(H), p + "hnorm.weight": ones(H),
-         p + "eh_proj.weight": bf16(randn(H, 2 * H, std=0.05)),
-         p + "shared_head.norm.weight": ones(H), p + "shared_head.head.weight": bf16(randn(c.vocab, H, std=0.05)),
-         a + "q_a_proj.weight": bf16(randn(c.q_lora_rank, H, std=0.05)), a + "q_a_layernorm.weight": ones(c.q_lora_rank),
-         a + "q_b_proj.weight": bf16(randn(c.heads * qk_head, c.q_lora_rank, std=0.05)),
-         a + "kv_a_proj_with_mqa.weight": bf16(randn(c.kv_lora_rank + c.qk_rope_head_dim, H, std=0.05)),
-         a + "kv_a_layernorm.weight": ones(c.kv_lora_rank),
-         a + "kv_b_proj.weight": bf16(randn(c.heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
-                                            std=0.05)),
-         a + "o_proj.weight": bf16(randn(H, c.heads * c.v_head_dim, std=0.05)),
-         m + "gate.weight": bf16(randn(E, H, std=c.router_std)),
-         m + "gate.e_score_correction_bias": randn(E, std=c.bias_std).float(),
-         m + "routed_expert_down_proj.weight": bf16(randn(L, H, std=H ** -0.5)),
-         m + "routed_expert_norm.weight": ones(L),
-         m + "routed_expert_up_proj.weight": bf16(randn(H, L, std=0.5 * L ** -0.5))}
+def _mlp(c: TinyKimiK3Config, draw: WeightDraw, prefix: str, width: int) -> dict[str, Any]:
+    """A SiTU MLP of ``width`` on the full hidden (the dense layer, the shared experts)."""
+    H = c.hidden
+    return {prefix + "gate_proj.weight": draw.bf16(draw.randn(width, H, std=0.05)),
+            prefix + "up_proj.weight": draw.bf16(draw.randn(width, H, std=0.05)),
+            prefix + "down_proj.weight": draw.bf16(draw.randn(H, width, std=0.05))}
+
+
+def _mla_attention(c: TinyKimiK3Config, draw: WeightDraw, a: str) -> dict[str, Any]:
+    """An MLA layer's ``self_attn.`` tensors (q-LoRA, NoPE, the output gate where configured)."""
+    randn, bf16, ones, H = draw.randn, draw.bf16, draw.ones, c.hidden
+    qk_head = c.qk_nope_head_dim + c.qk_rope_head_dim
+    w = {a + "q_a_proj.weight": bf16(randn(c.q_lora_rank, H, std=0.05))}
+    w[a + "q_a_layernorm.weight"] = ones(c.q_lora_rank)
+    w[a + "q_b_proj.weight"] = bf16(randn(c.heads * qk_head, c.q_lora_rank, std=0.05))
+    w[a + "kv_a_proj_with_mqa.weight"] = bf16(randn(c.kv_lora_rank + c.qk_rope_head_dim, H, std=0.05))
+    w[a + "kv_a_layernorm.weight"] = ones(c.kv_lora_rank)
+    w[a + "kv_b_proj.weight"] = bf16(randn(c.heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
+                                           std=0.05))
     if c.mla_output_gate:
         w[a + "g_proj.weight"] = bf16(randn(c.heads * c.v_head_dim, H, std=0.05))
+    w[a + "o_proj.weight"] = bf16(randn(H, c.heads * c.v_head_dim, std=0.05))
+    return w
+
+
+def _moe_block(c: TinyKimiK3Config, draw: WeightDraw, m: str, gate: Any) -> dict[str, Any]:
+    """A latent MoE block's tensors under ``m`` (``...block_sparse_moe.``), its router weights ``gate`` given."""
+    randn, bf16, ones = draw.randn, draw.bf16, draw.ones
+    H, L, E, Im = c.hidden, c.latent, c.experts, c.moe_intermediate
+    w = {m + "gate.weight": bf16(gate), m + "gate.e_score_correction_bias": randn(E, std=c.bias_std).float()}
+    # latent down: unit-RMS MoE inputs (post_attention_layernorm) give unit-RMS latent rows
+    w[m + "routed_expert_down_proj.weight"] = bf16(randn(L, H, std=H ** -0.5))
+    w[m + "routed_expert_norm.weight"] = ones(L)
+    w[m + "routed_expert_up_proj.weight"] = bf16(randn(H, L, std=0.5 * L ** -0.5))
     for e in range(E):
         q = f"{m}experts.{e}."
         w[q + "w1.weight"] = bf16(randn(Im, L, std=c.gate_out_std * L ** -0.5))
         w[q + "w3.weight"] = bf16(randn(Im, L, std=c.up_out_std * L ** -0.5))
         w[q + "w2.weight"] = bf16(randn(L, Im, std=Im ** -0.5))
     if c.shared_experts:
-        for name, shape in (("gate_proj", (Im * c.shared_experts, H)), ("up_proj", (Im * c.shared_experts, H)),
-                            ("down_proj", (H, Im * c.shared_experts))):
-            w[f"{m}shared_experts.{name}.weight"] = bf16(randn(*shape, std=0.05))
+        w.update(_mlp(c, draw, m + "shared_experts.", Im * c.shared_experts))
+    return w
+
+
+def _mtp_layer(c: TinyKimiK3Config, draw: WeightDraw, layer: int) -> dict[str, Any]:
+    """One MTP layer's tensors: MLA attention, a MoE block (BF16 experts, an unskewed router), the MTP head's
+    projections."""
+    randn, bf16, ones, H = draw.randn, draw.bf16, draw.ones, c.hidden
+    p = f"model.layers.{layer}."
+    w = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+         p + "enorm.weight": ones(H), p + "hnorm.weight": ones(H),
+         p + "eh_proj.weight": bf16(randn(H, 2 * H, std=0.05)),
+         p + "shared_head.norm.weight": ones(H), p + "shared_head.head.weight": bf16(randn(c.vocab, H, std=0.05))}
+    w.update(_mla_attention(c, draw, p + "self_attn."))
+    w.update(_moe_block(c, draw, p + "block_sparse_moe.", randn(c.experts, H, std=c.router_std)))
     return w
 
 
