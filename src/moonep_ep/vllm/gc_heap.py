@@ -103,10 +103,17 @@ def freeze_heap_at_exit() -> bool:
 NANOBIND_EXTENSION = "triton._C.libtriton"
 
 
+def _unfreeze_if_triton() -> bool:
+    """``gc.unfreeze()`` where Triton's nanobind extension is loaded; True if it was."""
+    if NANOBIND_EXTENSION not in sys.modules:
+        return False
+    gc.unfreeze()
+    return True
+
+
 def settle_heap_for_exit() -> str:
     """At exit: ``gc.freeze()``, or ``gc.unfreeze()`` when Triton's nanobind extension is loaded; says which."""
-    if NANOBIND_EXTENSION in sys.modules:
-        gc.unfreeze()
+    if _unfreeze_if_triton():
         return "unfrozen"
     gc.freeze()
     return "frozen"
@@ -119,6 +126,6 @@ def unfreeze_at_exit_if_triton() -> bool:
     with _lock:
         if _unfreeze_registered:
             return False
-        atexit.register(lambda: NANOBIND_EXTENSION in sys.modules and gc.unfreeze())
+        atexit.register(_unfreeze_if_triton)
         _unfreeze_registered = True
         return True

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 from ... import envs
 from ...testing.triton_interpreter import engine_interpreter_env, triton_experts_env
-from ...vllm.checkpoint.model_check import is_k3_checkpoint
+from ...vllm.checkpoint.model_check import K3_ARCHITECTURES, checkpoint_architecture, is_k3_checkpoint
 from ...vllm.observe.stats import read_stats
 from ...launch import ProcessSet, cpu_threads_bind, descendants
 from ..args import add_moe_shape_arguments
@@ -119,23 +119,13 @@ def k3_cpu_engine_args(device: str, model_dir: str) -> dict[str, Any]:
     ``KimiK3ForConditionalGeneration`` wrapper, text only (MoonViT is not run on the CPU engine); nothing for another
     model or device. The offline engines take these as keyword arguments, the server as flags
     (:func:`k3_cpu_server_flags`)."""
-    if device != "cpu" or not is_k3_checkpoint(model_dir):
+    architecture = checkpoint_architecture(model_dir) if device == "cpu" else None
+    if architecture not in K3_ARCHITECTURES:
         return {}
     args: dict[str, Any] = {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
-    if _architecture(model_dir) == "KimiK3ForConditionalGeneration":
+    if architecture == "KimiK3ForConditionalGeneration":
         args["language_model_only"] = True   # K3's MoonViT tower is not run on the CPU engine
     return args
-
-
-def _architecture(model_dir: str) -> Optional[str]:
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return (json.load(f).get("architectures") or [None])[0]
-
-
-def k3_cpu_engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
-    return k3_cpu_engine_args(cfg.device, cfg.model_dir)
 
 
 def k3_cpu_server_flags(device: str, model_dir: str) -> list[str]:
@@ -194,7 +184,7 @@ def _engine_main(cfg: EngineConfig, indices: list[int], dp: Optional[dict[str, A
         from .reload import PROBE, reloadable_attention_kwargs, run_reload_sequence
 
         kwargs = _llm_kwargs(cfg)
-        kwargs.update(k3_cpu_engine_kwargs(cfg))
+        kwargs.update(k3_cpu_engine_args(cfg.device, cfg.model_dir))
         if dp is not None:
             kwargs.update(enable_expert_parallel=True, all2all_backend="moonep", worker_extension_cls=PROBE)
             kwargs.update(cfg.dp_llm_kwargs)

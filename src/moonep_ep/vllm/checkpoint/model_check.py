@@ -249,14 +249,18 @@ def _file_problems(path: str) -> list[Problem]:
     return problems
 
 
-def is_k3_checkpoint(path: str) -> bool:
-    """Whether ``path``'s ``config.json`` names one of Kimi K3's architectures (False where it cannot be read)."""
+def checkpoint_architecture(path: str) -> Optional[str]:
+    """The first architecture ``path``'s ``config.json`` names (None where it cannot be read or names none)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
-            arch = (json.load(f).get("architectures") or [None])[0]
+            return (json.load(f).get("architectures") or [None])[0]
     except (OSError, ValueError, AttributeError):
-        return False
-    return arch in K3_ARCHITECTURES
+        return None
+
+
+def is_k3_checkpoint(path: str) -> bool:
+    """Whether ``path``'s ``config.json`` names one of Kimi K3's architectures (False where it cannot be read)."""
+    return checkpoint_architecture(path) in K3_ARCHITECTURES
 
 
 def require_servable(path: str, *, ep_size: int, engine: str, warn: Any = print,
