@@ -145,8 +145,9 @@ def test_a_k3_checkpoint_with_an_mtp_layer_serves_without_it_and_an_mtp_draft_is
 
 #: the MXFP4 tiny K3 as the released K3 lays it out (KimiK3ForConditionalGeneration, text tensors under
 #: ``language_model.``), and the oracle's copy of the text checkpoint (the same tensors, decompressed)
-WRAPPER_CHECKPOINT = ("import json; from moonep_ep.tools.checkpoints.tiny_kimi_k3 import build_tiny_kimi_k3, "
-                      "kimi_k3_wrapper_copy; from moonep_ep.tools.checkpoints.tiny_quantized import dequantized_copy; "
+WRAPPER_CHECKPOINT = ("import json; from moonep_ep.tools.checkpoints.tiny_kimi_k3 import build_tiny_kimi_k3; "
+                      "from tests.support.k3_wrapper import kimi_k3_wrapper_copy; "
+                      "from moonep_ep.tools.checkpoints.tiny_quantized import dequantized_copy; "
                       "import safetensors; t = build_tiny_kimi_k3('tiny-k3-mxfp4'); p = kimi_k3_wrapper_copy(t); "
                       "f = safetensors.safe_open(p + '/model.safetensors', 'pt'); "
                       "print(json.dumps({'path': p, 'oracle': dequantized_copy(t), 'names': sorted(f.keys()), "
