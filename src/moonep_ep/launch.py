@@ -389,6 +389,11 @@ def _rank_main(fn_ref: str, rank: int, world: int, backend: str, use_cuda: bool,
             device = f"cuda:{local}"
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            # gloo connects its mesh while the group is built, and a rank can finish its side
+            # first: one that then runs no collective and exits closes the socket under a peer
+            # still connecting ("Connection closed by peer"). NCCL connects at the first collective.
+            dist.barrier()
         try:
             out = fn(RankContext(rank, world, backend, device), *args)
             results.put((rank, "ok", out))
