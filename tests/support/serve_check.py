@@ -5,7 +5,8 @@ test runs; any command that starts ``moonep-ep serve`` works) runs in an
 environment with vLLM, ``openai`` and transformers (``.venv-vllm-cpu``):
 
 1. start the command in its own session with ``SERVE_PORT`` set to a free
-   port and ``MOONEP_EP_VLLM_STATS_DIR`` to a fresh directory; read the URL
+   port, ``MOONEP_EP_VLLM_STATS_DIR`` to a fresh directory and
+   ``MOONEP_EP_ROUTING_RECORD_DIR`` to one inside it; read the URL
    it prints; wait for ``/health``; read ``/v1/models`` (the served name and
    the checkpoint path);
 2. traffic over loopback: 8 completions and 8 chats, half of them
@@ -24,7 +25,11 @@ environment with vLLM, ``openai`` and transformers (``.venv-vllm-cpu``):
    and what the terminal showed from start to exit: every warning line
    counted, third-party leak reports apart (:func:`terminal_report`);
 5. the oracle (``oracle.py``) judges every sequence of step 2 (after the
-   server is gone, so it competes for no core).
+   server is gone, so it competes for no core). Each sequence carries the
+   experts its engine's routers chose (recorded by the server, matched by
+   the ``X-Request-Id`` it was sent with), so a divergence is excused only
+   as the demo's are: a forced-routing near-tie, named with its margins
+   (``tools/engine/near_ties.py``).
 """
 
 from __future__ import annotations
@@ -127,11 +132,44 @@ def _wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float) -> tupl
     return None, time.monotonic() - t0
 
 
-async def send_traffic(url: str, model: str, prompts: list[list[int]], completion_dp_ranks: Optional[list[int]] = None
-                   ) -> list[dict[str, Any]]:
+def served_request_id(kind: str, header_id: str) -> str:
+    """The engine's request id, less the random suffix vLLM's ``InputProcessor`` adds, of a request sent with
+    ``X-Request-Id: header_id`` (vLLM 0.33.0: a completion's is ``cmpl-<id>-<prompt index>``, a chat's
+    ``chatcmpl-<id>``): what the routing records name it by (``near_ties.attach_routing``)."""
+    return f"cmpl-{header_id}-0" if kind == "completion" else f"chatcmpl-{header_id}"
+
+
+def attach_served_routing(requests: list[dict[str, Any]], directory: str) -> int:
+    """Give each served sequence the routing its engine recorded under ``directory`` (the server ran with
+    ``MOONEP_EP_ROUTING_RECORD_DIR``): the oracle's near-tie evidence, as the demo's runs have it. Returns the
+    sequences given one."""
+    from moonep_ep.tools.engine.near_ties import attach_routing
+    from moonep_ep.vllm.observe.routing_record import read_records
+
+    return attach_routing([r for r in requests if "error" not in r], read_records(directory))
+
+
+def excused_divergences(verdict: dict[str, Any]) -> str:
+    """One line of what the oracle excused and why: each routing near-tie with its margins, or none; the
+    divergences it did not explain are in ``verdict["unexplained"]``."""
+    ties = verdict.get("near_ties") or []
+    named = "; ".join(f"sequence {n['sequence']} position {n['position']}: gap {n['gap']}, "
+                      f"{n['routing_differences']} engine choice(s) differ, largest margin {n['largest_margin']} <= "
+                      f"{n['margin_bound']:.5f}, forced gap {n['forced_gap']} |d| {n['forced_delta']}" for n in ties)
+    why_not = sorted({u["why_not"].split(" (")[0] for u in verdict.get("unexplained") or [] if u.get("why_not")})
+    return (f"{verdict['divergences']} divergence(s), {len(ties)} excused as routing near-ties"
+            + (f" ({named})" if ties else "")
+            + f"; the rest judged by the rule, largest gap {verdict.get('max_gap_not_near_tie')}"
+            + (f" (not near-ties: {'; '.join(why_not)})" if why_not else ""))
+
+
+async def send_traffic(url: str, model: str, prompts: list[list[int]], completion_dp_ranks: Optional[list[int]] = None,
+                       id_prefix: str = "check") -> list[dict[str, Any]]:
     """``CONCURRENT`` completions (prompt ``i``) and as many chats, all at once. ``completion_dp_ranks``: pin
     completion ``i`` to DP rank ``completion_dp_ranks[i % len]`` with vLLM's router header
-    ``X-data-parallel-rank`` (default: vLLM's own load balancer decides)."""
+    ``X-data-parallel-rank`` (default: vLLM's own load balancer decides). Each request is sent with
+    ``X-Request-Id: <id_prefix>-<kind>-<i>`` (unique per call's ``id_prefix``) and carries the engine's id for it
+    (``request_id``, :func:`served_request_id`)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=300, max_retries=0)
@@ -142,10 +180,11 @@ async def send_traffic(url: str, model: str, prompts: list[list[int]], completio
 
     async def completion(i: int, stream: bool) -> dict[str, Any]:
         t0 = time.monotonic()
+        header_id = f"{id_prefix}-completion-{i}"
         kw = dict(model=model, prompt=prompts[i % len(prompts)], max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-                  extra_body=extra)
+                  extra_body=extra, extra_headers={"X-Request-Id": header_id})
         if completion_dp_ranks:
-            kw["extra_headers"] = {"X-data-parallel-rank": str(completion_dp_ranks[i % len(completion_dp_ranks)])}
+            kw["extra_headers"]["X-data-parallel-rank"] = str(completion_dp_ranks[i % len(completion_dp_ranks)])
         prompt_ids: list[int] = []
         ids: list[int] = []
         lps: list[tuple[str, Optional[float]]] = []
@@ -163,15 +202,17 @@ async def send_traffic(url: str, model: str, prompts: list[list[int]], completio
             chunks = 1
             prompt_ids, ids = list(c.prompt_token_ids or []), list(c.token_ids or [])
             lps = list(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
-        return {"kind": "completion", "stream": stream, "prompt_token_ids": prompt_ids, "token_ids": ids,
+        return {"kind": "completion", "stream": stream, "request_id": served_request_id("completion", header_id),
+                "prompt_token_ids": prompt_ids, "token_ids": ids,
                 "logprobs": token_lp(lps), "logprob_tokens": [t for t, _ in lps], "chunks": chunks,
                 "sent": t0, "done": time.monotonic()}
 
     async def chat(i: int, stream: bool) -> dict[str, Any]:
         t0 = time.monotonic()
         words = " ".join(f"w{t}" for t in prompts[(i + 3) % len(prompts)])
+        header_id = f"{id_prefix}-chat-{i}"
         kw = dict(model=model, messages=[{"role": "user", "content": words}], max_tokens=MAX_TOKENS, temperature=0,
-                  logprobs=True, top_logprobs=1, extra_body=extra)
+                  logprobs=True, top_logprobs=1, extra_body=extra, extra_headers={"X-Request-Id": header_id})
         prompt_ids: list[int] = []
         ids: list[int] = []
         lps: list[tuple[str, Optional[float]]] = []
@@ -190,7 +231,8 @@ async def send_traffic(url: str, model: str, prompts: list[list[int]], completio
             prompt_ids = list(getattr(r, "prompt_token_ids", None) or [])
             ids = list(getattr(r.choices[0], "token_ids", None) or [])
             lps = [(x.token, x.logprob) for x in r.choices[0].logprobs.content]
-        return {"kind": "chat", "stream": stream, "prompt_token_ids": prompt_ids, "token_ids": ids,
+        return {"kind": "chat", "stream": stream, "request_id": served_request_id("chat", header_id),
+                "prompt_token_ids": prompt_ids, "token_ids": ids,
                 "logprobs": token_lp(lps), "logprob_tokens": [t for t, _ in lps], "chunks": chunks,
                 "sent": t0, "done": time.monotonic()}
 
@@ -298,7 +340,10 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0, stop: str = 
     result: dict[str, Any] = {"command": command, "leaks_before": leak_scan()}
     stats_dir = tempfile.mkdtemp(prefix="moonep-ep-serve-stats-")
     log_path = os.path.join(stats_dir, "server.log")
-    env = dict(os.environ, SERVE_PORT=str(free_port()), MOONEP_EP_VLLM_STATS_DIR=stats_dir)
+    routing_dir = os.path.join(stats_dir, "routing")
+    os.makedirs(routing_dir)
+    env = dict(os.environ, SERVE_PORT=str(free_port()), MOONEP_EP_VLLM_STATS_DIR=stats_dir,
+               MOONEP_EP_ROUTING_RECORD_DIR=routing_dir)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -338,6 +383,7 @@ def run_check(command: list[str], startup_timeout_s: float = 300.0, stop: str = 
         result["stop"] = _stop(server_pid, proc.pid, tree, stop)  # the command leads its own session
         result["leaks_after_exit"] = leak_scan()
         result["dev_shm_left"] = settled_orphans(result["leaks_before"]["dev_shm"])
+        result["sequences_with_routing"] = attach_served_routing(requests, routing_dir)  # every process has exited
     except Exception as exc:  # noqa: BLE001 - reported in the JSON with what was measured so far
         import traceback
 

@@ -25,7 +25,7 @@ import time
 import pytest
 
 from moonep_ep import envs
-from tests.support.serve_check import WARNING_LINES_BOUND
+from tests.support.serve_check import WARNING_LINES_BOUND, excused_divergences
 from tests.support.vllm_envs import python_of, run_json
 
 @pytest.mark.slow
@@ -51,6 +51,9 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     verdict = out["oracle_verdict"]
     assert out["oracle"] == "transformers" and verdict["ok"], verdict
     assert verdict["positions"] == 16 * 8
+    # Every served sequence carries its engine's routing, so a divergence is excused only as a measured near-tie.
+    assert out["sequences_with_routing"] == 16, out["sequences_with_routing"]
+    assert all(n["largest_margin"] <= n["margin_bound"] for n in verdict["near_ties"]), verdict["near_ties"]
     # Errors: each a 4xx, the server serving after each.
     cases = {e["case"]: e for e in out["errors"]}
     for case in ("unknown model", "unknown model (chat)", "prompt longer than the context", "negative temperature",
@@ -77,7 +80,8 @@ def test_make_serve_answers_the_openai_client_agrees_with_the_oracle_and_stops_c
     assert checks["no_new_dev_shm_entry"], out.get("dev_shm_left")
     assert out["ok"] is True, checks
     report(f"[serve] make serve: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, traffic "
-           f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit "
+           f"{out['traffic_s']}s, oracle p50/p90 {verdict['abs_logprob_diff']}, {excused_divergences(verdict)}; "
+           f"Ctrl-C exit "
            f"{stop['slowest_exit_s']}s for {stop['processes']} processes; {terminal['warning_lines']} warning "
            f"lines (bound {WARNING_LINES_BOUND}), {terminal['leak_warning_lines']} leak reports; {elapsed:.0f}s")
 
@@ -105,7 +109,8 @@ def test_serve_tiny_k3_mxfp4_answers_the_openai_client_and_stops_clean(report):
     assert out["terminal"]["leak_warning_lines"] == 0, out["terminal"]["kinds"]
     assert out["ok"] is True, {k: v for k, v in out["checks"].items() if not v}
     report(f"[serve K3] tiny-k3-mxfp4: ready in {out['startup_s']}s, {out['max_in_flight']} in flight, oracle "
-           f"p50/p90 {verdict['abs_logprob_diff']}, Ctrl-C exit {out['stop']['slowest_exit_s']}s, "
+           f"p50/p90 {verdict['abs_logprob_diff']}, {excused_divergences(verdict)} (routing recorded for "
+           f"{out['sequences_with_routing']} of 16); Ctrl-C exit {out['stop']['slowest_exit_s']}s, "
            f"{out['terminal']['warning_lines']} warning lines, 0 leak reports; {time.monotonic() - t0:.0f}s")
 
 
