@@ -8,6 +8,9 @@ machine can select and each scheduling, it runs the engine verdicts ``make test`
   and back, each judged by the oracle);
 * ``vllm-demo --model tiny-kimi-k2-thinking-int4 | tiny-deepseek-v3-mxfp4 | tiny-deepseek-v3-fp8 --reload`` (the
   INT4 run with ``--reload-control``: an update to a copy with doubled scales, which must fail);
+* the push runs (BF16 with full decode graphs, INT4) and the tiny K3 MXFP4 run, each ``--reload``, and K3's five
+  planted-bug controls served by the engine (each must fail the oracle; the one planted in the environment must
+  pass without it);
 
 and, per code path, the planted-bug controls (``tests/support/oracle_controls.py``: swapped experts, zeroed
 expert, unscaled routing weights, dropped shared expert, ignored correction bias;
@@ -66,7 +69,17 @@ ENGINE_RUNS: dict[str, list[str]] = {
     "int4": ["--model", "tiny-kimi-k2-thinking-int4", "--reload", "--json"],
     "mxfp4": ["--model", "tiny-deepseek-v3-mxfp4", "--reload", "--json"],
     "fp8": ["--model", "tiny-deepseek-v3-fp8", "--reload", "--json"],
+    # the CI tier's push runs (tests/vllm/test_push_engine.py) and its K3 run (tests/vllm/test_k3_engine.py)
+    "push_bf16": ["--moonep-api", "push", "--runs", "dp_sharded", "--reload", "--json",
+                  "--cudagraph-mode", "FULL_DECODE_ONLY"],
+    "push_int4": ["--model", "tiny-kimi-k2-thinking-int4", "--moonep-api", "push", "--runs", "dp_sharded",
+                  "--reload", "--json"],
+    "k3_mxfp4": ["--model", "tiny-k3-mxfp4", "--runs", "dp_sharded", "--reload", "--max-tokens", "4", "--json"],
 }
+#: The CI tier's K3 controls (``tests/support/k3_controls.py``): each planted bug, served by the engine, must fail
+#: the correct checkpoint's oracle; ``bias_in_weights`` is planted in the engine's environment, so the same
+#: checkpoint served without the plant must pass.
+K3_CONTROLS = ("silu", "no_linear_beta", "no_norm", "scale_doubled", "bias_in_weights")
 
 
 def cpu_flags() -> set[str]:
@@ -188,6 +201,49 @@ def run_engine(name: str, path: str, scheduling: str, router: str, timeout: floa
     return entry
 
 
+def run_k3_control(control: str, path: str, scheduling: str, router: str, timeout: float) -> dict[str, Any]:
+    """One K3 control as ``test_k3_engine.py`` runs it: the planted run must fail the oracle with every other
+    check of the run passing; a plant in the environment gets its unplanted run too, which must pass."""
+    env = path_env(path, router)
+    env.pop("PYTHONPATH", None)   # the environment's own moonep_ep install; a plant sets its own
+    build = subprocess.run([ENGINE_PY, "-m", "tests.support.k3_controls", control], capture_output=True, text=True,
+                           env=dict(env, PYTHONPATH=ROOT), cwd=ROOT, timeout=600)
+    planted = _json(build.stdout)
+    if not planted:
+        return {"seconds": 0.0, "rc": build.returncode, "verdicts": {}, "error": build.stderr, "wrong": ["no JSON"]}
+    core = slow_core() if scheduling == "slow" else None
+    pinned = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+    t0 = time.monotonic()
+    verdicts: dict[str, Any] = {}
+    errors = []
+    for name, extra, expect in (("planted", planted["env"], "fail"), ("unplanted", {}, "pass")):
+        if name == "unplanted" and not planted["env"]:
+            continue
+        cmd = [ENGINE_PY, "-m", "moonep_ep.cli.main", "vllm-demo", "--model", planted["model"], "--oracle-model",
+               planted["oracle_model"], "--runs", "dp_sharded", "--max-tokens", "4", "--json"]
+        with BusyLoop(scheduling in ("busy", "slow"), core):
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **extra), cwd=ROOT,
+                                  timeout=timeout, preexec_fn=pinned)
+        out = _json(proc.stdout)
+        run = (out.get("runs") or {}).get("dp_sharded")
+        if not run:
+            errors.append(proc.stderr)
+            continue
+        v = run["oracle"]["float32"]
+        checks_failed = sorted(k for k, ok in (run.get("checks") or {}).items() if not ok)
+        # a planted run counts as caught only by the oracle: every other check of the run must pass
+        ok = bool(v["ok"]) and not checks_failed if expect == "pass" else bool(v["ok"]) or bool(checks_failed)
+        verdicts[f"k3_{control}_{name}"] = {"expect": expect, "ok": ok,
+                                            "oracle_failed": v["failed"], "checks_failed": checks_failed,
+                                            "p50": v["abs_logprob_diff"]["p50"], "p90": v["abs_logprob_diff"]["p90"]}
+    entry: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1), "pinned_to_core": core,
+                             "verdicts": verdicts}
+    if errors:
+        entry["error"] = "\n---\n".join(errors)
+    entry["wrong"] = wrong(verdicts) + (["no JSON"] if errors else [])
+    return entry
+
+
 def run_controls(module: str, path: str, router: str, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     env = path_env(path, router)
@@ -211,6 +267,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--runs", default=",".join(ENGINE_RUNS), help=f"engine runs ({', '.join(ENGINE_RUNS)})")
     p.add_argument("--router", choices=("clustered", "random"), default="clustered")
     p.add_argument("--skip-controls", action="store_true", help="no planted-bug controls")
+    p.add_argument("--k3-controls", default=",".join(K3_CONTROLS),
+                   help=f"K3 controls run under each path and scheduling ({', '.join(K3_CONTROLS)}; '' for none)")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
     p.add_argument("--json", metavar="FILE", help="write every result there too")
     args = p.parse_args(argv)
@@ -239,6 +297,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                if c})
                 print(f"[{path}/{scheduling}] {name}: {len(entry['verdicts'])} verdicts, {near} near-ties excused, "
                       f"kernels {libs}, wrong: {entry['wrong'] or 'none'} ({entry['seconds']} s)", flush=True)
+            for control in [c for c in args.k3_controls.split(",") if c]:
+                entry = run_k3_control(control, path, scheduling, args.router, args.timeout)
+                results["engine"][f"{path}/{scheduling}/k3_{control}"] = entry
+                print(f"[{path}/{scheduling}] K3 control {control}: "
+                      f"{ {k: v['oracle_failed'] for k, v in entry['verdicts'].items()} }, wrong: "
+                      f"{entry['wrong'] or 'none'} ({entry['seconds']} s)", flush=True)
     bad = {k: v["wrong"] for group in ("engine", "controls") for k, v in results[group].items() if v["wrong"]}
     results["wrong"] = bad
     results["seconds"] = round(time.monotonic() - started, 1)
