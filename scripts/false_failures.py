@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """How often a correct engine fails the oracle: every engine verdict under every CPU code path and scheduling.
 
-Not part of ``make test`` (about 9 minutes per code path and scheduling on 2 cores). For each CPU code path the
-machine can select and each scheduling, it runs the engine verdicts ``make test`` runs, as the tests run them:
+Not part of ``make test`` (on 2 cores, per code path and scheduling: the four ``--reload`` runs 6 minutes alone,
+9 slowed; the push runs, the K3 run and K3's controls 9 minutes slowed). For each CPU code path the machine can
+select and each scheduling, it runs the engine verdicts ``make test`` runs, as the tests run them:
 
 * ``make demo`` (``vllm-demo --reload``: single process, DP=2 sharded, DP=2 replicated, the in-place update to B
   and back, each judged by the oracle);
