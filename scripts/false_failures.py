@@ -171,16 +171,19 @@ class BusyLoop:
             self.proc.wait()
 
 
-def slow_core() -> int:
-    """The core the ``slow`` scheduling pins a run and its busy loop to."""
-    return min(os.sched_getaffinity(0))
+def pinning(scheduling: str) -> tuple[Optional[int], Any]:
+    """``(core, preexec_fn)``: under ``slow``, the core a run and its busy loop are pinned to and the function
+    that pins a started process there (every process the run starts inherits it: vLLM's DP ranks then bind to
+    that one core); ``(None, None)`` otherwise."""
+    if scheduling != "slow":
+        return None, None
+    core = min(os.sched_getaffinity(0))
+    return core, lambda: os.sched_setaffinity(0, {core})
 
 
 def run_engine(name: str, path: str, scheduling: str, router: str, timeout: float) -> dict[str, Any]:
     cmd = [ENGINE_PY, "-m", "moonep_ep.cli.main", "vllm-demo", *ENGINE_RUNS[name]]
-    core = slow_core() if scheduling == "slow" else None
-    # Every process the run starts inherits the affinity (vLLM's DP ranks then bind to that one core).
-    pinned = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+    core, pinned = pinning(scheduling)
     if name == "int4":  # the README's negative control of the engine's verdict, as the test runs it
         build = subprocess.run([ENGINE_PY, "-c", "import json; from moonep_ep.tools.checkpoints.tiny_quantized "
                                 "import build_tiny_quantized as b, corrupt; print(json.dumps(corrupt("
@@ -212,8 +215,7 @@ def run_k3_control(control: str, path: str, scheduling: str, router: str, timeou
     planted = _json(build.stdout)
     if not planted:
         return {"seconds": 0.0, "rc": build.returncode, "verdicts": {}, "error": build.stderr, "wrong": ["no JSON"]}
-    core = slow_core() if scheduling == "slow" else None
-    pinned = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+    core, pinned = pinning(scheduling)
     t0 = time.monotonic()
     verdicts: dict[str, Any] = {}
     errors = []

@@ -152,10 +152,10 @@ def attach_served_routing(requests: list[dict[str, Any]], directory: str) -> int
 def excused_divergences(verdict: dict[str, Any]) -> str:
     """One line of what the oracle excused and why: each routing near-tie with its margins, or none; the
     divergences it did not explain are in ``verdict["unexplained"]``."""
+    from moonep_ep.tools.engine.near_ties import describe
+
     ties = verdict.get("near_ties") or []
-    named = "; ".join(f"sequence {n['sequence']} position {n['position']}: gap {n['gap']}, "
-                      f"{n['routing_differences']} engine choice(s) differ, largest margin {n['largest_margin']} <= "
-                      f"{n['margin_bound']:.5f}, forced gap {n['forced_gap']} |d| {n['forced_delta']}" for n in ties)
+    named = " / ".join(describe(n) for n in ties)
     why_not = sorted({u["why_not"].split(" (")[0] for u in verdict.get("unexplained") or [] if u.get("why_not")})
     return (f"{verdict['divergences']} divergence(s), {len(ties)} excused as routing near-ties"
             + (f" ({named})" if ties else "")

@@ -106,6 +106,8 @@ def _mib(n: Any) -> str:
 
 
 def format_report(s: dict[str, Any]) -> str:
+    from ..tools.engine.near_ties import describe as describe_near_tie
+
     m = s["model"]
     lines = [f"{s['engine']} on {s['device']}, model {m['name']} ({m.get('architecture')}: E={m.get('experts')} "
              f"top-{m.get('top_k')}, {m.get('moe_layers')} MoE layers, H={m.get('hidden')}, "
@@ -163,9 +165,6 @@ def format_report(s: dict[str, Any]) -> str:
     for name, run in s["runs"].items():
         v = run["oracle"]["float32"]
         for n in v.get("near_ties") or []:  # excused from the gap / abs_max gates, by measurement
-            lines.append(f"{name}: routing near-tie at sequence {n['sequence']} position {n['position']}: gap "
-                         f"{n['gap']} nats; {n['routing_differences']} engine choice(s) differ, largest margin "
-                         f"{n['largest_margin']} <= {n['margin_bound']:.5f}; forced onto them the oracle agrees "
-                         f"(gap {n['forced_gap']}, |d| {n['forced_delta']})")
+            lines.append(f"{name}: routing near-tie at {describe_near_tie(n)}")
     lines += [f"deviating runs: {s['deviating_runs'] or 'none'}", f"ok: {s['ok']}"]
     return "\n".join(lines)

@@ -43,7 +43,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-__all__ = ["NearTieRule", "NEAR_TIE_RULE", "ForcedRouting", "explain", "routing_for_sequence", "attach_routing"]
+__all__ = ["NearTieRule", "NEAR_TIE_RULE", "ForcedRouting", "explain", "routing_for_sequence", "attach_routing",
+           "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +221,14 @@ def explain(oracle: Any, sequence: dict[str, Any], positions: Sequence[int], rul
                                          "margin": round(m, 5)} for r, layer, o, u, m in flips[:3]],
                   **({"why_not": "; ".join(reasons)} if reasons else {})}
     return out
+
+
+def describe(near_tie: dict[str, Any]) -> str:
+    """One excused position of a verdict's ``near_ties``, with its margins and the forced agreement, in words."""
+    n = near_tie
+    return (f"sequence {n['sequence']} position {n['position']}: gap {n['gap']} nats; {n['routing_differences']} "
+            f"engine choice(s) differ, largest margin {n['largest_margin']} <= {n['margin_bound']:.5f}; forced onto "
+            f"them the oracle agrees (gap {n['forced_gap']}, |d| {n['forced_delta']})")
 
 
 def attach_routing(payload: Any, records: dict[str, dict[int, tuple[int, dict[int, tuple[int, ...]]]]]) -> int:
